@@ -1,0 +1,111 @@
+"""The engine's public request/response types: what `q3tts synth`, the Triton glue and perf scripts pass in.
+
+Nothing here knows Triton or torch devices. `VoiceSpec` says who speaks and how text is fed,
+`SamplingParams` how codes are drawn, `StepOutput` what one `Engine.step()` produced for one sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+TEXT_MODES = ("whole", "incremental")
+
+
+class EngineError(Exception):
+    """Base of every error the engine reports for one request; its text names the problem."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """The request can never be served as given (unknown speaker, missing reference, bad parameter)."""
+
+
+class AdmissionRejected(EngineError):
+    """The request was refused by admission control: it can never fit, or the wait queue is full."""
+
+
+class UnknownSequence(EngineError, KeyError):
+    """An operation named a sequence id the engine does not hold."""
+
+
+@dataclass(frozen=True)
+class VoiceSpec:
+    """Who speaks, and how the text is fed to the talker.
+
+    CustomVoice: `speaker` (+ `language`, `instruct` on 1.7B). VoiceDesign: `instruct` = the voice
+    description. Base: `ref_codes` [F, 16] + `ref_text` (ICL) and/or `xvector` [H]; `xvector_only`
+    drops the ICL part. `ref_audio` (mono float32, `ref_sample_rate`) is encoded by the engine into
+    `ref_codes`/`xvector` when those are absent. `text_mode` None = the variant's reference default
+    (whole for CustomVoice/VoiceDesign, incremental for Base).
+    """
+
+    speaker: str | None = None
+    language: str = "auto"
+    instruct: str | None = None
+    ref_text: str | None = None
+    ref_codes: np.ndarray | None = None
+    xvector: np.ndarray | None = None
+    ref_audio: np.ndarray | None = None
+    ref_sample_rate: int = 24000
+    xvector_only: bool = False
+    text_mode: str | None = None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How codes are drawn. Defaults = the released generation_config.json (spec a.7).
+
+    `greedy=True` means argmax for both the talker and the code predictor (parity tests).
+    `seed` selects the sequence's uniform stream: the same seed gives the same audio, batched or alone.
+    `max_frames` caps the number of frames produced (EOS may end earlier).
+    """
+
+    greedy: bool = False
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    subtalker_greedy: bool | None = None  # None = same as `greedy`
+    subtalker_temperature: float = 0.9
+    subtalker_top_k: int = 50
+    subtalker_top_p: float = 1.0
+    seed: int = 0
+    max_frames: int = 8191
+
+    @property
+    def cp_greedy(self) -> bool:
+        return self.greedy if self.subtalker_greedy is None else self.subtalker_greedy
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming the first bad field."""
+        if self.temperature <= 0 and not self.greedy:
+            raise InvalidRequest(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_frames < 1:
+            raise InvalidRequest(f"max_frames must be >= 1, got {self.max_frames}")
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one sequence.
+
+    `codes` [n, 16] int64 and `pcm` [n * 1920] float32 (24 kHz) are the frames made this step
+    (n is 0 or 1 in steady state). `finished` is set exactly once per sequence, on its last output;
+    `error` (with `finished`) says why a sequence ended abnormally. `reason` is one of
+    'eos', 'max_frames', 'aborted', 'error' when finished.
+    """
+
+    seq_id: Any
+    codes: np.ndarray
+    pcm: np.ndarray
+    finished: bool = False
+    reason: str | None = None
+    error: str | None = None
+    stats: dict[str, float] = field(default_factory=dict)

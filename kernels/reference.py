@@ -1,0 +1,68 @@
+"""Torch references for every kernel in `q3tts.kernels`: the CPU path and the tests' ground truth.
+
+Numerics follow the official model (spec h): RMSNorm statistics in fp32, result cast to the input
+dtype before the weight multiply; softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim. x: [..., D], weight: [D] -> [..., D] in x.dtype."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate_half RoPE. x: [T, H, D]; cos, sin: [T, D] (cat(freqs, freqs) layout) -> [T, H, D]."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values into a paged cache, skipping slot -1 (padding rows).
+
+    k, v: [N, KVH, D]; k_cache, v_cache: [num_pages, page_size, KVH, D]; slot_mapping: [N] int
+    (slot = page * page_size + offset).
+    """
+    page_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    del page_size
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """One query token per sequence attending over its paged context (GQA).
+
+    q: [B, NH, D]; k_cache, v_cache: [num_pages, page_size, KVH, D]; block_tables: [B, max_pages] int
+    (page ids, unused entries any valid id); context_lens: [B] int (keys visible, incl. the new one).
+    Returns [B, NH, D] in q.dtype. Rows with context_len 0 return zeros.
+    """
+    bsz, num_heads, head_dim = q.shape
+    page_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    max_pages = block_tables.shape[1]
+    # [B, max_pages * page_size, KVH, D]
+    keys = k_cache[block_tables.long()].reshape(bsz, max_pages * page_size, num_kv, head_dim)
+    values = v_cache[block_tables.long()].reshape(bsz, max_pages * page_size, num_kv, head_dim)
+    group = num_heads // num_kv
+    keys = keys.repeat_interleave(group, dim=2)  # [B, S, NH, D]
+    values = values.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bhd,bshd->bhs", q.float(), keys.float()) * scale  # [B, NH, S]
+    pos = torch.arange(keys.shape[1], device=q.device)
+    mask = pos[None, :] < context_lens[:, None].long()  # [B, S]
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhs,bshd->bhd", probs, values.float())
+    return out.to(q.dtype)
