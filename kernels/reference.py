@@ -33,12 +33,10 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     k, v: [N, KVH, D]; k_cache, v_cache: [num_pages, page_size, KVH, D]; slot_mapping: [N] int
     (slot = page * page_size + offset).
     """
-    page_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
-    del page_size
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
