@@ -1,0 +1,113 @@
+"""`EngineConfig`: the one frozen object every engine part is built from.
+
+Built at the edge (synth CLI, Triton `initialize`, bench) and validated in `__post_init__`. Values
+that depend on the model or the device (the page count when only a memory fraction is given) are
+filled into a copy made with `dataclasses.replace` by `resolve()`; nothing writes to a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+KV_POLICIES = ("reserve", "on_demand")
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizing and policy.
+
+    page_size            talker KV tokens per page
+    num_pages            KV pages in the pool (None: derived from `kv_memory_fraction` by `resolve`)
+    kv_memory_fraction   share of free device memory given to the KV pool when `num_pages` is None
+    max_slots            sequences running at once (= state slots, = largest decode batch)
+    max_queue            admitted-but-waiting sequences; one more is rejected with AdmissionRejected
+    max_prompt_tokens    prefill rows of one prompt (and text tokens of one request) at most
+    max_frames           engine-wide cap on frames per sequence (SamplingParams.max_frames is clipped)
+    kv_policy            'reserve': a sequence gets pages for prompt + max_frames at admission, so a
+                         running sequence never runs out; 'on_demand': pages are taken as frames are
+                         made and, if the pool runs dry, the newest running sequence is aborted with
+                         reason 'error' (see scheduler.Scheduler.grow)
+    graph_batch_sizes    decode batch buckets captured as CUDA graphs (padded up to the next bucket)
+    dtype, device        model dtype and torch device
+    use_cuda_graphs      capture/replay the decode step on CUDA (ignored on CPU: eager there)
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_memory_fraction: float = 0.5
+    max_slots: int = 64
+    max_queue: int = 256
+    max_prompt_tokens: int = 2048
+    max_frames: int = 8192
+    kv_policy: str = "on_demand"
+    graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    use_cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"EngineConfig: {msg}")
+
+        need(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        need(self.num_pages is None or self.num_pages >= 1, f"num_pages must be >= 1, got {self.num_pages}")
+        need(0 < self.kv_memory_fraction <= 1, f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        need(self.max_slots >= 1, f"max_slots must be >= 1, got {self.max_slots}")
+        need(self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}")
+        need(self.max_prompt_tokens >= 1, f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        need(self.max_frames >= 1, f"max_frames must be >= 1, got {self.max_frames}")
+        need(self.kv_policy in KV_POLICIES, f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
+        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        bs = self.graph_batch_sizes
+        need(isinstance(bs, tuple) and len(bs) > 0, "graph_batch_sizes must be a non-empty tuple")
+        need(all(isinstance(b, int) and b >= 1 for b in bs), f"graph_batch_sizes must be ints >= 1, got {bs}")
+        need(list(bs) == sorted(set(bs)), f"graph_batch_sizes must be strictly increasing, got {bs}")
+
+    # --- derived values ---------------------------------------------------------------------------
+
+    @property
+    def max_graph_batch(self) -> int:
+        """Largest decode batch a graph serves: the first bucket >= max_slots, else the largest."""
+        return self.bucket_for(self.max_slots) or self.graph_batch_sizes[-1]
+
+    def bucket_for(self, batch: int) -> int | None:
+        """Smallest captured bucket holding `batch` rows, None if the batch is larger than all."""
+        return next((b for b in self.graph_batch_sizes if b >= batch), None)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def resolve(self, bytes_per_page: int, free_bytes: int | None) -> EngineConfig:
+        """Copy with `num_pages` filled in (from the memory fraction when it was None)."""
+        if self.num_pages is not None:
+            return self
+        if free_bytes is None:  # CPU: no device budget to split; enough for max_slots full sequences
+            pages = self.max_slots * self.pages_for(self.max_prompt_tokens + self.max_frames)
+        else:
+            pages = int(free_bytes * self.kv_memory_fraction) // bytes_per_page
+        if pages < 1:
+            raise ValueError(f"EngineConfig: KV memory budget gives no page ({free_bytes} B free, "
+                             f"{bytes_per_page} B/page, fraction {self.kv_memory_fraction})")
+        return dataclasses.replace(self, num_pages=pages)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"EngineConfig: unknown fields {unknown}")
+        d = dict(d)
+        if "graph_batch_sizes" in d:
+            d["graph_batch_sizes"] = tuple(d["graph_batch_sizes"])
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> EngineConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))

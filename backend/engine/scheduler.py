@@ -1,0 +1,143 @@
+"""Admission control and per-step batch selection (torch-free).
+
+Policy, in the order `schedule()` applies it each step:
+
+1. Admission (`add`): a request whose prompt is longer than `max_prompt_tokens`, or whose prompt +
+   `max_frames` tokens need more pages than the whole pool, can never run: AdmissionRejected at
+   once. Otherwise it joins the FIFO wait queue; a full queue (`max_queue`) rejects.
+2. Start: waiting sequences are started in arrival order while a slot and pages are free. A sequence
+   that cannot be prefilled yet (whole mode before end_text, incremental mode before its first token)
+   is skipped, not waited on; one that does not fit stops admission (no overtaking by smaller ones).
+   Pages taken at start: 'reserve' policy = prompt + max_frames (promised, taken as used);
+   'on_demand' = prompt + the first frame.
+3. Decode: every running sequence whose next trailing text is known steps; one whose text ran out
+   before end_text waits in its slot (keeps its pages, does not step) and holds nobody back.
+4. Page growth (`on_demand`): before the step, each stepping sequence's lease is grown to cover the
+   token it writes. If the pool is dry, the newest running sequence (latest arrival) is aborted with
+   reason 'error' ("KV pool exhausted ..."), its pages freed, and growth retried; if the newest is the
+   one that needs the page, it is the one aborted. Older sequences therefore always finish.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Hashable
+
+from .api import AdmissionRejected
+from .config import EngineConfig
+from .kv_pool import KVPool, OutOfPages
+from .sequence import Sequence, Status
+from .slots import SlotPool
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        assert config.num_pages is not None, "EngineConfig.resolve() first"
+        self.config = config
+        self.kv = KVPool(config.num_pages, config.page_size)
+        self.slots = SlotPool(config.max_slots)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[Hashable, Sequence] = {}
+
+    # --- admission --------------------------------------------------------------------------------
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Reject a sequence that can never run (its prompt length must be known)."""
+        cfg = self.config
+        if seq.prompt_len > cfg.max_prompt_tokens:
+            raise AdmissionRejected(f"prompt of {seq.prompt_len} tokens exceeds max_prompt_tokens="
+                                    f"{cfg.max_prompt_tokens}")
+        need = self.kv.pages_for(seq.prompt_len + seq.max_frames)
+        if need > self.kv.num_pages:
+            raise AdmissionRejected(
+                f"prompt ({seq.prompt_len} tokens) + max_frames ({seq.max_frames}) needs {need} KV pages "
+                f"of {cfg.page_size} tokens, the pool has {self.kv.num_pages}; lower max_frames")
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.config.max_queue:
+            raise AdmissionRejected(f"wait queue full ({self.config.max_queue} sequences waiting)")
+        self.check_fits(seq)
+        self.waiting.append(seq)
+        self.seqs[seq.seq_id] = seq
+
+    # --- per step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+        """Returns (newly started = to prefill, to decode this step, aborted for lack of pages)."""
+        started = self._start_waiting()
+        decode = [s for s in self.running if s.is_decodable]
+        decode, victims = self._grow(decode)  # 'reserve': draws on the promise, never aborts
+        return started, decode, victims
+
+    def _start_waiting(self) -> list[Sequence]:
+        started: list[Sequence] = []
+        for seq in list(self.waiting):
+            if not seq.is_prefillable:
+                continue
+            if not self._try_start(seq):
+                break
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            started.append(seq)
+        return started
+
+    def _try_start(self, seq: Sequence) -> bool:
+        if self.slots.num_free == 0:
+            return False
+        first = seq.prompt_len + 1  # prompt + the token the first decode step writes
+        reserve = seq.prompt_len + seq.max_frames if self.config.kv_policy == "reserve" else 0
+        try:
+            self.kv.open(seq.seq_id, first, reserve_tokens=reserve)
+        except OutOfPages:
+            return False
+        seq.slot = self.slots.acquire(seq.seq_id)
+        seq.status = Status.RUNNING
+        return True
+
+    def _grow(self, decode: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        victims: list[Sequence] = []
+        for seq in sorted(decode, key=lambda s: s.arrival):
+            while seq.status is Status.RUNNING:
+                try:
+                    self.kv.grow(seq.seq_id, seq.num_tokens)
+                    break
+                except OutOfPages:
+                    assert self.config.kv_policy == "on_demand", "reserved lease ran dry"
+                    victim = max(self.running, key=lambda s: s.arrival)
+                    self.finish(victim, "error", f"KV pool exhausted ({self.kv.num_pages} pages of "
+                                f"{self.config.page_size} tokens): newest sequence aborted")
+                    victims.append(victim)
+        return [s for s in decode if s.status is Status.RUNNING], victims
+
+    # --- completion -------------------------------------------------------------------------------
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Return the sequence's pages and slot (idempotent); it stays known until `forget`."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.kv.close(seq.seq_id)
+            self.slots.release(seq.slot)
+        else:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason, seq.error = reason, error
+
+    def forget(self, seq: Sequence) -> None:
+        self.seqs.pop(seq.seq_id, None)
+
+    # --- introspection ----------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        self.slots.check_integrity()
+        holders = {s.seq_id for s in self.running}
+        if set(self.kv.leases) != holders or set(self.slots.owner.values()) != holders:
+            raise RuntimeError(f"Scheduler integrity check failed: running {sorted(map(str, holders))}, "
+                               f"leases {sorted(map(str, self.kv.leases))}, "
+                               f"slots {sorted(map(str, self.slots.owner.values()))}")

@@ -1,0 +1,176 @@
+"""CPU unit tests (no checkpoint): EngineConfig, KVPool, SlotPool, Scheduler, TextStream."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from q3tts.engine.api import AdmissionRejected, SamplingParams, VoiceSpec
+from q3tts.engine.config import EngineConfig
+from q3tts.engine.kv_pool import KVPool, OutOfPages
+from q3tts.engine.scheduler import Scheduler
+from q3tts.engine.sequence import Sequence, Status
+from q3tts.engine.slots import SlotPool
+
+
+def cfg(**kw) -> EngineConfig:
+    base = dict(page_size=4, num_pages=16, max_slots=3, max_queue=4, max_prompt_tokens=32,
+                max_frames=40, device="cpu", dtype="float32", use_cuda_graphs=False)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def seq(sid, prompt_len=5, max_frames=10, mode="whole", done=True) -> Sequence:
+    s = Sequence(sid, VoiceSpec(speaker="x"), SamplingParams(), text_mode=mode, max_frames=max_frames,
+                 prompt_len=prompt_len, text_done=done)
+    if mode == "incremental":
+        s.text_ids = [1]
+    return s
+
+
+# --- config ---------------------------------------------------------------------------------------
+
+def test_config_validates_and_derives():
+    with pytest.raises(ValueError, match="page_size"):
+        EngineConfig(page_size=0)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        EngineConfig(graph_batch_sizes=(4, 2))
+    with pytest.raises(ValueError, match="kv_policy"):
+        EngineConfig(kv_policy="x")
+    c = EngineConfig(max_slots=5, graph_batch_sizes=(1, 2, 4, 8))
+    assert c.bucket_for(3) == 4 and c.bucket_for(9) is None and c.max_graph_batch == 8
+    r = c.resolve(bytes_per_page=100, free_bytes=10_000)
+    assert r.num_pages == 50 and c.num_pages is None  # copy, original untouched
+    assert dataclasses.replace(r, num_pages=7).num_pages == 7
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.page_size = 3  # type: ignore[misc]
+    assert EngineConfig.from_dict({"graph_batch_sizes": [1, 2]}).graph_batch_sizes == (1, 2)
+
+
+# --- KV pool --------------------------------------------------------------------------------------
+
+def test_kv_pool_lease_grow_close_and_integrity():
+    kv = KVPool(num_pages=6, page_size=4)
+    kv.open("a", 5)                       # 2 pages
+    kv.open("b", 1, reserve_tokens=12)    # 1 page + 2 promised
+    assert kv.num_used == 3 and kv.num_free == 1
+    with pytest.raises(OutOfPages):
+        kv.open("c", 8)
+    kv.grow("b", 12)                      # from the promise: nothing new needed from the free pool
+    assert kv.num_free == 1 and len(kv.pages("b")) == 3 and kv.leases["b"].reserved == 0
+    kv.grow("a", 12)
+    assert kv.num_free == 0
+    with pytest.raises(OutOfPages):
+        kv.grow("a", 13)
+    kv.check_integrity()
+    assert kv.close("a") == 3 and kv.close("b") == 3
+    assert kv.num_free == 6 and not kv.leases
+    kv.check_integrity()
+    kv.free_page_ids.append(0)  # corrupt: a duplicate
+    with pytest.raises(RuntimeError, match="integrity"):
+        kv.check_integrity()
+
+
+def test_slot_pool():
+    sp = SlotPool(2)
+    assert sp.acquire("a") == 0 and sp.acquire("b") == 1 and sp.dummy_slot == 2
+    with pytest.raises(RuntimeError):
+        sp.acquire("c")
+    sp.release(0)
+    assert sp.acquire("c") == 0
+    sp.check_integrity()
+
+
+# --- scheduler ------------------------------------------------------------------------------------
+
+def test_never_fits_and_queue_bound():
+    sch = Scheduler(cfg())
+    with pytest.raises(AdmissionRejected, match="max_prompt_tokens"):
+        sch.add(seq("long", prompt_len=33))
+    with pytest.raises(AdmissionRejected, match="KV pages"):
+        sch.add(seq("big", prompt_len=30, max_frames=40))  # 70 tokens = 18 pages > 16
+    for i in range(4):
+        sch.add(seq(i))
+    with pytest.raises(AdmissionRejected, match="queue full"):
+        sch.add(seq(99))
+    started, decode, victims = sch.schedule()
+    assert [s.seq_id for s in started] == [0, 1, 2] and decode == started and not victims
+    assert len(sch.waiting) == 1
+    sch.add(seq(5))  # the queue has room again
+    sch.check_integrity()
+
+
+def test_finish_returns_everything():
+    sch = Scheduler(cfg())
+    for i in range(3):
+        sch.add(seq(i))
+    sch.schedule()
+    for s in list(sch.running):
+        sch.finish(s, "eos")
+    sch.check_integrity()
+    assert sch.kv.num_free == 16 and sch.slots.num_free == 3 and not sch.has_work()
+
+
+def test_text_starved_sequence_waits_without_blocking_others():
+    sch = Scheduler(cfg())
+    inc = seq("inc", mode="incremental", done=False)  # T0 only: no trailing text yet
+    sch.add(inc)
+    sch.add(seq("w"))
+    started, decode, _ = sch.schedule()
+    assert {s.seq_id for s in started} == {"inc", "w"}
+    assert [s.seq_id for s in decode] == ["w"]
+    inc.text_ids.append(7)  # T1 arrives: frame 0 can be made
+    _, decode, _ = sch.schedule()
+    assert {s.seq_id for s in decode} == {"inc", "w"}
+    # not-yet-prefillable sequences (no text at all) are skipped, not waited on
+    empty = seq("empty", mode="incremental", done=False)
+    empty.text_ids = []
+    sch.add(empty)
+    sch.add(seq("after"))
+    started, _, _ = sch.schedule()
+    assert [s.seq_id for s in started] == ["after"]
+
+
+def test_reserve_policy_promises_pages():
+    sch = Scheduler(cfg(kv_policy="reserve"))
+    sch.add(seq("a", prompt_len=5, max_frames=35))   # 40 tokens = 10 pages promised
+    sch.add(seq("b", prompt_len=5, max_frames=35))   # does not fit next to a
+    started, _, _ = sch.schedule()
+    assert [s.seq_id for s in started] == ["a"] and sch.kv.num_free == 6
+    a = started[0]
+    for t in range(35):  # a runs to max_frames without ever needing a free page
+        a.num_frames = t
+        _, decode, victims = sch.schedule()
+        assert decode == [a] and not victims
+    assert len(sch.kv.pages("a")) == 10
+    sch.finish(a, "max_frames")
+    started, _, _ = sch.schedule()
+    assert [s.seq_id for s in started] == ["b"]
+    sch.check_integrity()
+
+
+def test_on_demand_exhaustion_aborts_newest():
+    sch = Scheduler(cfg(num_pages=6))
+    a, b = seq("a", prompt_len=3, max_frames=20), seq("b", prompt_len=3, max_frames=20)
+    sch.add(a)
+    sch.add(b)
+    sch.schedule()  # each holds 1 page (prompt 3 + 1 token)
+    victims = []
+    for t in range(1, 20):
+        for s in sch.running:
+            s.num_frames = t
+        _, decode, v = sch.schedule()
+        victims += v
+        if v:
+            break
+    assert [s.seq_id for s in victims] == ["b"]
+    assert b.status is Status.FINISHED and b.finish_reason == "error" and "KV pool exhausted" in b.error
+    assert a.status is Status.RUNNING and decode == [a]
+    sch.check_integrity()
+    for t in range(a.num_frames + 1, 20):
+        a.num_frames = t
+        _, decode, v = sch.schedule()
+        assert decode == [a] and not v  # a alone fits: 3 + 20 tokens = 6 pages
+    sch.finish(a, "max_frames")
+    assert sch.kv.num_free == 6
