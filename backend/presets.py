@@ -102,10 +102,10 @@ _CODEC_DECODER = {
 _CODEC_ENCODER = {
     "full": {"hidden_size": 512, "num_filters": 64, "codebook_dim": 256, "num_hidden_layers": 8,
              "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2048,
-             "vector_quantization_hidden_dimension": 256},
+             "vector_quantization_hidden_dimension": 256, "upsample_groups": 512},
     "tiny": {"hidden_size": 32, "num_filters": 4, "codebook_dim": 16, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8, "intermediate_size": 64,
-             "vector_quantization_hidden_dimension": 16},
+             "vector_quantization_hidden_dimension": 16, "upsample_groups": 32},
 }
 
 
@@ -125,7 +125,7 @@ def codec_config_dict(scale: str) -> dict[str, Any]:
         "residual_kernel_size": 3, "dilation_growth_rate": 2, "compress": 2, "use_causal_conv": True,
         "pad_mode": "constant", "trim_right_ratio": 1.0, "use_conv_shortcut": False,
         "codebook_size": 2048, "num_quantizers": 32, "num_semantic_quantizers": 1,
-        "upsample_groups": 512, "hidden_act": "gelu", "max_position_embeddings": 8000,
+        "hidden_act": "gelu", "max_position_embeddings": 8000,
         "initializer_range": 0.02, "norm_eps": 1e-5, "use_cache": False, "rope_theta": 10000.0,
         "sliding_window": 250, "attention_dropout": 0.0, "layer_scale_initial_scale": 0.01,
         "attention_bias": False, "model_type": "mimi", **_CODEC_ENCODER[scale],

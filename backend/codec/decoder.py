@@ -1,0 +1,262 @@
+"""The 12 Hz codec decoder (spec e): codes [B, 16, T] -> 24 kHz pcm [B, T·1920].
+
+`CodecDecoder` is an nn.Module whose state_dict names are the released `decoder.*` keys without the
+prefix. Its one compute path, `forward_chunk(codes, states)`, decodes T new frames given the per-stream
+state of everything before them (spec e.2); `decode` is that path with zero state (= the reference's
+single full pass, which the reference uses for up to 300 frames). `StreamingDecoder` (streaming.py)
+keeps the states of many streams in a preallocated pool.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import CodecConfig, CodecDecoderConfig
+from .layers import (CausalConv1d, CausalTransConv1d, LayerScale, RMSNorm, SnakeBeta, StateSpec, States,
+                     apply_rope, rope_cos_sin, sliding_window_attention)
+
+
+class Codebook(nn.Module):
+    """RVQ codebook: entry = embedding_sum / clamp(cluster_usage, 1e-5)."""
+
+    def __init__(self, dim: int, size: int) -> None:
+        super().__init__()
+        self.cluster_usage = nn.Parameter(torch.ones(size))
+        self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
+
+    def table(self) -> Tensor:  # [size, dim], in the parameter dtype
+        return self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
+
+
+class _VQLayer(nn.Module):
+    def __init__(self, dim: int, size: int) -> None:
+        super().__init__()
+        self._codebook = Codebook(dim, size)
+
+
+class _VQStack(nn.Module):
+    def __init__(self, n: int, dim: int, size: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_VQLayer(dim, size) for _ in range(n))
+
+
+class ResidualVQ(nn.Module):
+    """Sum of codebook entries of `n` quantizers, projected by a 1×1 conv (dim -> out_dim)."""
+
+    def __init__(self, n: int, dim: int, out_dim: int, size: int) -> None:
+        super().__init__()
+        self.input_proj = nn.Conv1d(out_dim, dim, 1, bias=False)  # encoder side only; kept for the layout
+        self.output_proj = nn.Conv1d(dim, out_dim, 1, bias=False)
+        self.vq = _VQStack(n, dim, size)
+
+    def forward(self, codes: Tensor) -> Tensor:  # [B, n, T] -> [B, out_dim, T]
+        total = None
+        for g, layer in enumerate(self.vq.layers):
+            emb = F.embedding(codes[:, g], layer._codebook.table())  # [B, T, dim]
+            total = emb if total is None else total + emb
+        return self.output_proj(total.transpose(1, 2))
+
+
+class SplitRVQ(nn.Module):
+    """Codebook 0 (semantic, `rvq_first`) plus codebooks 1..n-1 (`rvq_rest`), summed (spec e #1-2)."""
+
+    def __init__(self, cfg: CodecDecoderConfig) -> None:
+        super().__init__()
+        dim, out = cfg.codebook_dim // 2, cfg.codebook_dim
+        self.rvq_first = ResidualVQ(1, dim, out, cfg.codebook_size)
+        self.rvq_rest = ResidualVQ(cfg.num_quantizers - 1, dim, out, cfg.codebook_size)
+
+    def forward(self, codes: Tensor) -> Tensor:  # [B, 16, T] -> [B, codebook_dim, T]
+        return self.rvq_first(codes[:, :1]) + self.rvq_rest(codes[:, 1:])
+
+
+class Attention(nn.Module):
+    """MHA (no bias, no QK-norm), RoPE, causal sliding window; streams keep the last window-1 K/V."""
+
+    def __init__(self, spec: StateSpec, cfg: CodecDecoderConfig) -> None:
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+        self.heads, self.kv_heads, self.head_dim = nh, nkv, hd
+        self.past = cfg.sliding_window - 1
+        self.k_state = spec.add((self.past, nkv, hd))
+        self.v_state = spec.add((self.past, nkv, hd))
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], q_pos: Tensor, k_pos: Tensor,
+                states: States) -> Tensor:  # [B, T, h]
+        b, t, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(b, t, self.heads, self.head_dim), *rope)
+        k = apply_rope(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim), *rope)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        k = torch.cat([states[self.k_state], k], dim=1)  # [B, past + T, KVH, D]
+        v = torch.cat([states[self.v_state], v], dim=1)
+        states[self.k_state], states[self.v_state] = k[:, -self.past:], v[:, -self.past:]
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=2)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=2)
+        out = sliding_window_attention(q, k, v, q_pos, k_pos, self.past + 1)  # [B, T, H, D]
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+class Mlp(nn.Module):
+    """SwiGLU MLP."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm layer with LayerScale on both residual branches."""
+
+    def __init__(self, spec: StateSpec, cfg: CodecDecoderConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.self_attn = Attention(spec, cfg)
+        self.mlp = Mlp(h, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn_layer_scale = LayerScale(h, cfg.layer_scale_initial_scale)
+        self.mlp_layer_scale = LayerScale(h, cfg.layer_scale_initial_scale)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], q_pos: Tensor, k_pos: Tensor,
+                states: States) -> Tensor:
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), rope, q_pos, k_pos, states))
+        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+
+
+class Transformer(nn.Module):
+    """`pre_transformer`: input_proj -> layers -> norm -> output_proj; state includes the frame counter."""
+
+    def __init__(self, spec: StateSpec, cfg: CodecDecoderConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(spec, cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
+        self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
+        self.head_dim, self.theta, self.past = cfg.head_dim, cfg.rope_theta, cfg.sliding_window - 1
+        self.pos_state = spec.add((), torch.int64)
+
+    def forward(self, x: Tensor, states: States) -> Tensor:  # [B, T, latent] -> [B, T, latent]
+        t = x.shape[1]
+        start = states[self.pos_state]  # [B] frames decoded so far
+        steps = torch.arange(t, device=x.device)
+        q_pos = start[:, None] + steps  # [B, T]
+        k_pos = torch.cat([start[:, None] - self.past + torch.arange(self.past, device=x.device), q_pos], 1)
+        states[self.pos_state] = start + t
+        x = self.input_proj(x)
+        rope = rope_cos_sin(q_pos, self.head_dim, self.theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, q_pos, k_pos, states)
+        return self.output_proj(self.norm(x))
+
+
+class ConvNeXtBlock(nn.Module):
+    """Causal depthwise conv k7 -> LayerNorm -> Linear ×4 -> GELU -> Linear -> ×gamma, residual."""
+
+    def __init__(self, spec: StateSpec, dim: int) -> None:
+        super().__init__()
+        self.dwconv = CausalConv1d(spec, dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: Tensor, states: States) -> Tensor:  # [B, C, T]
+        h = self.dwconv(x, states).transpose(1, 2)  # [B, T, C]
+        h = self.gamma * self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
+        return x + h.transpose(1, 2)
+
+
+class ResidualUnit(nn.Module):
+    """x + conv1x1(Snake(causal conv k7 dilated(Snake(x))))."""
+
+    def __init__(self, spec: StateSpec, dim: int, dilation: int) -> None:
+        super().__init__()
+        self.act1 = SnakeBeta(dim)
+        self.conv1 = CausalConv1d(spec, dim, dim, 7, dilation=dilation)
+        self.act2 = SnakeBeta(dim)
+        self.conv2 = CausalConv1d(spec, dim, dim, 1)
+
+    def forward(self, x: Tensor, states: States) -> Tensor:
+        return x + self.conv2(self.act2(self.conv1(self.act1(x), states)), states)
+
+
+class DecoderBlock(nn.Module):
+    """SnakeBeta -> causal ConvTranspose (×rate) -> ResidualUnits with dilations 1, 3, 9 (`block.*`)."""
+
+    def __init__(self, spec: StateSpec, c_in: int, c_out: int, rate: int) -> None:
+        super().__init__()
+        self.block = nn.ModuleList([SnakeBeta(c_in), CausalTransConv1d(spec, c_in, c_out, 2 * rate, rate),
+                                    *(ResidualUnit(spec, c_out, d) for d in (1, 3, 9))])
+
+    def forward(self, x: Tensor, states: States) -> Tensor:
+        x = self.block[0](x)
+        for layer in self.block[1:]:
+            x = layer(x, states)
+        return x
+
+
+class CodecDecoder(nn.Module):
+    """12 Hz codec decoder; state_dict names = released `decoder.*` keys minus the prefix."""
+
+    def __init__(self, cfg: CodecDecoderConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.spec = StateSpec()
+        spec, latent = self.spec, cfg.latent_dim
+        self.quantizer = SplitRVQ(cfg)
+        self.pre_conv = CausalConv1d(spec, cfg.codebook_dim, latent, 3)
+        self.pre_transformer = Transformer(spec, cfg)
+        self.upsample = nn.ModuleList(
+            nn.ModuleList([CausalTransConv1d(spec, latent, latent, r, r), ConvNeXtBlock(spec, latent)])
+            for r in cfg.upsampling_ratios)
+        dims = [cfg.decoder_dim // 2 ** i for i in range(len(cfg.upsample_rates) + 1)]
+        self.decoder = nn.ModuleList([
+            CausalConv1d(spec, latent, dims[0], 7),
+            *(DecoderBlock(spec, dims[i], dims[i + 1], r) for i, r in enumerate(cfg.upsample_rates)),
+            SnakeBeta(dims[-1]),
+            CausalConv1d(spec, dims[-1], 1, 7),
+        ])
+
+    @classmethod
+    def from_weights(cls, codec_config: CodecConfig | CodecDecoderConfig, weights: dict[str, Tensor],
+                     dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> CodecDecoder:
+        """Build from a codec config and its weights: `decoder.*` keys (speech_tokenizer/model.safetensors)
+        or the same names without the prefix. Strict: a missing or unexpected key raises."""
+        cfg = codec_config.decoder if isinstance(codec_config, CodecConfig) else codec_config
+        own = {k.removeprefix("decoder."): v for k, v in weights.items() if not k.startswith("encoder.")}
+        model = cls(cfg)
+        model.load_state_dict(own, strict=True)
+        return model.to(device=device, dtype=dtype).eval()
+
+    def zero_states(self, batch: int) -> States:
+        """Fresh per-stream state (all zeros = causal zero padding, frame counter 0) for `batch` streams."""
+        p = next(self.parameters())
+        return self.spec.zeros(batch, p.dtype, p.device)
+
+    def forward_chunk(self, codes: Tensor, states: States) -> Tensor:
+        """Decode T new frames per stream. codes [B, 16, T] (int64, >= 0) -> pcm [B, T·1920];
+        `states` (from `zero_states` or a previous call) is updated in place of the list."""
+        x = self.pre_conv(self.quantizer(codes), states)  # [B, latent, T]
+        x = self.pre_transformer(x.transpose(1, 2), states).transpose(1, 2)  # [B, latent, T]
+        for up, convnext in self.upsample:
+            x = convnext(up(x, states), states)  # [B, latent, T·r]
+        for layer in self.decoder:
+            x = layer(x) if isinstance(layer, SnakeBeta) else layer(x, states)
+        return x.clamp(-1.0, 1.0)[:, 0]  # [B, T·1920]
+
+    @torch.inference_mode()
+    def decode(self, codes: Tensor) -> Tensor:
+        """Full decode in one pass: codes [B, 16, T] (entries < 0 are read as 0) -> pcm [B, T·1920]."""
+        return self.forward_chunk(codes.clamp(min=0), self.zero_states(codes.shape[0]))

@@ -1,0 +1,145 @@
+"""Building blocks of the 12 Hz codec decoder, written as *chunk* operators over explicit state.
+
+Every stateful layer maps `(x, state) -> (y, new_state)` for a chunk of T new time steps, where
+`state` is exactly what the layer needs from the past (spec e.2). A full decode is one chunk with a
+zero state; a streaming decode is many chunks. States are plain tensors with a leading batch dim, kept
+in a flat list (`States`); each stateful layer owns one or more indices into it, assigned at build time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class StateSpec:
+    """Collects the per-stream state shapes of a model while it is being built."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[tuple[int, ...], torch.dtype | None]] = []
+
+    def add(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> int:
+        """Register one state tensor of `shape` (no batch dim); `dtype=None` means the model dtype."""
+        self.entries.append((tuple(shape), dtype))
+        return len(self.entries) - 1
+
+    def zeros(self, batch: int, dtype: torch.dtype, device: torch.device | str) -> list[Tensor]:
+        """Zero states (= causal zero padding) for `batch` streams."""
+        return [torch.zeros((batch, *shape), dtype=dt or dtype, device=device) for shape, dt in self.entries]
+
+
+States = list[Tensor]  # one tensor per StateSpec entry, each [B, ...]; updated in place of the list
+
+
+class CausalConv1d(nn.Module):
+    """Conv1d with left zero padding `(k-1)·d` (stride 1), streamed with a history of its input."""
+
+    def __init__(self, spec: StateSpec, c_in: int, c_out: int, kernel: int, dilation: int = 1,
+                 groups: int = 1) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(c_in, c_out, kernel, dilation=dilation, groups=groups)
+        self.history = (kernel - 1) * dilation
+        self.state = spec.add((c_in, self.history)) if self.history else -1
+
+    def forward(self, x: Tensor, states: States) -> Tensor:  # [B, C, T] -> [B, C', T]
+        if self.history == 0:
+            return self.conv(x)
+        full = torch.cat([states[self.state], x], dim=-1)  # [B, C, hist + T]
+        states[self.state] = full[..., -self.history:]
+        return self.conv(full)
+
+
+class CausalTransConv1d(nn.Module):
+    """ConvTranspose1d(k, s) with the last `k - s` samples trimmed (zero look-ahead).
+
+    With k = 2s, output block t depends on inputs t and t-1, so the state is the previous input sample.
+    With k = s there is no overlap and no state.
+    """
+
+    def __init__(self, spec: StateSpec, c_in: int, c_out: int, kernel: int, stride: int) -> None:
+        super().__init__()
+        if kernel not in (stride, 2 * stride):
+            raise ValueError(f"transposed conv needs kernel = stride or 2·stride, got {kernel}/{stride}")
+        self.conv = nn.ConvTranspose1d(c_in, c_out, kernel, stride=stride)
+        self.stride = stride
+        self.state = spec.add((c_in, 1)) if kernel == 2 * stride else -1
+
+    def forward(self, x: Tensor, states: States) -> Tensor:  # [B, C, T] -> [B, C', T·s]
+        if self.state < 0:
+            return self.conv(x)
+        full = torch.cat([states[self.state], x], dim=-1)  # [B, C, 1 + T]
+        states[self.state] = full[..., -1:]
+        y = self.conv(full)  # [B, C', (T + 2)·s]
+        return y[..., self.stride: y.shape[-1] - self.stride]
+
+
+class SnakeBeta(nn.Module):
+    """`x + sin(x·e^α)² / (e^β + 1e-9)`, α and β per channel (log-parameterised)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: Tensor) -> Tensor:  # [B, C, T]
+        alpha = torch.exp(self.alpha[None, :, None])
+        beta = torch.exp(self.beta[None, :, None])
+        return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with fp32 statistics, rounded to the input dtype before the weight multiply."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class LayerScale(nn.Module):
+    """Per-channel residual scale (parameter name `scale`)."""
+
+    def __init__(self, dim: int, init: float) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((dim,), init))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.scale * x
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                 ) -> tuple[Tensor, Tensor]:
+    """Half-split RoPE tables for integer `positions` [B, T] -> cos, sin [B, T, head_dim] (fp32 math)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.int64).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate `x` [B, T, H, D] by cos/sin [B, T, D] (rotate-half convention)."""
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
+                             window: int) -> Tensor:
+    """Causal sliding-window attention: key j is visible to query i iff `q_i - window < k_j <= q_i`
+    and `k_j >= 0` (negative positions mark empty history slots).
+
+    q [B, T, H, D], k/v [B, S, H, D], q_pos [B, T], k_pos [B, S] -> [B, T, H, D]
+    """
+    delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, T, S]
+    visible = (delta >= 0) & (delta < window) & (k_pos[:, None, :] >= 0)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=visible[:, None])  # [B, H, T, D]
+    return out.transpose(1, 2)
