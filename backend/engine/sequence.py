@@ -31,6 +31,8 @@ class Sequence:
     num_frames: int = 0            # frames made so far
     text_ids: list[int] = field(default_factory=list)  # committed text ids T0, T1, ...
     text_done: bool = False
+    prompt_ready: bool = False     # the prefill input can be built (set by the engine)
+    trailing_ids: list[int] = field(default_factory=list)  # trailing text ids known so far
     num_queued_text: int = 0       # trailing ids already copied into the slot's text queue
     arrival: int = field(default_factory=lambda: next(_arrivals))
     finish_reason: str | None = None
@@ -44,19 +46,13 @@ class Sequence:
 
     @property
     def is_prefillable(self) -> bool:
-        """Whole mode needs all text; incremental mode needs the first token T0 (or the end)."""
-        if self.text_mode == "whole":
-            return self.text_done
-        return bool(self.text_ids) or self.text_done
-
-    @property
-    def trailing_available(self) -> int:
-        """Trailing entries known so far (incremental: T1.. and, once ended, E_eos)."""
-        if self.text_mode == "whole":
-            return 0
-        return max(0, len(self.text_ids) - 1) + (1 if self.text_done else 0)
+        return self.prompt_ready
 
     @property
     def is_decodable(self) -> bool:
-        """The next frame's trailing text is known (or can only be padding): it may step now."""
-        return self.text_mode == "whole" or self.text_done or self.trailing_available > self.num_frames
+        """The next frame's trailing text is known (or can only be padding): it may step now.
+
+        Frame t adds trailing[t] to the talker input (spec b.4); past the end of the trailing list
+        that is E_pad, which is only right once the text has ended.
+        """
+        return self.text_mode == "whole" or self.text_done or len(self.trailing_ids) > self.num_frames

@@ -23,9 +23,7 @@ def cfg(**kw) -> EngineConfig:
 
 def seq(sid, prompt_len=5, max_frames=10, mode="whole", done=True) -> Sequence:
     s = Sequence(sid, VoiceSpec(speaker="x"), SamplingParams(), text_mode=mode, max_frames=max_frames,
-                 prompt_len=prompt_len, text_done=done)
-    if mode == "incremental":
-        s.text_ids = [1]
+                 prompt_len=prompt_len, text_done=done, prompt_ready=True)
     return s
 
 
@@ -120,12 +118,12 @@ def test_text_starved_sequence_waits_without_blocking_others():
     started, decode, _ = sch.schedule()
     assert {s.seq_id for s in started} == {"inc", "w"}
     assert [s.seq_id for s in decode] == ["w"]
-    inc.text_ids.append(7)  # T1 arrives: frame 0 can be made
+    inc.trailing_ids.append(7)  # T1 arrives: frame 0 can be made
     _, decode, _ = sch.schedule()
     assert {s.seq_id for s in decode} == {"inc", "w"}
     # not-yet-prefillable sequences (no text at all) are skipped, not waited on
     empty = seq("empty", mode="incremental", done=False)
-    empty.text_ids = []
+    empty.prompt_ready = False
     sch.add(empty)
     sch.add(seq("after"))
     started, _, _ = sch.schedule()
@@ -174,3 +172,44 @@ def test_on_demand_exhaustion_aborts_newest():
         assert decode == [a] and not v  # a alone fits: 3 + 20 tokens = 6 pages
     sch.finish(a, "max_frames")
     assert sch.kv.num_free == 6
+
+
+# --- incremental tokenization ---------------------------------------------------------------------
+
+TEXTS = ["Hello world, this is a test of the speech system.",
+         "It's 12:30 and we'll be there in 45 minutes!  Really?\n\nYes.",
+         "今天天气很好，我们去公园散步吧。 Bonjour le monde, comment ça va ?",
+         "  indented   spaces\tand tabs... ok "]
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    from q3tts.checkpoint.tokenizer import TextTokenizer, train_tiny_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    train_tiny_tokenizer(d, vocab_size=400)
+    return TextTokenizer.from_dir(d)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_text_stream_matches_whole_tokenization(tiny_tokenizer, text, seed):
+    import random
+
+    from q3tts.engine.text_stream import TARGET_HEAD, TARGET_TAIL, TextStream
+
+    whole = tiny_tokenizer.encode(TARGET_HEAD + text + TARGET_TAIL)[3:-5]
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), k=min(6, len(text) - 1)))
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    stream, got = TextStream(tiny_tokenizer.encode), []
+    for p in pieces:
+        got += stream.append(p)
+        assert got == whole[:len(got)]
+    got += stream.end()
+    assert got == whole
+    # one character at a time
+    stream, got = TextStream(tiny_tokenizer.encode), []
+    for ch in text:
+        got += stream.append(ch)
+    assert got + stream.end() == whole
