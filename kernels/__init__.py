@@ -1,0 +1,95 @@
+"""Public kernel wrappers: the OpenAI Triton kernel for CUDA tensors, the torch reference otherwise.
+
+Same signatures as `q3tts.kernels.reference` (plus the fused-residual / in-place options).
+Dispatch: Triton when the tensor is on CUDA and triton imports (`Q3TTS_KERNELS=torch` forces the
+reference), or on CPU when `TRITON_INTERPRET=1` and `Q3TTS_TRITON_ON_CPU=1` (tests, debugging).
+Call `warmup(...)` once before CUDA-graph capture so that nothing compiles or tunes inside it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+
+try:
+    from . import paged_attention as _pa
+    from . import rmsnorm as _rn
+    from . import rotary as _rt
+    from . import store_kv as _kv
+    from .autotune import warmup as _warmup
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only install without triton: the references serve every call
+    HAS_TRITON = False
+
+__all__ = ["HAS_TRITON", "apply_rotary", "paged_decode_attention", "rms_norm", "store_kv",
+           "use_triton", "warmup"]
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether a call on tensor `t` goes to the Triton kernel."""
+    if not HAS_TRITON or os.environ.get("Q3TTS_KERNELS", "") == "torch":
+        return False
+    if t.is_cuda:
+        return True
+    return (os.environ.get("TRITON_INTERPRET", "0") == "1"
+            and os.environ.get("Q3TTS_TRITON_ON_CPU", "0") == "1")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim of x [..., D] (weight [D]); with residual, returns
+    (rms_norm(x + residual), x + residual). See kernels/rmsnorm.py."""
+    if use_triton(x):
+        return _rn.rms_norm(x, weight, eps, residual)
+    if residual is None:
+        return reference.rms_norm_ref(x, weight, eps)
+    return reference.add_rms_norm_ref(x, residual, weight, eps)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotate_half RoPE of q [N, NH, D], k [N, KVH, D] at positions [N] from cos/sin tables
+    [max_pos, D]; returns (q_rot, k_rot) (q and k themselves when inplace). See kernels/rotary.py."""
+    if use_triton(q):
+        return _rt.apply_rotary(q, k, positions, cos, sin, inplace)
+    q_rot, k_rot = reference.apply_rotary_ref(q, k, positions, cos, sin)
+    if not inplace:
+        return q_rot, k_rot
+    q.copy_(q_rot)
+    k.copy_(k_rot)
+    return q, k
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter k, v [N, KVH, D] into the paged caches by slot_mapping [N] (-1 = skip)."""
+    if use_triton(k):
+        return _kv.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return reference.store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Decode attention of q [B, NH, D] over paged caches [num_pages, page_size, KVH, D] via
+    block_tables [B, max_pages] int32 and context_lens [B] int32 -> [B, NH, D]."""
+    if use_triton(q):
+        return _pa.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return reference.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens,
+                                                scale)
+
+
+def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, hidden_sizes, page_size: int,
+           dtype: torch.dtype, device="cuda", max_pages: int = 4, batch_sizes=(1,)) -> None:
+    """Compile and tune every kernel key (see kernels/autotune.py); no-op when the kernels would
+    not be used on `device`."""
+    probe = torch.empty(0, device=device)
+    if not use_triton(probe):
+        return
+    _warmup(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            hidden_sizes=hidden_sizes, page_size=page_size, dtype=dtype, device=device,
+            max_pages=max_pages, batch_sizes=batch_sizes)

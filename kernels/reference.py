@@ -64,3 +64,19 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhs,bshd->bhd", probs, values.float())
     return out.to(q.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm: h = x + residual (in x.dtype) -> (rms_norm_ref(h), h)."""
+    hidden = x + residual
+    return rms_norm_ref(hidden, weight, eps), hidden
+
+
+def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of q [N, NH, D] and k [N, KVH, D] at positions [N], gathering rows of the cos/sin
+    tables [max_pos, D]. Returns (q_rot, k_rot) in q/k's dtypes."""
+    pos = positions.long()
+    cos_t, sin_t = cos[pos], sin[pos]  # [N, D]
+    return rotary_ref(q, cos_t, sin_t).to(q.dtype), rotary_ref(k, cos_t, sin_t).to(k.dtype)

@@ -1,0 +1,225 @@
+"""Paged decode attention (one query token per sequence, GQA), split-K / flash-decoding.
+
+Phase 1, grid (B, KVH, num_splits): one program per (sequence, kv head, split) loads the GROUP
+query heads that share the kv head (padded to 16 rows for tl.dot) and runs an online softmax over
+its share of the row's context, writing an unnormalised partial (acc, max, sum) in fp32.
+Each row's *actual* context is divided evenly among the splits in-kernel, so short and long
+contexts both spread over the whole grid while the launch shape depends only on (B, max_pages).
+Phase 2, grid (B, NH): merges the partials (log-sum-exp) and writes the output; a row with
+context_len 0 has only empty splits and returns zeros.
+CUDA-graph safe: no host syncs, no data-dependent shapes; split counts are not specialised on.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cast import cast
+from .autotune import device_guard, num_sms, pick
+
+_NEG = tl.constexpr(-1.0e30)  # finite "-inf": empty splits merge without inf - inf = nan
+_MAX_SPLITS = 64
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_split_kernel(
+    # pointers
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    # sizes
+    num_splits, scale_log2,
+    # strides
+    stride_qb, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_bt,
+    # meta
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,  # BLOCK_G >= 16: the smallest tl.dot M
+    PAGE_SIZE: tl.constexpr,  # constexpr so that token -> (page, offset) is a shift and a mask
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    # this row's context spread evenly over the splits, in BLOCK_N-aligned chunks
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = cast(q, k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for tok0 in range(start, end, BLOCK_N):
+        toks = tok0 + offs_n
+        t_mask = toks < end
+        page = tl.load(bt_row + toks // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+        slot = toks % PAGE_SIZE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None]
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        s = tl.where(t_mask[None, :], s, _NEG)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(cast(p, v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # partials are contiguous [B, NH, num_splits, (HEAD_DIM)]
+    num_heads = tl.num_programs(1) * GROUP
+    part = (b.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_G]
+    tl.store(part_max_ptr + part, m_i, mask=g_mask)
+    tl.store(part_sum_ptr + part, l_i, mask=g_mask)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    # pointers
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    # sizes
+    num_splits,
+    # strides
+    stride_ob, stride_oh,
+    # meta
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b.to(tl.int64) * tl.num_programs(1) + h
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m_run = tl.full([], _NEG, tl.float32)
+    l_run = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        splits = s0 + tl.arange(0, BLOCK_S)
+        s_mask = splits < num_splits
+        part = row * num_splits + splits
+        m = tl.load(part_max_ptr + part, mask=s_mask, other=_NEG)
+        l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
+        o = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        w = tl.exp2(m - m_new)
+        alpha = tl.exp2(m_run - m_new)
+        l_run = l_run * alpha + tl.sum(l * w, 0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        m_run = m_new
+    out = tl.where(l_run > 0.0, acc / tl.maximum(l_run, 1e-30), 0.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+             cast(out, out_ptr.dtype.element_ty), mask=d_mask)
+
+
+class DecodeConfig(NamedTuple):
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+_CANDIDATES = [DecodeConfig(n, w, s) for n in (64, 32, 128) for w in (4, 8) for s in (2, 3)]
+_INTERPRET_CONFIG = DecodeConfig(16, 1, 1)
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_pages: int, page_size: int, block_n: int,
+                   device: torch.device) -> int:
+    """Splits per (row, kv head): about 4 waves of programs over the SMs, at most one per BLOCK_N
+    tokens of the longest possible context. Static given (B, max_pages): graph-safe."""
+    programs = max(1, batch * num_kv_heads)
+    want = triton.cdiv(4 * num_sms(device), programs)
+    return max(1, min(want, _MAX_SPLITS, triton.cdiv(max_pages * page_size, block_n)))
+
+
+def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, scale, out):
+    bsz, num_heads, head_dim = q.shape
+    page_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    splits = num_splits_for(bsz, num_kv, block_tables.shape[1], page_size, cfg.block_n, q.device)
+    part_acc = torch.empty(bsz, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(bsz, num_heads, splits, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    group = num_heads // num_kv
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(bsz, num_kv, splits)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        part_acc, part_max, part_sum,
+        splits, scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE_SIZE=page_size,
+        BLOCK_N=cfg.block_n, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _decode_reduce_kernel[(bsz, num_heads)](
+        part_acc, part_max, part_sum, out,
+        splits,
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=16,
+        num_warps=4 if block_d >= 256 else 2,
+    )
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence over its paged context (GQA); `paged_decode_attention_ref`.
+
+    q: [B, NH, D]; k_cache, v_cache: [num_pages, page_size, KVH, D] (NH % KVH == 0);
+    block_tables: [B, max_pages] int32 (unused entries any valid page id);
+    context_lens: [B] int32, 0 <= len <= max_pages * page_size (not checked: no host sync).
+    Returns [B, NH, D] in q.dtype; rows with context_len 0 are zeros.
+    """
+    bsz, num_heads, head_dim = q.shape
+    assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, \
+        f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must match, 4-D"
+    page_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    assert k_cache.shape[3] == head_dim, f"cache head_dim {k_cache.shape[3]} != q's {head_dim}"
+    assert num_heads % num_kv == 0, f"{num_heads} q heads not a multiple of {num_kv} kv heads"
+    assert k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ"
+    assert head_dim >= 16, f"head_dim {head_dim} < 16 (tl.dot minimum)"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == bsz, \
+        f"block_tables {tuple(block_tables.shape)} must be [{bsz}, max_pages]"
+    assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32, \
+        f"block_tables/context_lens must be int32, got {block_tables.dtype}/{context_lens.dtype}"
+    assert context_lens.shape == (bsz,), f"context_lens {tuple(context_lens.shape)} != ({bsz},)"
+    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
+    for t in (k_cache, v_cache, block_tables, context_lens):
+        assert t.device == q.device, f"tensor on {t.device}, q on {q.device}"
+    out = torch.empty(bsz, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if bsz == 0:
+        return out
+    args = (q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    if q.is_cuda:
+        key = ("paged_decode", head_dim, page_size, num_heads // num_kv, q.dtype, k_cache.dtype)
+        cfg = pick(key, _CANDIDATES, lambda c: _launch(c, *args), q.device)
+    else:
+        cfg = _INTERPRET_CONFIG
+    with device_guard(q):
+        _launch(cfg, *args)
+    return out

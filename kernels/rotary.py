@@ -1,0 +1,109 @@
+"""rotate_half RoPE on q [N, NH, D] and k [N, KVH, D], cos/sin gathered in-kernel by position.
+
+The tables are [max_pos, D] in the cat(freqs, freqs) layout of `rotary_ref`; reading them by
+`positions` inside the kernel keeps the launch graph-safe (no host-side indexing). When the table
+dtype equals the activation dtype, each product is rounded to that dtype before the add, exactly as
+the eager bf16 `x * cos + rotate_half(x) * sin` does (spec h: rotary applied in bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cast import cast
+from .autotune import device_guard
+
+
+@triton.jit
+def _rotate_heads(src_ptr, dst_ptr, c1, c2, s1, s2, heads, cols, mask, stride_h,
+                  HALF: tl.constexpr, ROUND: tl.constexpr):
+    offs = heads[:, None] * stride_h + cols[None, :]
+    x1 = tl.load(src_ptr + offs, mask=mask, other=0.0)
+    x2 = tl.load(src_ptr + offs + HALF, mask=mask, other=0.0)
+    a1 = x1.to(tl.float32) * c1
+    b1 = x2.to(tl.float32) * s1
+    a2 = x2.to(tl.float32) * c2
+    b2 = x1.to(tl.float32) * s2
+    if ROUND:  # round each product to the activation dtype, like eager low-precision math
+        a1 = cast(a1, x1.dtype).to(tl.float32)
+        b1 = cast(b1, x1.dtype).to(tl.float32)
+        a2 = cast(a2, x1.dtype).to(tl.float32)
+        b2 = cast(b2, x1.dtype).to(tl.float32)
+    ty = dst_ptr.dtype.element_ty
+    tl.store(dst_ptr + offs, cast(a1 - b1, ty), mask=mask)
+    tl.store(dst_ptr + offs + HALF, cast(a2 + b2, ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    # pointers
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    # strides
+    stride_qn, stride_qh, stride_kn, stride_kh,
+    stride_qon, stride_qoh, stride_kon, stride_koh,
+    stride_cos, stride_sin,
+    # meta
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    ROUND: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + n).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    cmask = cols < HALF
+    c1 = tl.load(cos_ptr + pos * stride_cos + cols, mask=cmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + pos * stride_cos + HALF + cols, mask=cmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + pos * stride_sin + cols, mask=cmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + pos * stride_sin + HALF + cols, mask=cmask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = c1[None, :], c2[None, :], s1[None, :], s2[None, :]
+    hq = tl.arange(0, BLOCK_HQ)
+    _rotate_heads(q_ptr + n * stride_qn, q_out_ptr + n * stride_qon, c1, c2, s1, s2, hq, cols,
+                  (hq < NUM_Q_HEADS)[:, None] & cmask[None, :], stride_qh, HALF, ROUND)
+    # NOTE: in place, src and dst strides are equal (the wrapper passes the same tensor)
+    hk = tl.arange(0, BLOCK_HK)
+    _rotate_heads(k_ptr + n * stride_kn, k_out_ptr + n * stride_kon, c1, c2, s1, s2, hk, cols,
+                  (hk < NUM_K_HEADS)[:, None] & cmask[None, :], stride_kh, HALF, ROUND)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotate_half RoPE of q [N, NH, D] and k [N, KVH, D] at positions [N] (int).
+
+    cos, sin: [max_pos, D] tables (cat(freqs, freqs) layout, any float dtype, last dim
+    contiguous). Returns (q_rot, k_rot) in q/k's dtypes: new contiguous tensors, or q and k
+    themselves when inplace.
+    """
+    n, num_q, dim = q.shape
+    assert k.dim() == 3 and k.shape[0] == n and k.shape[2] == dim, \
+        f"k {tuple(k.shape)} does not match q {tuple(q.shape)}"
+    assert k.dtype == q.dtype, f"k dtype {k.dtype} != q dtype {q.dtype}"
+    assert dim % 2 == 0, f"head_dim {dim} must be even"
+    assert positions.shape == (n,) and not positions.is_floating_point(), \
+        f"positions must be int [{n}], got {positions.dtype} {tuple(positions.shape)}"
+    assert cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == dim, \
+        f"cos/sin tables must be [max_pos, {dim}], got {tuple(cos.shape)}/{tuple(sin.shape)}"
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
+        assert t.device == q.device, f"{name} on {t.device}, q on {q.device}"
+    q_out = q if inplace else torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = k if inplace else torch.empty_like(k, memory_format=torch.contiguous_format)
+    if n == 0:
+        return q_out, k_out
+    half = dim // 2
+    # exact eager parity needs products rounded to the table/activation dtype when they agree
+    round_products = q.dtype == cos.dtype and q.dtype != torch.float32
+    num_warps = 4 if num_q * half >= 1024 else 2
+    with device_guard(q):
+        _rotary_kernel[(n,)](
+            q, k, q_out, k_out, positions, cos, sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+            cos.stride(0), sin.stride(0),
+            NUM_Q_HEADS=num_q, NUM_K_HEADS=k.shape[1], HALF=half,
+            BLOCK_HQ=triton.next_power_of_2(num_q), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+            BLOCK_HALF=triton.next_power_of_2(half), ROUND=round_products,
+            num_warps=num_warps,
+        )
+    return q_out, k_out
