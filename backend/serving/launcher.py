@@ -1,0 +1,394 @@
+"""`q3tts serve`: render the model repository into a run dir and run tritonserver on 127.0.0.1.
+
+`TritonServer` is the reusable part (tests use it as a context manager): free ports, rendered repository,
+server env from `runtime.prepare()`, readiness with a timeout (a load hangs forever when libpython is
+missing), and an ordered stop: END for every sequence the model still reports open, SIGTERM by PID, then
+wait for the python stub PIDs (they outlive the server by ~2 s and keep writing to its log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import string
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from q3tts.client import protocol
+from q3tts.serving import runtime
+
+REPO_TEMPLATE = Path(__file__).resolve().parents[2] / "model_repository"
+TEMPLATE_NAME = "config.pbtxt.tmpl"
+OPEN_SEQUENCES_GLOB = "open_sequences.*.json"  # written by the model (triton_model.SessionTable)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (bound together, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def detect_gpus() -> list[int]:
+    """GPU indices from nvidia-smi (no torch import); [] without a driver."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [i for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]
+
+
+def parse_gpus(spec: str | None) -> list[int]:
+    if spec is None or spec == "auto":
+        return detect_gpus()
+    if spec in ("", "none", "cpu"):
+        return []
+    if spec == "all":
+        return detect_gpus()
+    return [int(x) for x in spec.split(",") if x != ""]
+
+
+def parse_pool(spec: str | None) -> dict:
+    """'num_pages=512,page_size=16,kv_policy=reserve' -> dict with ints/floats decoded (EngineConfig fields)."""
+    out: dict = {}
+    for item in (spec or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--pool entries are key=value, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _pbtxt_string(s: str) -> str:
+    return json.dumps(s)  # a double-quoted string with C escapes: valid protobuf text format
+
+
+def render_repository(out_dir: Path, values: dict[str, str], template_dir: Path = REPO_TEMPLATE) -> Path:
+    """Copy every model of `template_dir` into out_dir, rendering config.pbtxt from config.pbtxt.tmpl.
+
+    Strict: `string.Template.substitute` (unknown names raise) and no `${` may remain.
+    """
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    for model_dir in sorted(p for p in template_dir.iterdir() if (p / TEMPLATE_NAME).exists()):
+        dst = out_dir / model_dir.name
+        shutil.copytree(model_dir, dst, ignore=shutil.ignore_patterns(TEMPLATE_NAME, "__pycache__"))
+        text = string.Template((model_dir / TEMPLATE_NAME).read_text()).substitute(values)
+        assert "${" not in text, f"unrendered placeholder left in {model_dir.name}/config.pbtxt"
+        (dst / "config.pbtxt").write_text(text)
+    return out_dir
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class TritonServer:
+    """One tritonserver process on 127.0.0.1 serving the rendered repository.
+
+    with TritonServer(checkpoint, run_dir=tmp) as server:
+        server.grpc_url, server.http_url, server.metrics_url, server.log_text()
+    """
+
+    def __init__(self, model: str, *, run_dir: Path | None = None, http_port: int = 0, grpc_port: int = 0,
+                 metrics_port: int = 0, gpus: list[int] | None = None, dtype: str | None = None,
+                 max_slots: int | None = None, pool: dict | None = None, idle_s: float = 30.0,
+                 chunk_schedule: str | None = None, engine_factory: str = "q3tts.engine:Engine",
+                 ready_timeout_s: float = 300.0, exit_timeout_s: int = 10, log_verbose: int = 0,
+                 extra_params: dict[str, str] | None = None):
+        self.model = str(Path(model).resolve()) if Path(model).exists() else model
+        self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="q3tts-serve-"))
+        self.gpus = detect_gpus() if gpus is None else list(gpus)
+        self.dtype = dtype or ("bfloat16" if self.gpus else "float32")
+        self.max_slots = max_slots or (64 if self.gpus else 8)
+        self.pool = dict(pool or {})
+        self.idle_s = float(idle_s)
+        self.chunk_schedule = chunk_schedule or ",".join(map(str, protocol.DEFAULT_CHUNK_SCHEDULE))
+        self.engine_factory = engine_factory
+        self.ready_timeout_s = ready_timeout_s
+        self.exit_timeout_s = exit_timeout_s
+        self.log_verbose = log_verbose
+        self.extra_params = dict(extra_params or {})
+        ports = free_ports(3)
+        self.http_port = http_port or ports[0]
+        self.grpc_port = grpc_port or ports[1]
+        self.metrics_port = metrics_port or ports[2]
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.run_dir / "server.log"
+        self._lock = threading.Lock()
+
+    # --- urls ---------------------------------------------------------------------------------------
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    # --- repository ---------------------------------------------------------------------------------
+    def template_values(self, rt: runtime.Runtime) -> dict[str, str]:
+        engine_cfg = {"max_slots": self.max_slots, "dtype": self.dtype,
+                      "device": "cuda" if self.gpus else "cpu", **self.pool}
+        if self.gpus:
+            group = f"{{ count: 1, kind: KIND_GPU, gpus: [ {', '.join(map(str, self.gpus))} ] }}"
+        else:
+            group = "{ count: 1, kind: KIND_CPU }"
+        params = {"extra": json.dumps(self.extra_params)}
+        return {
+            "max_candidate_sequences": str(self.max_slots),
+            "max_sequence_idle_microseconds": str(int(self.idle_s * 1e6)),
+            "instance_group": group,
+            "checkpoint": _pbtxt_string(self.model),
+            "engine_config": _pbtxt_string(json.dumps(engine_cfg)),
+            "chunk_schedule": _pbtxt_string(self.chunk_schedule),
+            "engine_factory": _pbtxt_string(self.engine_factory),
+            "execution_env_path": _pbtxt_string(str(rt.execution_env)),
+            "state_dir": _pbtxt_string(str(self.run_dir)),
+            "idle_s": _pbtxt_string(str(self.idle_s)),
+            "extra_params": _pbtxt_string(params["extra"]),
+            "sequence_model": _pbtxt_string(protocol.MODEL),
+        }
+
+    def command(self, rt: runtime.Runtime) -> list[str]:
+        cmd = [str(rt.tritonserver), "--model-repository", str(self.run_dir / "model_repository"),
+               "--backend-directory", str(rt.backend_dir),
+               "--http-address", "127.0.0.1", "--http-port", str(self.http_port),
+               "--grpc-address", "127.0.0.1", "--grpc-port", str(self.grpc_port),
+               "--metrics-address", "127.0.0.1", "--metrics-port", str(self.metrics_port),
+               "--allow-gpu-metrics", "true" if self.gpus else "false",
+               "--disable-auto-complete-config", "--exit-timeout-secs", str(self.exit_timeout_s),
+               "--log-verbose", str(self.log_verbose)]
+        if not self.gpus:
+            cmd += ["--pinned-memory-pool-byte-size", "0"]
+        return cmd
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> TritonServer:
+        rt = runtime.prepare()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.run_dir.glob(OPEN_SEQUENCES_GLOB):
+            stale.unlink()
+        render_repository(self.run_dir / "model_repository", self.template_values(rt))
+        env = rt.server_env()
+        if not self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        log = open(self.log_path, "wb")
+        # NOTE: cwd = run dir: the stub's sys.path[0] is the server's cwd (TRITON_RECIPE §4.3);
+        # own session so Ctrl-C reaches only us and the stop stays ordered.
+        self.proc = subprocess.Popen(self.command(rt), cwd=self.run_dir, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"tritonserver exited with {self.proc.returncode} before ready; "
+                                  f"log {self.log_path}:\n{self.log_text()[-4000:]}")
+            if self.is_ready():
+                return
+            time.sleep(0.1)
+        raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s (a missing libpython "
+                          f"makes the load hang); log {self.log_path}:\n{self.log_text()[-4000:]}")
+
+    def open_sequences(self) -> list:
+        ids: set = set()
+        for f in self.run_dir.glob(OPEN_SEQUENCES_GLOB):
+            try:
+                ids.update(json.loads(f.read_text()))
+            except (OSError, ValueError):
+                pass
+        return sorted(ids, key=str)
+
+    def close_open_sequences(self, timeout_s: float = 10.0) -> int:
+        """Send an empty END request for every sequence the model still reports open (frees Triton's slots)."""
+        ids = self.open_sequences()
+        if not ids or not self.running:
+            return 0
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+
+        done = threading.Semaphore(0)
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        try:
+            client.start_stream(callback=lambda result, error: done.release()
+                                if result is None or _is_final(result) else None)
+            for cid in ids:
+                text = grpcclient.InferInput(protocol.INPUT_TEXT, [1], "BYTES")
+                text.set_data_from_numpy(np.array([b""], dtype=object))
+                client.async_stream_infer(protocol.MODEL, [text], sequence_id=cid, sequence_end=True,
+                                          enable_empty_final_response=True)
+            deadline = time.monotonic() + timeout_s
+            for _ in ids:
+                if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    break
+        finally:
+            client.stop_stream()
+            client.close()
+        return len(ids)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _stub_pids(self) -> list[int]:
+        pids = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                        pids.append(int(d.name))
+                except (OSError, IndexError, ValueError):
+                    pass
+        return pids
+
+    def stop(self) -> None:
+        """Ordered stop: close open sequences, SIGTERM by PID, wait, then wait for the stub PIDs."""
+        with self._lock:
+            if self.proc is None:
+                return
+            if self.running:
+                try:
+                    self.close_open_sequences()
+                except Exception as e:  # the stop must go on
+                    print(f"[q3tts] closing open sequences failed: {e}", file=sys.stderr)
+                stubs = self._stub_pids()
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=self.exit_timeout_s + 15)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+                _wait_pids(stubs, timeout_s=15)
+            self.proc = None
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _is_final(result) -> bool:
+    p = result.get_response().parameters.get("triton_final_response")
+    return bool(p and p.bool_param)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
+
+
+def _wait_pids(pids: list[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in pids:
+        if _alive(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+# --- CLI ------------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint folder or hub id")
+    p.add_argument("--http-port", type=int, default=0, help="0 = a free port")
+    p.add_argument("--grpc-port", type=int, default=0, help="0 = a free port")
+    p.add_argument("--metrics-port", type=int, default=0, help="0 = a free port")
+    p.add_argument("--gpus", default="auto", help="auto | none | all | 0,1 (one engine instance per GPU)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--max-slots", type=int, default=None,
+                   help="engine slots per instance = the batcher's candidate sequences (default 64 GPU / 8 CPU)")
+    p.add_argument("--pool", default="", help="EngineConfig overrides, e.g. num_pages=4096,page_size=16,max_queue=256")
+    p.add_argument("--idle-s", type=float, default=30.0,
+                   help="a sequence with no request for this long is closed (text at LLM pace can pause)")
+    p.add_argument("--chunk-schedule", default=None, help="frames per response, e.g. 1,2,4,8,12 (last repeats)")
+    p.add_argument("--run-dir", type=Path, default=None, help="where the rendered repository and log go")
+    p.add_argument("--ready-timeout-s", type=float, default=600.0)
+    p.add_argument("--log-verbose", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    server = TritonServer(args.model, run_dir=args.run_dir, http_port=args.http_port, grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, gpus=parse_gpus(args.gpus), dtype=args.dtype,
+                          max_slots=args.max_slots, pool=parse_pool(args.pool), idle_s=args.idle_s,
+                          chunk_schedule=args.chunk_schedule, ready_timeout_s=args.ready_timeout_s,
+                          log_verbose=args.log_verbose)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"[q3tts] starting tritonserver (log {server.log_path})", flush=True)
+    try:
+        server.start()
+    except ServerError as e:
+        print(f"[q3tts] {e}", file=sys.stderr)
+        return 1
+    print(f"[q3tts] ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}  "
+          f"model {protocol.MODEL} (+ {protocol.ONESHOT_MODEL})", flush=True)
+    print(json.dumps({"grpc_port": server.grpc_port, "http_port": server.http_port,
+                      "metrics_port": server.metrics_port, "pid": server.proc.pid,
+                      "run_dir": str(server.run_dir)}), flush=True)
+    try:
+        while not stop.is_set() and server.running:
+            stop.wait(0.5)
+    finally:
+        code = 0 if server.running else 1
+        print("[q3tts] stopping", flush=True)
+        server.stop()
+    return code
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="q3tts serve")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -1,0 +1,130 @@
+"""The one definition of the wire protocol: tensor names, dtypes, parameter names, model names.
+
+Imported by the Triton model (`q3tts.serving`), the client, the tests and `perf/`. No torch, no tritonclient.
+
+One sequence (correlation ID) = one utterance session:
+
+| request | flags | carries |
+|---|---|---|
+| first | START (+END if it is the only one) | voice inputs, sampling parameters, first TEXT piece |
+| middle | - | TEXT piece appended to the session's text |
+| last | END | last TEXT piece (may be empty) |
+
+Which response stream carries which audio: audio always streams on the sender of the session's most
+recent request. When request k+1 arrives, request k gets its FINAL (an empty response) before any audio
+goes to k+1, so one gRPC stream sees the sequence's audio in order. The sequence's last response carries
+FINISH_REASON with the FINAL flag; every other request ends with an empty FINAL (clients set
+`enable_empty_final_response=True`). Every request gets exactly one FINAL, or one error response.
+Each audio response carries SAMPLE_RATE and FIRST_FRAME (index of its first 80 ms frame).
+"""
+
+from __future__ import annotations
+
+MODEL = "qwen3_tts"  # sequence model: gRPC streaming
+ONESHOT_MODEL = "qwen3_tts_oneshot"  # one request = one utterance: gRPC streaming or HTTP generate_stream
+
+SAMPLE_RATE = 24000
+SAMPLES_PER_FRAME = 1920
+
+# name -> (Triton data type, dims, numpy dtype name); optional inputs are voice fields read on START only
+INPUT_TEXT = "TEXT"
+INPUT_SPEAKER = "SPEAKER"
+INPUT_LANGUAGE = "LANGUAGE"
+INPUT_INSTRUCT = "INSTRUCT"
+INPUT_REF_AUDIO = "REF_AUDIO"
+INPUT_REF_SAMPLE_RATE = "REF_SAMPLE_RATE"
+INPUT_REF_TEXT = "REF_TEXT"
+INPUTS = {
+    INPUT_TEXT: ("TYPE_STRING", [1], "object"),
+    INPUT_SPEAKER: ("TYPE_STRING", [1], "object"),
+    INPUT_LANGUAGE: ("TYPE_STRING", [1], "object"),
+    INPUT_INSTRUCT: ("TYPE_STRING", [1], "object"),
+    INPUT_REF_AUDIO: ("TYPE_FP32", [-1], "float32"),
+    INPUT_REF_SAMPLE_RATE: ("TYPE_INT32", [1], "int32"),
+    INPUT_REF_TEXT: ("TYPE_STRING", [1], "object"),
+}
+OPTIONAL_INPUTS = tuple(name for name in INPUTS if name != INPUT_TEXT)
+
+OUTPUT_AUDIO = "AUDIO"  # float32 PCM in [-1, 1] (audio_format=float32, the default)
+OUTPUT_AUDIO_INT16 = "AUDIO_INT16"  # int16 PCM (audio_format=int16)
+OUTPUT_SAMPLE_RATE = "SAMPLE_RATE"
+OUTPUT_FIRST_FRAME = "FIRST_FRAME"
+OUTPUT_FINISH_REASON = "FINISH_REASON"  # only on the sequence's last response: eos | max_frames
+OUTPUTS = {
+    OUTPUT_AUDIO: ("TYPE_FP32", [-1], "float32"),
+    OUTPUT_AUDIO_INT16: ("TYPE_INT16", [-1], "int16"),
+    OUTPUT_SAMPLE_RATE: ("TYPE_INT32", [1], "int32"),
+    OUTPUT_FIRST_FRAME: ("TYPE_INT64", [1], "int64"),
+    OUTPUT_FINISH_REASON: ("TYPE_STRING", [1], "object"),
+}
+AUDIO_FORMATS = {"float32": OUTPUT_AUDIO, "int16": OUTPUT_AUDIO_INT16}
+
+# Request parameters (gRPC `parameters=`, perf_analyzer --request-parameter, HTTP generate top-level keys).
+# Read on START (a later request may not change them). name -> python type
+PARAM_TEXT_MODE = "text_mode"  # whole | incremental (default: the variant's reference default)
+PARAM_XVECTOR_ONLY = "xvector_only"
+PARAM_AUDIO_FORMAT = "audio_format"  # float32 | int16
+PARAM_CHUNK_SCHEDULE = "chunk_schedule"  # "1,2,4,8": frames per response, the last entry repeats
+SAMPLING_PARAMS = {
+    "greedy": bool,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "repetition_penalty": float,
+    "subtalker_greedy": bool,
+    "subtalker_temperature": float,
+    "subtalker_top_k": int,
+    "subtalker_top_p": float,
+    "seed": int,
+    "max_frames": int,
+}
+SESSION_PARAMS = {
+    PARAM_TEXT_MODE: str,
+    PARAM_XVECTOR_ONLY: bool,
+    PARAM_AUDIO_FORMAT: str,
+    PARAM_CHUNK_SCHEDULE: str,
+}
+PARAMS = {**SAMPLING_PARAMS, **SESSION_PARAMS}
+
+DEFAULT_CHUNK_SCHEDULE = (1, 2, 4, 8, 12)  # frames: first response = 1 frame (80 ms), then growing
+
+
+def parse_chunk_schedule(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4); raises ValueError naming the problem."""
+    try:
+        frames = tuple(int(x) for x in str(text).replace(" ", "").split(",") if x)
+    except ValueError:
+        raise ValueError(f"chunk_schedule must be comma-separated frame counts, got {text!r}") from None
+    if not frames or any(f < 1 or f > 1000 for f in frames):
+        raise ValueError(f"chunk_schedule entries must be in 1..1000, got {text!r}")
+    return frames
+
+
+def coerce_param(name: str, value):
+    """Convert a request parameter to its declared type; raises ValueError naming it."""
+    kind = PARAMS.get(name)
+    if kind is None:
+        raise ValueError(f"unknown request parameter {name!r}; known: {', '.join(sorted(PARAMS))}")
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (int, float)) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise ValueError(f"parameter {name!r} must be a bool, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"parameter {name!r} must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"parameter {name!r} must be an integer, got {value!r}") from None
+    if kind is float:
+        if isinstance(value, bool):
+            raise ValueError(f"parameter {name!r} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"parameter {name!r} must be a number, got {value!r}") from None
+    return str(value)

@@ -1,0 +1,3 @@
+"""Triton entry point: the one-shot relay lives in the installed package (q3tts.serving.triton_model)."""
+
+from q3tts.serving.triton_model import OneShotModel as TritonPythonModel  # noqa: F401
