@@ -1,0 +1,87 @@
+"""Code predictor ("sub-talker", spec c): codes c1..c15 of a frame from the talker's hidden and c0.
+
+Per frame it runs a fresh 16-position causal pass: step 0 feeds `[past_hidden, C(c0)]` at positions
+0, 1, then step j = 1..14 feeds `codec_embedding[j-1](c_j)` at position j+1; head `lm_head[j]` draws
+`c_{j+1}`. The KV lives in a private `PagedKVCache` with one 16-slot page per batch row, so every
+step has a static shape (capturable in a CUDA graph); stale slots of earlier frames are masked out
+by `context_lens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from q3tts.config import TalkerConfig
+from q3tts.models.attention import DecodeContext, PagedKVCache
+from q3tts.models.layers import DecoderStack
+from q3tts.sampling import SubtalkerSampler
+
+
+class CodePredictorModel(DecoderStack):
+    """`talker.code_predictor.model`: decoder stack + 15 input tables of talker width."""
+
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__(cfg.code_predictor)
+        self.codec_embedding = nn.ModuleList(
+            nn.Embedding(cfg.codebook_size, cfg.hidden_size) for _ in range(cfg.num_code_groups - 1))
+
+
+class CodePredictor(nn.Module):
+    """`talker.code_predictor`: projection, stack and the 15 heads (names = released keys)."""
+
+    def __init__(self, cfg: TalkerConfig, embed_c0: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        cp = cfg.code_predictor
+        self.num_groups = cfg.num_code_groups
+        self.model = CodePredictorModel(cfg)
+        self.lm_head = nn.ModuleList(
+            nn.Linear(cp.hidden_size, cfg.codebook_size, bias=False) for _ in range(self.num_groups - 1))
+        self.small_to_mtp_projection = (
+            nn.Linear(cfg.hidden_size, cp.hidden_size, bias=True) if cp.hidden_size != cfg.hidden_size
+            else nn.Identity())
+        self._embed_c0 = embed_c0  # the talker's codec embedding C(.), not a submodule
+        self._cache: PagedKVCache | None = None
+
+    def _kv(self, batch: int, ref: torch.Tensor) -> PagedKVCache:
+        cp = self.model.cfg
+        cache = self._cache
+        if (cache is None or cache.num_pages < batch or cache.k.dtype != ref.dtype
+                or cache.k.device != ref.device):
+            cache = PagedKVCache(cp.num_layers, batch, self.num_groups, cp.num_kv_heads, cp.head_dim,
+                                 ref.dtype, ref.device)
+            self._cache = cache
+        return cache
+
+    def _step(self, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+              cache: PagedKVCache, head: int) -> torch.Tensor:
+        """x [N, H_talker] inputs of rows `rows [N]` at `positions [N]` -> logits of head [N, V]."""
+        ctx = DecodeContext(cache, slot_mapping=rows * self.num_groups + positions,
+                            block_tables=rows[:, None].int(), context_lens=(positions + 1).int(),
+                            scale=self.model.attn_scale)
+        hidden = self.model(self.small_to_mtp_projection(x), positions, ctx)  # [N, Hc]
+        return self.lm_head[head](hidden)
+
+    def generate(self, past_hidden: torch.Tensor, c0: torch.Tensor, sampler: SubtalkerSampler
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """past_hidden [B, H] (talker final-normed hidden), c0 [B] ->
+        codes [B, 15] int64 (c1..c15), next_input [B, H] = C(c0) + sum_g codec_embedding[g-1](c_g)."""
+        bsz = c0.shape[0]
+        cache = self._kv(bsz, past_hidden)
+        rows = torch.arange(bsz, device=c0.device)  # [B]
+        e0 = self._embed_c0(c0)  # [B, H]
+        x = torch.stack((past_hidden, e0), dim=1).reshape(2 * bsz, -1)  # [2B, H]: rows b*2 + {0,1}
+        logits = self._step(x, rows.repeat_interleave(2), torch.arange(2, device=c0.device).repeat(bsz),
+                            cache, head=0)
+        code = sampler(logits.view(bsz, 2, -1)[:, 1], 1)  # [B]
+        codes, embeds = [code], [e0]
+        for j in range(1, self.num_groups - 1):
+            embeds.append(self.model.codec_embedding[j - 1](code))  # [B, H]
+            positions = torch.full_like(rows, j + 1)
+            code = sampler(self._step(embeds[-1], rows, positions, cache, head=j), j + 1)
+            codes.append(code)
+        embeds.append(self.model.codec_embedding[self.num_groups - 2](code))
+        next_input = torch.stack(embeds, dim=1).sum(1)  # [B, 16, H] -> [B, H]
+        return torch.stack(codes, dim=1), next_input

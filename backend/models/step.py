@@ -1,0 +1,95 @@
+"""Generation steps over explicit per-sequence state: the units an engine batches.
+
+`prefill` runs one sequence's prompt and draws its first c0. `decode_step` advances B sequences by one
+frame each: code predictor (c1..c15 of frame t from `past_hidden` and c0[t]) -> talker step at the
+frame's position with input `next_input + text_row` -> c0[t+1]. The caller owns all bookkeeping:
+positions, pages, the c0 history mask, the text queue and stopping (c0 == EOS ends a sequence
+without a frame; see spec b.4).
+Uniform column 0 of counter t draws c0[t]; columns 1..15 of counter t draw c1..c15 of frame t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from q3tts.models.attention import DecodeContext, PagedKVCache, PrefillContext
+from q3tts.models.talker import Talker
+from q3tts.sampling import SamplingTensors, SubtalkerSampler, TalkerRules, UniformSource, sample_talker
+
+
+def talker_rules(talker: Talker) -> TalkerRules:
+    """EOS id and the suppressed control-id range of a talker config."""
+    cfg = talker.cfg
+    return TalkerRules(eos_id=cfg.codec_eos_id, suppress_start=cfg.vocab_size - 1024)
+
+
+@dataclass
+class DecodeBatch:
+    """Inputs of one decode step for B rows (all tensors on the model's device).
+
+    c0 [B] int64: first code of this frame (sampled last step). past_hidden [B, H]: talker hidden of
+    the previous position. text [B, H]: text-track row for this step (trailing[t] or E_pad).
+    positions [B]: talker position of this step (L0 + t). slot_mapping [B] (-1 = padding row),
+    block_tables [B, max_pages], context_lens [B] (= positions + 1 on live rows): the paged KV.
+    generated [B, vocab] bool and num_generated [B]: c0 history including c0[t].
+    seeds [B], counters [B] = t: the uniform stream.
+    """
+
+    c0: torch.Tensor
+    past_hidden: torch.Tensor
+    text: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    generated: torch.Tensor
+    num_generated: torch.Tensor
+    seeds: torch.Tensor
+    counters: torch.Tensor
+
+
+@dataclass
+class StepResult:
+    """codes [B, 16] of frame t; next_c0 [B] = c0[t+1] (EOS ends the row); hidden [B, H]."""
+
+    codes: torch.Tensor
+    next_c0: torch.Tensor
+    hidden: torch.Tensor
+
+
+@torch.no_grad()
+def prefill(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, slot_mapping: torch.Tensor,
+            params: SamplingTensors, seeds: torch.Tensor, uniform_source: UniformSource
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's prompt embeds [L0, H] at positions 0..L0-1 (K/V to slot_mapping [L0]).
+
+    Returns c0[0] [1] int64 and past_hidden [1, H] (final-normed hidden of the last prompt row).
+    """
+    positions = torch.arange(embeds.shape[0], device=embeds.device)
+    ctx = PrefillContext(cache, slot_mapping, talker.attn_scale)
+    hidden = talker(embeds, positions, ctx)[-1:]  # [1, H]
+    vocab = talker.cfg.vocab_size
+    no_history = torch.zeros(1, vocab, dtype=torch.bool, device=embeds.device)
+    zero = torch.zeros(1, dtype=torch.int64, device=embeds.device)
+    u = uniform_source(seeds, zero)[:, 0]
+    c0 = sample_talker(talker.logits(hidden), params, talker_rules(talker), no_history, zero, u)
+    return c0, hidden
+
+
+@torch.no_grad()
+def decode_step(talker: Talker, cache: PagedKVCache, batch: DecodeBatch, params: SamplingTensors,
+                cp_params: SamplingTensors, uniform_source: UniformSource) -> StepResult:
+    """Advance every row by one frame (see module docstring); static shapes for a given B."""
+    u_frame = uniform_source(batch.seeds, batch.counters)  # [B, 16]
+    codes, next_input = talker.code_predictor.generate(
+        batch.past_hidden, batch.c0, SubtalkerSampler(cp_params, u_frame))
+    ctx = DecodeContext(cache, batch.slot_mapping, batch.block_tables, batch.context_lens,
+                        talker.attn_scale)
+    hidden = talker(next_input + batch.text, batch.positions, ctx)  # [B, H]
+    u_next = uniform_source(batch.seeds, batch.counters + 1)[:, 0]  # [B]
+    next_c0 = sample_talker(talker.logits(hidden), params, talker_rules(talker), batch.generated,
+                            batch.num_generated, u_next)
+    return StepResult(codes=torch.cat((batch.c0[:, None], codes), dim=1), next_c0=next_c0,
+                      hidden=hidden)

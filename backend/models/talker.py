@@ -1,0 +1,69 @@
+"""The talker (spec b.1): first-codebook LM over text + codec embeddings, owning the code predictor.
+
+`embed_text` = P(ids) = text_projection(text_embedding(ids)); `embed_codec` = C(ids);
+`forward` runs the 28-layer stack over a paged KV cache; `logits` is the codec head in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from q3tts.config import TalkerConfig
+from q3tts.models.attention import AttentionContext
+from q3tts.models.code_predictor import CodePredictor
+from q3tts.models.layers import DecoderStack
+
+
+class TalkerModel(DecoderStack):
+    """`talker.model`: decoder stack + codec and text embedding tables."""
+
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__(cfg.layers)
+        self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.text_embedding = nn.Embedding(cfg.text_vocab_size, cfg.text_hidden_size)
+
+
+class TextProjection(nn.Module):
+    """`talker.text_projection`: fc2(silu(fc1(x))), text width -> talker width."""
+
+    def __init__(self, text_hidden: int, hidden: int):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(text_hidden, text_hidden, bias=True)
+        self.linear_fc2 = nn.Linear(text_hidden, hidden, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class Talker(nn.Module):
+    """`talker.*` of the released checkpoint."""
+
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = TalkerModel(cfg)
+        self.text_projection = TextProjection(cfg.text_hidden_size, cfg.hidden_size)
+        self.codec_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.code_predictor = CodePredictor(cfg, self.embed_codec)
+
+    @property
+    def attn_scale(self) -> float:
+        return self.model.attn_scale
+
+    def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """P(ids): ids [N] -> [N, H]."""
+        return self.text_projection(self.model.text_embedding(ids))
+
+    def embed_codec(self, ids: torch.Tensor) -> torch.Tensor:
+        """C(ids): ids [N] -> [N, H]."""
+        return self.model.codec_embedding(ids)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        """x [N, H] at positions [N] -> final-normed hidden [N, H]."""
+        return self.model(x, positions, attn)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] -> codec logits [B, vocab] float32."""
+        return self.codec_head(hidden).float()

@@ -1,0 +1,207 @@
+"""Prefill embeddings and the trailing text queue for every variant and text mode (spec b.3).
+
+`PromptBuilder.build(text, voice) -> Prompt(prefill [L0, H], trailing [T, H], pad [H])`.
+Decode step t adds `trailing[t]` (or `pad` once the queue is empty) to the talker input.
+"incremental" = the reference's streaming-text mode (`non_streaming_mode=False`: one text token
+enters per frame), "whole" = all text in the prefill. Embeddings are computed with the same
+groupings as the official model so the results match it bit for bit in fp32.
+`embed_text(ids)` is exposed for engines that append text tokens to a live queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from q3tts.checkpoint.tokenizer import TextTokenizer
+from q3tts.engine.api import TEXT_MODES, InvalidRequest, VoiceSpec
+from q3tts.models.tts_model import Qwen3TTS
+
+DEFAULT_TEXT_MODE = {"custom_voice": "whole", "voice_design": "whole", "base": "incremental"}
+ROLE_TOKENS = 3  # <|im_start|> assistant \n
+TARGET_TAIL = 5  # <|im_end|> \n <|im_start|> assistant \n
+REF_TAIL = 2  # <|im_end|> \n
+
+
+@dataclass
+class Prompt:
+    """prefill [L0, H]; trailing [T, H] text rows for decode steps 0..T-1; pad [H] = E_pad."""
+
+    prefill: torch.Tensor
+    trailing: torch.Tensor
+    pad: torch.Tensor
+
+
+def target_string(text: str) -> str:
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def ref_string(text: str) -> str:
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n"
+
+
+def instruct_string(instruct: str) -> str:
+    return f"<|im_start|>user\n{instruct}<|im_end|>\n"
+
+
+class PromptBuilder:
+    """Builds prompts for one loaded model and its tokenizer."""
+
+    def __init__(self, model: Qwen3TTS, tokenizer: TextTokenizer):
+        self.model = model
+        self.talker = model.talker
+        self.config = model.config
+        self.tcfg = model.config.talker
+        self.tokenizer = tokenizer
+        self.device = self.talker.codec_head.weight.device
+
+    # ------------------------------------------------------------------ embeddings
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def embed_text(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """P(ids) -> [N, H]: the text-track rows of text tokens."""
+        ids = ids if isinstance(ids, torch.Tensor) else self._ids(ids)
+        return self.talker.embed_text(ids)
+
+    def _codec(self, ids: list[int]) -> torch.Tensor:
+        return self.talker.embed_codec(self._ids(ids))  # [N, H]
+
+    def special_embeds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(E_bos, E_eos, E_pad), each [1, H]."""
+        c = self.config
+        return self.embed_text([c.tts_bos_id, c.tts_eos_id, c.tts_pad_id]).split(1, dim=0)
+
+    def target_ids(self, text: str) -> list[int]:
+        """Token ids of the full target string; [3:-5] are the text tokens."""
+        return self.tokenizer.encode(target_string(text))
+
+    # ------------------------------------------------------------------ validation
+
+    def text_mode(self, voice: VoiceSpec) -> str:
+        mode = voice.text_mode or DEFAULT_TEXT_MODE[self.config.variant]
+        if mode not in TEXT_MODES:
+            raise InvalidRequest(f"text_mode must be one of {TEXT_MODES}, got {mode!r}")
+        return mode
+
+    def _language_id(self, voice: VoiceSpec) -> int | None:
+        lang = (voice.language or "auto").lower()
+        supported = sorted(k for k in self.tcfg.language_ids if "dialect" not in k)
+        if lang != "auto" and lang not in supported:
+            raise InvalidRequest(f"unsupported language {voice.language!r}; supported: auto, "
+                                 + ", ".join(supported))
+        lang_id = None if lang == "auto" else self.tcfg.language_ids[lang]
+        dialect = self.tcfg.speaker_dialects.get((voice.speaker or "").lower(), False)
+        if voice.speaker and lang in ("chinese", "auto") and dialect:
+            lang_id = self.tcfg.language_ids[dialect]
+        return lang_id
+
+    def _check_voice(self, voice: VoiceSpec) -> None:
+        variant = self.config.variant
+        if variant == "custom_voice":
+            speakers = sorted(self.tcfg.speaker_ids)
+            if not voice.speaker:
+                raise InvalidRequest(f"CustomVoice needs a speaker; one of {', '.join(speakers)}")
+            if voice.speaker.lower() not in self.tcfg.speaker_ids:
+                raise InvalidRequest(f"unknown speaker {voice.speaker!r}; known: {', '.join(speakers)}")
+        elif voice.speaker:
+            raise InvalidRequest(f"a {variant} model has no named speakers (got {voice.speaker!r})")
+        if variant == "voice_design" and not voice.instruct:
+            raise InvalidRequest("VoiceDesign needs `instruct`: the voice description")
+        if variant == "base":
+            self._check_clone(voice)
+
+    def _check_clone(self, voice: VoiceSpec) -> None:
+        if voice.instruct:
+            raise InvalidRequest("Base models take no instruct")
+        if voice.xvector is None:
+            raise InvalidRequest("Base needs an x-vector (or ref_audio encoded into one first)")
+        if np.asarray(voice.xvector).shape != (self.tcfg.hidden_size,):
+            raise InvalidRequest(f"xvector must have shape [{self.tcfg.hidden_size}], "
+                                 f"got {list(np.asarray(voice.xvector).shape)}")
+        if voice.xvector_only:
+            return
+        if voice.ref_codes is None or not voice.ref_text:
+            raise InvalidRequest("ICL voice cloning needs ref_codes [F, 16] and ref_text "
+                                 "(or set xvector_only)")
+        codes = np.asarray(voice.ref_codes)
+        groups = self.tcfg.num_code_groups
+        if codes.ndim != 2 or codes.shape[1] != groups or codes.shape[0] == 0:
+            raise InvalidRequest(f"ref_codes must have shape [F>0, {groups}], got {list(codes.shape)}")
+        if codes.min() < 0 or codes.max() >= self.tcfg.codebook_size:
+            raise InvalidRequest(f"ref_codes values must lie in [0, {self.tcfg.codebook_size})")
+
+    # ------------------------------------------------------------------ building
+
+    @torch.no_grad()
+    def build(self, text: str, voice: VoiceSpec) -> Prompt:
+        """The prompt of one request; raises InvalidRequest on a bad voice/text."""
+        self._check_voice(voice)
+        mode = self.text_mode(voice)
+        ids = self.target_ids(text)
+        if len(ids) <= ROLE_TOKENS + TARGET_TAIL:
+            raise InvalidRequest("text is empty")
+        bos, eos, pad = self.special_embeds()
+        codec = self._codec_prefix(voice)  # [K, H]
+        rows = [self._instruct_rows(voice), self.embed_text(ids[:ROLE_TOKENS]),
+                torch.cat((pad.expand(codec.shape[0] - 2, -1), bos)) + codec[:-1]]
+        text_ids = ids[ROLE_TOKENS:-TARGET_TAIL]
+        if self.config.variant == "base" and not voice.xvector_only:
+            body, trailing = self._icl_rows(text_ids, voice, eos, pad, mode == "whole")
+        elif mode == "whole":
+            body = torch.cat((torch.cat((self.embed_text(text_ids), eos))
+                              + self._codec([self.tcfg.codec_pad_id] * (len(text_ids) + 1)),
+                              pad + self._codec([self.tcfg.codec_bos_id])))
+            trailing = pad
+        else:
+            body = self.embed_text(text_ids[:1]) + codec[-1:]
+            trailing = torch.cat((self.embed_text(text_ids[1:]), eos))
+        prefill = torch.cat([r for r in rows if r is not None] + [body])
+        return Prompt(prefill=prefill, trailing=trailing, pad=pad[0])
+
+    def _instruct_rows(self, voice: VoiceSpec) -> torch.Tensor | None:
+        if not voice.instruct or self.config.drops_instruct:
+            return None
+        return self.embed_text(self.tokenizer.encode(instruct_string(voice.instruct)))
+
+    def _codec_prefix(self, voice: VoiceSpec) -> torch.Tensor:
+        """[think/nothink tags ..., speaker row?, pad, bos] codec embeddings -> [K, H]."""
+        t = self.tcfg
+        lang_id = self._language_id(voice)
+        tags = ([t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id] if lang_id is None
+                else [t.codec_think_id, t.codec_think_bos_id, lang_id, t.codec_think_eos_id])
+        parts = [self._codec(tags)]
+        if self.config.variant == "custom_voice":
+            spk = self._ids(t.speaker_ids[voice.speaker.lower()])  # scalar id
+            parts.append(self.talker.embed_codec(spk)[None])
+        elif self.config.variant == "base":
+            parts.append(self._xvector(voice)[None])
+        parts.append(self._codec([t.codec_pad_id, t.codec_bos_id]))
+        return torch.cat(parts)
+
+    def _xvector(self, voice: VoiceSpec) -> torch.Tensor:
+        weight = self.talker.codec_head.weight
+        return torch.as_tensor(np.asarray(voice.xvector)).to(device=weight.device, dtype=weight.dtype)
+
+    def ref_code_embeds(self, codes: np.ndarray) -> torch.Tensor:
+        """[F, 16] codes -> [F, H]: sum over groups of talker C (group 0) and cp tables (1..15)."""
+        codes_t = torch.as_tensor(np.asarray(codes), dtype=torch.int64, device=self.device)
+        tables = [self.talker.model.codec_embedding, *self.talker.code_predictor.model.codec_embedding]
+        per_group = [table(codes_t[:, g]) for g, table in enumerate(tables)]  # 16 x [F, H]
+        return torch.stack(per_group, dim=1).sum(1)
+
+    def _icl_rows(self, text_ids: list[int], voice: VoiceSpec, eos: torch.Tensor, pad: torch.Tensor,
+                  whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ref_ids = self.tokenizer.encode(ref_string(voice.ref_text))[ROLE_TOKENS:-REF_TAIL]
+        x = torch.cat((self.embed_text(ref_ids + text_ids), eos))  # [n_r + n + 1, H]
+        y = torch.cat((self._codec([self.tcfg.codec_bos_id]), self.ref_code_embeds(voice.ref_codes)))
+        if whole:
+            body = torch.cat((x + self._codec([self.tcfg.codec_pad_id] * x.shape[0]), y + pad))
+            return body, pad
+        if x.shape[0] > y.shape[0]:
+            return x[:y.shape[0]] + y, x[y.shape[0]:]
+        x = torch.cat((x, pad.expand(y.shape[0] - x.shape[0], -1)))
+        return x + y, pad

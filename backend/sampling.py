@@ -1,0 +1,183 @@
+"""Batched sampling in the reference's processor order (spec d.2, d.3), with counter-based uniforms.
+
+Every parameter is a per-row tensor so one call (and one CUDA graph) serves mixed requests.
+Talker: fp32 logits -> repetition penalty over the row's generated c0 -> EOS blocked while fewer than
+`min_new_tokens` frames were generated -> control ids suppressed -> temperature -> top-k -> top-p ->
+inverse-CDF draw with a uniform (greedy rows: argmax after the first three processors).
+Code predictor: temperature -> top-k -> top-p -> draw, nothing else.
+Uniforms come from `uniforms(seeds, counters)`: a splitmix64 hash in int64 tensor ops, no host RNG,
+so a sequence's draws depend only on its seed and frame index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from q3tts.engine.api import SamplingParams
+
+NUM_UNIFORMS = 16  # column 0: talker c0; column g: code group g (1..15)
+UniformSource = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row parameters, all `[B]`: temperature f32, top_k i64 (0 = off), top_p f32,
+    repetition_penalty f32, greedy bool."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    greedy: torch.Tensor
+
+    @classmethod
+    def talker(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu"
+               ) -> SamplingTensors:
+        """The first-codebook parameters of each request."""
+        return cls._build([(p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.greedy)
+                           for p in params], device)
+
+    @classmethod
+    def subtalker(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu"
+                  ) -> SamplingTensors:
+        """The code-predictor parameters of each request (no repetition penalty)."""
+        return cls._build([(p.subtalker_temperature, p.subtalker_top_k, p.subtalker_top_p, 1.0,
+                            p.cp_greedy) for p in params], device)
+
+    @classmethod
+    def _build(cls, rows: list[tuple], device) -> SamplingTensors:
+        temp, top_k, top_p, rep, greedy = zip(*rows)
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.tensor(temp, **f32), torch.tensor(top_k, dtype=torch.int64, device=device),
+                   torch.tensor(top_p, **f32), torch.tensor(rep, **f32),
+                   torch.tensor(greedy, dtype=torch.bool, device=device))
+
+
+# ---------------------------------------------------------------- processors, each [B, V] -> [B, V]
+
+def apply_repetition_penalty(logits: torch.Tensor, generated: torch.Tensor,
+                             penalty: torch.Tensor) -> torch.Tensor:
+    """s/p if s > 0 else s*p, on ids in the row's history. generated [B, V] bool, penalty [B]."""
+    p = penalty[:, None]
+    penalized = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(generated, penalized, logits)
+
+
+def block_eos(logits: torch.Tensor, num_generated: torch.Tensor, eos_id: int,
+              min_new_tokens: int) -> torch.Tensor:
+    """EOS logit = -inf on rows that generated fewer than `min_new_tokens` tokens (num_generated [B])."""
+    blocked = (num_generated < min_new_tokens)[:, None]  # [B, 1]
+    is_eos = torch.arange(logits.shape[-1], device=logits.device)[None, :] == eos_id  # [1, V]
+    return logits.masked_fill(blocked & is_eos, float("-inf"))
+
+
+def suppress_range(logits: torch.Tensor, start: int, keep_id: int) -> torch.Tensor:
+    """ids >= start are -inf, except `keep_id`."""
+    ids = torch.arange(logits.shape[-1], device=logits.device)
+    return logits.masked_fill(((ids >= start) & (ids != keep_id))[None, :], float("-inf"))
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor,
+                      greedy: torch.Tensor) -> torch.Tensor:
+    return logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep scores >= the row's k-th largest (ties kept); top_k 0 or >= V = off."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # [B]
+    sorted_desc = logits.sort(dim=-1, descending=True).values  # [B, V]
+    kth = sorted_desc.gather(-1, (k - 1)[:, None])  # [B, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """HF nucleus: drop the ascending-sorted prefix whose cumulative mass <= 1 - top_p (keep >= 1)."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)  # [B, V]
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+    remove = cum <= (1 - top_p)[:, None]
+    remove[:, -1] = False
+    mask = remove.scatter(-1, sorted_idx, remove)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def draw(logits: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw of one id per row from softmax(logits) with `u [B]` in [0, 1); greedy rows
+    take the argmax. Returns [B] int64."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]  # [B, 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [B]
+    last_nonzero = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)  # [B]
+    sampled = torch.minimum(idx, last_nonzero)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def warp_and_draw(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
+    """temperature -> top-k -> top-p -> draw (the shared tail of both samplers)."""
+    logits = apply_temperature(logits, params.temperature, params.greedy)
+    logits = apply_top_p(apply_top_k(logits, params.top_k), params.top_p)
+    return draw(logits, u, params.greedy)
+
+
+@dataclass(frozen=True)
+class TalkerRules:
+    """Codec-id constants of the talker processors (from the config)."""
+
+    eos_id: int
+    suppress_start: int  # vocab_size - 1024: control/language/speaker ids
+    min_new_tokens: int = 2
+
+
+def sample_talker(logits: torch.Tensor, params: SamplingTensors, rules: TalkerRules,
+                  generated: torch.Tensor, num_generated: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """First-codebook draw. logits [B, V] (any float dtype); generated [B, V] bool history mask;
+    num_generated [B] int; u [B]. Returns c0 [B] int64."""
+    scores = apply_repetition_penalty(logits.float(), generated, params.repetition_penalty)
+    scores = block_eos(scores, num_generated, rules.eos_id, rules.min_new_tokens)
+    scores = suppress_range(scores, rules.suppress_start, rules.eos_id)
+    return warp_and_draw(scores, params, u)
+
+
+class SubtalkerSampler:
+    """Code-predictor sampler: `sampler(logits [B, V], group) -> ids [B]` using `u[:, group]`."""
+
+    def __init__(self, params: SamplingTensors, u: torch.Tensor):
+        self.params = params
+        self.u = u  # [B, NUM_UNIFORMS]
+
+    def __call__(self, logits: torch.Tensor, group: int) -> torch.Tensor:
+        return warp_and_draw(logits.float(), self.params, self.u[:, group])
+
+
+# ---------------------------------------------------------------- counter-based uniforms
+
+def _i64(x: int) -> int:
+    """Two's-complement int64 value of a 64-bit unsigned constant."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """[B, 16] float32 uniforms in [0, 1) for (seed, counter) pairs (seeds, counters: [B] int64)."""
+    lane = torch.arange(NUM_UNIFORMS, dtype=torch.int64, device=seeds.device)  # [16]
+    key = _splitmix64(seeds.long())[:, None]  # [B, 1]
+    bits = _splitmix64(key ^ (counters.long()[:, None] * NUM_UNIFORMS + lane))  # [B, 16]
+    return _shr(bits, 40).float() * (1.0 / (1 << 24))
