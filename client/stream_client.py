@@ -1,0 +1,279 @@
+"""`q3tts-client`: stream text to the Triton sequence model over gRPC and write the audio to a WAV.
+
+    q3tts-client --url 127.0.0.1:8001 --text "Hello there." --speaker ryan --out hello.wav
+    some_llm | q3tts-client --speaker ryan --out reply.wav          # stdin: each line is one text piece
+    q3tts-client --text "Hello." --concurrency 8                     # quick load check
+
+Prints time to first audio (TTFA: first request sent -> first audio response) and RTF (wall time / audio
+seconds). No torch: tritonclient, numpy, soundfile only. `synthesize()` is reused by tests and perf/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from q3tts.client import protocol as P
+
+_seq_ids = itertools.count((os.getpid() % 100000) * 1_000_000 + 1)
+
+
+@dataclass
+class Result:
+    sequence_id: int
+    audio: np.ndarray  # float32 (or int16 with audio_format=int16), concatenated in FIRST_FRAME order
+    sample_rate: int = P.SAMPLE_RATE
+    finish_reason: str | None = None
+    error: str | None = None
+    ttfa_s: float | None = None
+    total_s: float = 0.0
+    chunks: int = 0
+    finals: int = 0
+    requests: int = 0
+    chunk_frames: list = field(default_factory=list)
+
+    @property
+    def audio_s(self) -> float:
+        return len(self.audio) / self.sample_rate
+
+    @property
+    def rtf(self) -> float | None:
+        return self.total_s / self.audio_s if self.audio_s else None
+
+
+def _bytes_input(name: str, value: str) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, [1], "BYTES")
+    t.set_data_from_numpy(np.array([value.encode("utf-8")], dtype=object))
+    return t
+
+
+def start_inputs(text: str, speaker=None, language=None, instruct=None, ref_audio=None, ref_sample_rate=None,
+                 ref_text=None) -> list:
+    """Inputs of a START request: TEXT plus the voice fields that are set."""
+    inputs = [_bytes_input(P.INPUT_TEXT, text)]
+    for name, value in ((P.INPUT_SPEAKER, speaker), (P.INPUT_LANGUAGE, language),
+                        (P.INPUT_INSTRUCT, instruct), (P.INPUT_REF_TEXT, ref_text)):
+        if value:
+            inputs.append(_bytes_input(name, value))
+    if ref_audio is not None:
+        a = grpcclient.InferInput(P.INPUT_REF_AUDIO, [len(ref_audio)], "FP32")
+        a.set_data_from_numpy(np.asarray(ref_audio, np.float32))
+        inputs.append(a)
+        sr = grpcclient.InferInput(P.INPUT_REF_SAMPLE_RATE, [1], "INT32")
+        sr.set_data_from_numpy(np.array([ref_sample_rate or P.SAMPLE_RATE], np.int32))
+        inputs.append(sr)
+    return inputs
+
+
+def synthesize(url: str, pieces: Iterable[str], voice: dict | None = None, params: dict | None = None,
+               sequence_id: int | None = None, timeout_s: float = 300.0, on_chunk=None,
+               cancel_after_chunks: int | None = None, client=None) -> Result:
+    """Send `pieces` as one sequence (START on the first, END after the last) and collect the audio.
+
+    `pieces` may be a generator (e.g. stdin lines): each piece is sent as soon as it is produced.
+    `cancel_after_chunks` stops the stream with cancel_requests=True after that many audio chunks.
+    """
+    sid = sequence_id or next(_seq_ids)
+    params = {k: v for k, v in (params or {}).items() if v is not None}
+    fmt_name = P.AUDIO_FORMATS[params.get(P.PARAM_AUDIO_FORMAT, "float32")]
+    events: queue.Queue = queue.Queue()
+    own = client is None
+    client = client or grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
+    res = Result(sid, np.zeros(0, np.float32))
+    chunks: list[tuple[int, np.ndarray]] = []
+    t0 = None
+    sent_end = threading.Event()
+    cancelled = False
+
+    def feed():
+        nonlocal t0
+        k = 0
+        for k, piece in enumerate(itertools.chain(pieces, [None])):
+            if piece is None:
+                break
+            inputs = start_inputs(piece, **(voice or {})) if k == 0 else [_bytes_input(P.INPUT_TEXT, piece)]
+            if k == 0:
+                t0 = time.perf_counter()
+            client.async_stream_infer(P.MODEL, inputs, request_id=f"{sid}-{k}", sequence_id=sid,
+                                      sequence_start=(k == 0), parameters=params if k == 0 else None,
+                                      enable_empty_final_response=True)
+            res.requests += 1
+        if res.requests == 0:  # no text at all: one START|END with empty text
+            t0 = time.perf_counter()
+            client.async_stream_infer(P.MODEL, start_inputs("", **(voice or {})), request_id=f"{sid}-0",
+                                      sequence_id=sid, sequence_start=True, sequence_end=True,
+                                      parameters=params, enable_empty_final_response=True)
+        else:
+            client.async_stream_infer(P.MODEL, [_bytes_input(P.INPUT_TEXT, "")], request_id=f"{sid}-end",
+                                      sequence_id=sid, sequence_end=True, enable_empty_final_response=True)
+        res.requests += 1
+        sent_end.set()
+
+    # NOTE: the common case (a list of text) is sent as ONE START|END request when it has one piece.
+    if isinstance(pieces, (list, tuple)) and len(pieces) <= 1:
+        t0 = time.perf_counter()
+        client.async_stream_infer(P.MODEL, start_inputs(pieces[0] if pieces else "", **(voice or {})),
+                                  request_id=f"{sid}-0", sequence_id=sid, sequence_start=True,
+                                  sequence_end=True, parameters=params, enable_empty_final_response=True)
+        res.requests = 1
+        sent_end.set()
+    else:
+        threading.Thread(target=feed, name="q3tts-client-feed", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not (sent_end.is_set() and res.finals >= res.requests):
+            try:
+                t, result, error = events.get(timeout=max(0.01, min(0.5, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    res.error = f"timed out after {timeout_s:.0f} s"
+                    break
+                continue
+            if error is not None:
+                res.error = res.error or str(error)
+                res.finals += 1
+                if "CANCELLED" in str(error) or cancelled:
+                    break
+                continue
+            audio = result.as_numpy(fmt_name)
+            if audio is not None and audio.size:
+                if res.ttfa_s is None:
+                    res.ttfa_s = t - t0
+                first = result.as_numpy(P.OUTPUT_FIRST_FRAME)
+                chunks.append((int(first[0]) if first is not None else len(chunks), audio))
+                res.chunk_frames.append(audio.size // P.SAMPLES_PER_FRAME)
+                res.chunks += 1
+                if on_chunk:
+                    on_chunk(res, sum(len(a) for _, a in chunks))
+                if cancel_after_chunks is not None and res.chunks >= cancel_after_chunks:
+                    cancelled = True
+                    client.stop_stream(cancel_requests=True)
+                    break
+            reason = result.as_numpy(P.OUTPUT_FINISH_REASON)
+            if reason is not None:
+                res.finish_reason = reason.reshape(-1)[0].decode()
+            sr = result.as_numpy(P.OUTPUT_SAMPLE_RATE)
+            if sr is not None:
+                res.sample_rate = int(sr[0])
+            p = result.get_response().parameters.get("triton_final_response")
+            if p is not None and p.bool_param:
+                res.finals += 1
+        res.total_s = time.perf_counter() - (t0 or time.perf_counter())
+    finally:
+        if not cancelled:
+            client.stop_stream()
+        if own:
+            client.close()
+    chunks.sort(key=lambda c: c[0])
+    dtype = np.int16 if fmt_name == P.OUTPUT_AUDIO_INT16 else np.float32
+    res.audio = np.concatenate([a for _, a in chunks]).astype(dtype) if chunks else np.zeros(0, dtype)
+    return res
+
+
+def _stdin_pieces():
+    for line in sys.stdin:
+        line = line.rstrip("\n")
+        if line.strip():
+            yield line + " "
+
+
+def _params(args) -> dict:
+    return {"greedy": True if args.greedy else None, "seed": args.seed, "max_frames": args.max_frames,
+            P.PARAM_TEXT_MODE: args.text_mode, P.PARAM_AUDIO_FORMAT: args.audio_format,
+            P.PARAM_CHUNK_SCHEDULE: args.chunk_schedule}
+
+
+def _voice(args) -> dict:
+    voice = {"speaker": args.speaker, "language": args.language, "instruct": args.instruct,
+             "ref_text": args.ref_text}
+    if args.ref_audio:
+        import soundfile as sf
+
+        audio, sr = sf.read(args.ref_audio, dtype="float32", always_2d=True)
+        voice.update(ref_audio=audio.mean(axis=1), ref_sample_rate=sr)
+    return voice
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="q3tts-client", description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default="127.0.0.1:8001", help="gRPC host:port of tritonserver")
+    ap.add_argument("--text", default=None, help="the text (default: stdin, one piece per line)")
+    ap.add_argument("--speaker", default=None)
+    ap.add_argument("--language", default=None)
+    ap.add_argument("--instruct", default=None)
+    ap.add_argument("--ref-audio", default=None, help="reference WAV for voice cloning (Base models)")
+    ap.add_argument("--ref-text", default=None, help="transcript of --ref-audio")
+    ap.add_argument("--text-mode", default=None, choices=["whole", "incremental"])
+    ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--max-frames", type=int, default=None)
+    ap.add_argument("--audio-format", default=None, choices=sorted(P.AUDIO_FORMATS))
+    ap.add_argument("--chunk-schedule", default=None, help="frames per response, e.g. 1,2,4,8")
+    ap.add_argument("--out", default="out.wav", help="WAV to write (with --concurrency: one per stream, _i suffix)")
+    ap.add_argument("--concurrency", type=int, default=1, help="N concurrent sequences of the same text")
+    ap.add_argument("--timeout-s", type=float, default=600.0)
+    args = ap.parse_args(argv)
+    voice, params = _voice(args), _params(args)
+    if args.concurrency > 1:
+        return _load_check(args, voice, params)
+    pieces = [args.text] if args.text is not None else _stdin_pieces()
+
+    def progress(res, samples):
+        print(f"\r  {res.chunks} chunks, {samples / P.SAMPLE_RATE:6.2f} s audio", end="", file=sys.stderr)
+
+    res = synthesize(args.url, pieces, voice, params, timeout_s=args.timeout_s, on_chunk=progress)
+    print(file=sys.stderr)
+    if res.error:
+        print(f"error: {res.error}", file=sys.stderr)
+        return 1
+    _write(args.out, res)
+    print(f"wrote {args.out}: {res.audio_s:.2f} s at {res.sample_rate} Hz, {res.chunks} chunks, "
+          f"finish={res.finish_reason}, TTFA {1000 * (res.ttfa_s or 0):.1f} ms, "
+          f"RTF {res.rtf if res.rtf is not None else float('nan'):.3f}")
+    return 0
+
+
+def _write(path: str, res: Result) -> None:
+    import soundfile as sf
+
+    sf.write(path, res.audio, res.sample_rate, subtype="PCM_16" if res.audio.dtype == np.int16 else "FLOAT")
+
+
+def _load_check(args, voice, params) -> int:
+    text = args.text if args.text is not None else sys.stdin.read()
+    results: list = [None] * args.concurrency
+    t0 = time.perf_counter()
+
+    def one(i):
+        results[i] = synthesize(args.url, [text], voice, params, timeout_s=args.timeout_s)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(args.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    errors = [r.error for r in results if r.error]
+    ttfa = sorted(1000 * r.ttfa_s for r in results if r.ttfa_s is not None)
+    audio = sum(r.audio_s for r in results)
+    if ttfa:
+        print(f"{args.concurrency} streams: TTFA p50 {ttfa[len(ttfa) // 2]:.1f} ms, max {ttfa[-1]:.1f} ms; "
+              f"{audio:.2f} audio-s in {wall:.2f} s = {audio / wall:.2f} audio-s/s; errors {len(errors)}")
+    for e in errors[:3]:
+        print(f"error: {e}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
