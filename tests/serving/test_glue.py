@@ -1,0 +1,222 @@
+"""The serving glue with a fake pb_utils and a scripted engine: exactly one FINAL per request on every path
+(success, superseded, bad input, engine rejection, cancel, idle, engine crash, shutdown)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from q3tts.engine.api import InvalidRequest, StepOutput
+from q3tts.engine.config import EngineConfig
+from tests.serving.conftest import FakeRequest
+
+from q3tts.serving import triton_model  # noqa: E402  (after the fake pb_utils is installed)
+
+FRAME = 1920
+
+
+class ScriptedEngine:
+    """The Engine contract in miniature: one frame per step per sequence whose text is done, `frames`
+    frames each; `abort` frees at the next step (reason 'aborted')."""
+
+    def __init__(self, frames=5, fail_step=False):
+        self.frames, self.fail_step = frames, fail_step
+        self.seqs, self.aborted, self.calls = {}, [], []
+
+    def add(self, seq_id, voice, sampling, text="", text_done=False):
+        if voice.speaker == "nobody":
+            raise InvalidRequest("unknown speaker 'nobody'")
+        self.seqs[seq_id] = {"done": text_done, "made": 0, "abort": False, "text": text}
+
+    def append_text(self, seq_id, text):
+        self.seqs[seq_id]["text"] += text
+
+    def end_text(self, seq_id):
+        self.seqs[seq_id]["done"] = True
+
+    def abort(self, seq_id):
+        self.seqs[seq_id]["abort"] = True
+        self.aborted.append(seq_id)
+
+    def has_work(self):
+        return any(s["done"] or s["abort"] for s in self.seqs.values())
+
+    def step(self):
+        if self.fail_step:
+            raise RuntimeError("boom")
+        outs = []
+        for sid, s in list(self.seqs.items()):
+            if s["abort"]:
+                del self.seqs[sid]
+                outs.append(StepOutput(sid, np.zeros((0, 16)), np.zeros(0, np.float32), True, "aborted"))
+            elif s["done"]:
+                s["made"] += 1
+                pcm = np.full(FRAME, s["made"], np.float32)
+                fin = s["made"] >= self.frames
+                outs.append(StepOutput(sid, np.zeros((1, 16)), pcm, fin, "eos" if fin else None))
+                if fin:
+                    del self.seqs[sid]
+        time.sleep(0.001)
+        return outs
+
+    def stats(self):
+        n = len(self.seqs)
+        return {"active": n, "queued": 0, "kv_pages_used": n, "kv_pages_total": 8, "slots_used": n,
+                "slots_total": 8}
+
+
+@pytest.fixture
+def core_factory():
+    cores = []
+
+    def make(engine=None, idle_s=30.0, schedule=(1, 2, 4)):
+        engine = engine or ScriptedEngine()
+        metrics = triton_model.ServingMetrics(triton_model.pb_utils, {"model": "t", "version": "1"})
+        core = triton_model.ServingCore(lambda: engine, schedule, idle_s, None, metrics)
+        core.start()
+        cores.append(core)
+        return core, engine
+
+    yield make
+    for core in cores:
+        if core.engine_thread.is_alive():
+            core.shutdown()
+
+
+def submit(core, *requests):
+    for r in requests:
+        core.submit(r, r.sender)
+
+
+def wait_finals(requests, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(r.sender.finals for r in requests):
+            time.sleep(0.05)  # anything sent after the FINAL would trip RecordingSender
+            break
+        time.sleep(0.005)
+    for r in requests:
+        assert len(r.sender.finals) == 1, f"request {r.corr_id}: {len(r.sender.finals)} finals"
+
+
+def test_one_request_sequence_streams_growing_chunks_then_one_final(core_factory):
+    core, _ = core_factory()
+    r = FakeRequest(1, "hello", start=True, end=True, SPEAKER="ryan")
+    submit(core, r)
+    wait_finals([r])
+    assert [a.size // FRAME for a in r.sender.audio] == [1, 2, 2]  # schedule 1,2,4; 5 frames in all
+    last = r.sender.sent[-1][0]
+    assert last.tensors["FINISH_REASON"][0] == b"eos" and r.sender.error is None
+    assert np.concatenate(r.sender.audio)[::FRAME].tolist() == [1, 2, 3, 4, 5]
+
+
+def test_multi_request_sequence_supersedes_in_order(core_factory):
+    core, _ = core_factory()
+    reqs = [FakeRequest(2, "a ", start=True), FakeRequest(2, "b "), FakeRequest(2, "c", end=True)]
+    submit(core, *reqs)
+    wait_finals(reqs)
+    assert reqs[0].sender.sent == [(None, 1)] and reqs[1].sender.sent == [(None, 1)]
+    assert np.concatenate(reqs[2].sender.audio)[::FRAME].tolist() == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("req, needle", [
+    (FakeRequest(3, None, start=True, end=True), "input TEXT is required"),
+    (FakeRequest(3, "x", start=True, end=True, params={"bogus": 1}), "unknown request parameter 'bogus'"),
+    (FakeRequest(3, "x", start=True, end=True, params={"top_p": 2.0}), "top_p must be in (0, 1]"),
+    (FakeRequest(3, "x", start=True, end=True, params={"audio_format": "mp3"}), "audio_format"),
+    (FakeRequest(3, "x", start=True, end=True, SPEAKER="nobody"), "unknown speaker 'nobody'"),
+    (FakeRequest(3, "x", SPEAKER="ryan"), "can only be set on the START request"),
+    (FakeRequest(3, "x"), "has no open session"),
+])
+def test_bad_input_gets_exactly_one_clear_error(core_factory, req, needle):
+    core, engine = core_factory()
+    submit(core, req)
+    wait_finals([req])
+    assert len(req.sender.sent) == 1 and needle in req.sender.error.message()
+    assert engine.seqs == {} and core.sessions == {}
+    assert core.metrics.rejected.value == 1
+
+
+def test_failed_start_then_continuation_names_the_start_failure(core_factory):
+    core, _ = core_factory()
+    reqs = [FakeRequest(4, "x", start=True, SPEAKER="nobody"), FakeRequest(4, "y"), FakeRequest(4, "", end=True)]
+    submit(core, *reqs)
+    wait_finals(reqs)
+    assert "its START request failed" in reqs[1].sender.error.message()
+    assert reqs[2].sender.sent == [(None, 1)]  # closing it is harmless
+
+
+def test_cancel_aborts_in_engine_and_sends_one_cancelled_final(core_factory):
+    core, engine = core_factory(engine=ScriptedEngine(frames=10_000))
+    r = FakeRequest(5, "long", start=True, end=True)
+    submit(core, r)
+    while not r.sender.audio:
+        time.sleep(0.005)
+    r.sender.cancelled = True
+    wait_finals([r])
+    assert "cancelled" in r.sender.error.message() and engine.aborted
+    deadline = time.monotonic() + 2
+    while engine.seqs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.seqs == {} and core.sessions == {}
+
+
+def test_cancel_while_waiting_for_text(core_factory):
+    core, engine = core_factory()
+    r = FakeRequest(6, "waiting", start=True)
+    submit(core, r)
+    time.sleep(0.1)
+    r.sender.cancelled = True
+    wait_finals([r])
+    assert r.sender.error.code() == triton_model.pb_utils.TritonError.CANCELLED and engine.aborted
+
+
+def test_idle_sequence_is_collected(core_factory):
+    core, engine = core_factory(idle_s=0.2)
+    r = FakeRequest(7, "no end", start=True)
+    submit(core, r)
+    wait_finals([r])
+    assert "idled out" in r.sender.error.message() and engine.aborted and core.sessions == {}
+    late = FakeRequest(7, "more")
+    submit(core, late)
+    wait_finals([late])
+    assert "no open session" in late.sender.error.message()
+
+
+def test_restart_on_live_id_fails_the_old_request_once(core_factory):
+    core, _ = core_factory()
+    old, new = FakeRequest(8, "a", start=True), FakeRequest(8, "b", start=True, end=True)
+    submit(core, old, new)
+    wait_finals([old, new])
+    assert "restarted" in old.sender.error.message() and new.sender.error is None
+
+
+def test_engine_crash_fails_every_live_request_once(core_factory):
+    core, _ = core_factory(engine=ScriptedEngine(fail_step=True))
+    reqs = [FakeRequest(9, "a", start=True, end=True), FakeRequest(10, "b", start=True, end=True)]
+    submit(core, *reqs)
+    wait_finals(reqs)
+    assert all("engine step failed: boom" in r.sender.error.message() for r in reqs)
+
+
+def test_shutdown_answers_open_requests(core_factory):
+    core, _ = core_factory()
+    reqs = [FakeRequest(11, "a", start=True), FakeRequest(12, "b", start=True)]
+    submit(core, *reqs)
+    time.sleep(0.05)
+    core.shutdown()
+    for r in reqs:
+        assert len(r.sender.finals) == 1 and "shutting down" in r.sender.error.message()
+
+
+def test_int16_and_metrics(core_factory):
+    core, _ = core_factory()
+    r = FakeRequest(13, "x", start=True, end=True, params={"audio_format": "int16", "chunk_schedule": "5"})
+    submit(core, r)
+    wait_finals([r])
+    (resp, flags), = r.sender.sent
+    assert flags == 1 and resp.tensors["AUDIO_INT16"].dtype == np.int16 and resp.tensors["SAMPLE_RATE"][0] == 24000
+    assert core.metrics.audio_seconds.value == pytest.approx(5 * FRAME / 24000)
+    assert len(core.metrics.ttfa.observed) == 1
