@@ -1,4 +1,4 @@
-"""`cast(x, dtype)`: fp32 -> dtype with round-to-nearest-even on the GPU and in the interpreter.
+"""`cast(x, dtype)` and `dot(a, b)` with GPU numerics on the GPU and in the interpreter.
 
 NOTE: the Triton interpreter (TRITON_INTERPRET=1, triton 3.6) truncates fp32 -> bf16 casts, while
 GPUs and torch round to nearest even; this helper rounds by hand there so CPU tests see GPU numerics.
@@ -21,3 +21,13 @@ def cast(x, dtype: tl.constexpr):
         return bits.to(tl.float32, bitcast=True).to(dtype)
     else:
         return x.to(dtype)
+
+
+@triton.jit
+def dot(a, b, DOT_PRECISION: tl.constexpr):
+    """tl.dot with fp32 accumulation. NOTE: the triton 3.6 interpreter multiplies the raw uint16
+    bits of bf16 operands, so there the (exact) fp32 upcast is done first."""
+    if _INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._cast import cast
+from ._cast import cast, dot
 from .autotune import device_guard, num_sms, pick
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": empty splits merge without inf - inf = nan
@@ -77,13 +77,13 @@ def _decode_split_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        s = dot(q, tl.trans(k), DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
         s = tl.where(t_mask[None, :], s, _NEG)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(cast(p, v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v, DOT_PRECISION)
         m_i = m_new
 
     # partials are contiguous [B, NH, num_splits, (HEAD_DIM)]
