@@ -55,39 +55,52 @@ class SlotPool:
 
 @dataclass
 class SlotState:
-    """Device state of all slots (+1 dummy row). S = num_slots + 1, H = talker hidden size."""
+    """Device state of all slots (+1 dummy row). S = num_slots + 1, H = talker hidden, Q = text queue."""
 
     last_c0: torch.Tensor      # [S] int64, c0 sampled at the previous talker step
     past_hidden: torch.Tensor  # [S, H] model dtype, final-norm talker hidden that c0 was sampled from
-    position: torch.Tensor     # [S] int64, KV position of the next talker token (= L0 + frames)
-    num_frames: torch.Tensor   # [S] int64, frames made so far (= index of the next frame)
     rep_mask: torch.Tensor     # [S, V] bool, c0 ids generated so far (repetition penalty)
-    text_ids: torch.Tensor     # [S, Q] int64, trailing text ids (T1.., then tts_eos); rest = tts_pad
-    text_len: torch.Tensor     # [S] int64, valid entries of text_ids
-    seed: torch.Tensor         # [S] int64, sampler stream of the sequence
+    text_queue: torch.Tensor   # [S, Q, H] model dtype, trailing text rows (frame t adds row t)
+    text_len: torch.Tensor     # [S] int64, valid rows of text_queue (past them: E_pad)
+    seed: torch.Tensor         # [S] int64, uniform stream of the sequence
+    # per-slot sampling parameters ([S] each): talker and code predictor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    greedy: torch.Tensor
+    sub_temperature: torch.Tensor
+    sub_top_k: torch.Tensor
+    sub_top_p: torch.Tensor
+    sub_greedy: torch.Tensor
 
     @classmethod
-    def allocate(cls, num_slots: int, hidden: int, vocab: int, queue: int, pad_id: int,
+    def allocate(cls, num_slots: int, hidden: int, vocab: int, queue: int,
                  dtype: torch.dtype, device: torch.device | str) -> SlotState:
         s = num_slots + 1
         i64 = dict(dtype=torch.int64, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        b = dict(dtype=torch.bool, device=device)
         return cls(
-            last_c0=torch.zeros(s, **i64),
-            past_hidden=torch.zeros(s, hidden, dtype=dtype, device=device),
-            position=torch.zeros(s, **i64),
-            num_frames=torch.zeros(s, **i64),
-            rep_mask=torch.zeros(s, vocab, dtype=torch.bool, device=device),
-            text_ids=torch.full((s, queue), pad_id, **i64),
-            text_len=torch.zeros(s, **i64),
-            seed=torch.zeros(s, **i64),
+            last_c0=torch.zeros(s, **i64), past_hidden=torch.zeros(s, hidden, dtype=dtype, device=device),
+            rep_mask=torch.zeros(s, vocab, **b),
+            text_queue=torch.zeros(s, queue, hidden, dtype=dtype, device=device),
+            text_len=torch.zeros(s, **i64), seed=torch.zeros(s, **i64),
+            temperature=torch.ones(s, **f32), top_k=torch.zeros(s, **i64), top_p=torch.ones(s, **f32),
+            repetition_penalty=torch.ones(s, **f32), greedy=torch.ones(s, **b),
+            sub_temperature=torch.ones(s, **f32), sub_top_k=torch.zeros(s, **i64),
+            sub_top_p=torch.ones(s, **f32), sub_greedy=torch.ones(s, **b),
         )
 
-    def clear(self, slot: int, pad_id: int) -> None:
-        self.last_c0[slot] = 0
-        self.past_hidden[slot].zero_()
-        self.position[slot] = 0
-        self.num_frames[slot] = 0
-        self.rep_mask[slot].zero_()
-        self.text_ids[slot].fill_(pad_id)
-        self.text_len[slot] = 0
-        self.seed[slot] = 0
+    def load_sampling(self, slot: int, p) -> None:
+        """Write SamplingParams `p` into the slot's parameter rows."""
+        self.temperature[slot] = p.temperature
+        self.top_k[slot] = p.top_k
+        self.top_p[slot] = p.top_p
+        self.repetition_penalty[slot] = p.repetition_penalty
+        self.greedy[slot] = p.greedy
+        self.sub_temperature[slot] = p.subtalker_temperature
+        self.sub_top_k[slot] = p.subtalker_top_k
+        self.sub_top_p[slot] = p.subtalker_top_p
+        self.sub_greedy[slot] = p.cp_greedy
+        self.seed[slot] = p.seed

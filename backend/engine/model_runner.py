@@ -1,0 +1,185 @@
+"""Device side of the engine: paged talker KV, slot state, prefill and the batched decode step.
+
+The runner makes no policy decision: the engine tells it which slot to prefill with which rows and
+which rows (slot, position, pages, frame index) to decode. One decode step, for rows [:bucket] of
+`GraphBuffers` (all state in place, no host sync, so it is one CUDA graph per bucket on CUDA):
+
+    c1..c15 = code_predictor(past_hidden[slot], last_c0[slot])        uniforms(seed, t)[:, 1:]
+    frame   = (last_c0, c1..c15)  -> streaming codec -> pcm [1920]
+    x       = C(c0) + sum_g E_g(c_g) + (text_queue[slot, t] if t < text_len else E_pad)
+    hidden  = talker(x @ position, paged KV)  -> logits -> c0_next     uniforms(seed, t + 1)[:, 0]
+    state[slot] <- (c0_next, hidden, rep_mask | c0_next)
+
+Padding rows (graph buckets, and on CPU too, so that a row's arithmetic never depends on how many
+real rows share the step) use the dummy slot `max_slots`, the dummy page `num_pages` and
+slot_mapping -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from q3tts.models import step
+from q3tts.models.attention import PagedKVCache
+from q3tts.sampling import SamplingTensors, uniforms
+
+from .config import EngineConfig
+from .cuda_graph import (META_COLS, META_CTX, META_FRAME, META_POS, META_SLOT, META_SLOT_MAP,
+                         GraphBuffers, GraphRunner)
+from .slots import SlotState
+
+UniformSource = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (seeds [B], counters [B]) -> [B, 16]
+
+
+@dataclass
+class DecodeRow:
+    slot: int
+    position: int      # KV position of the token this step writes (= prompt_len + frame)
+    frame: int         # index of the frame this step makes
+    pages: list[int]   # the sequence's pages, in order
+
+
+class ModelRunner:
+    def __init__(self, model, codec, config: EngineConfig, pad_row: torch.Tensor,
+                 uniform_source: UniformSource | None = None) -> None:
+        assert config.num_pages is not None, "EngineConfig.resolve() first"
+        self.model, self.talker, self.codec, self.config = model, model.talker, codec, config
+        tc = model.config.talker
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.groups = tc.num_code_groups
+        self.samples_per_frame = codec.samples_per_frame if codec is not None else 0
+        lc = tc.layers
+        self.kv = PagedKVCache(lc.num_layers, config.num_pages + 1, config.page_size, lc.num_kv_heads,
+                               lc.head_dim, self.dtype, self.device)
+        self.dummy_page, self.dummy_slot = config.num_pages, config.max_slots
+        self.max_pages = config.pages_for(config.max_prompt_tokens + config.max_frames)
+        self.state = SlotState.allocate(config.max_slots, tc.hidden_size, tc.vocab_size,
+                                        config.max_text_tokens, self.dtype, self.device)
+        self.pad_row = pad_row.to(self.dtype).reshape(-1)  # [H] E_pad
+        self.uniform_source = uniform_source or uniforms
+        self.buckets = tuple(b for b in config.graph_batch_sizes if b <= config.max_graph_batch)
+        self.max_batch = max(config.max_graph_batch, config.max_slots)
+        self.buf = GraphBuffers.allocate(self.max_batch, self.max_pages, self.groups,
+                                         max(self.samples_per_frame, 1), self.device)
+        self.graphs: GraphRunner | None = None
+        self.num_decode_steps = 0
+
+    @property
+    def bytes_per_page(self) -> int:
+        return 2 * self.kv.k[:, 0].numel() * self.kv.k.element_size()
+
+    def capture_graphs(self) -> None:
+        """Capture the decode step for every bucket (CUDA only)."""
+        if self.device.type != "cuda" or not self.config.use_cuda_graphs:
+            return
+        # NOTE: kernels tune on their first launch; GraphRunner.capture warms every bucket up first
+        self.graphs = GraphRunner(self._decode_rows, self._fill_padding, self.buckets)
+        with torch.no_grad():
+            self.graphs.capture()
+
+    # --- per sequence -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def start(self, slot: int, sampling, prefill: torch.Tensor, pages: list[int]) -> None:
+        """Reset the slot, run the prompt `prefill` [L0, H] into its pages and sample its first c0."""
+        st = self.state
+        st.load_sampling(slot, sampling)
+        st.rep_mask[slot].zero_()
+        st.text_len[slot] = 0
+        sl = torch.tensor([slot], device=self.device)
+        if self.codec is not None:
+            self.codec.reset(sl)
+        num = prefill.shape[0]
+        pos = torch.arange(num, device=self.device)  # [L0]
+        page_ids = torch.tensor(pages, device=self.device)
+        slot_mapping = page_ids[pos // self.kv.page_size] * self.kv.page_size + pos % self.kv.page_size
+        c0, hidden = step.prefill(self.talker, self.kv, prefill.to(self.dtype), slot_mapping,
+                                  self._talker_params(sl), st.seed[sl], self.uniform_source)
+        st.last_c0[sl] = c0
+        st.past_hidden[sl] = hidden
+        st.rep_mask[sl, c0] = True
+
+    @torch.no_grad()
+    def push_text(self, slot: int, start: int, rows: torch.Tensor) -> None:
+        """Trailing text rows [k, H] for frames start..start+k-1 of the slot."""
+        k = rows.shape[0]
+        self.state.text_queue[slot, start:start + k] = rows.to(self.dtype)
+        self.state.text_len[slot] = start + k
+
+    # --- the batched step -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode(self, rows: list[DecodeRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One decode step for `rows`: returns frames [B, 16], c0_next [B], pcm [B, 1920] (host)."""
+        n = len(rows)
+        bucket = self.config.bucket_for(n) if n <= self.max_batch else None
+        bucket = bucket if bucket is not None and bucket <= self.max_batch else n
+        meta = np.zeros((bucket, self.buf.meta.shape[1]), dtype=np.int64)
+        self._padding_meta(meta)
+        for i, r in enumerate(rows):
+            page = r.pages[r.position // self.kv.page_size]
+            meta[i, :META_COLS] = (r.slot, r.position, page * self.kv.page_size + r.position % self.kv.page_size,
+                                   r.position + 1, r.frame)
+            meta[i, META_COLS:META_COLS + len(r.pages)] = r.pages
+        self.buf.meta[:bucket].copy_(torch.from_numpy(meta))
+        if self.graphs is not None and self.graphs.pad(bucket) == bucket:
+            self.graphs.replay(bucket)
+        else:
+            self._decode_rows(bucket)
+        self.num_decode_steps += 1
+        frames = self.buf.frames[:n].cpu().numpy()
+        c0_next = self.buf.c0_next[:n].cpu().numpy()
+        pcm = self.buf.pcm[:n].cpu().numpy() if self.codec is not None else np.zeros((n, 0), np.float32)
+        return frames, c0_next, pcm
+
+    def _padding_meta(self, meta: np.ndarray) -> None:
+        meta[:, META_SLOT] = self.dummy_slot
+        meta[:, META_POS] = 0
+        meta[:, META_SLOT_MAP] = -1
+        meta[:, META_CTX] = 1
+        meta[:, META_FRAME] = 0
+        meta[:, META_COLS:] = self.dummy_page
+
+    def _fill_padding(self, start: int, stop: int) -> None:
+        meta = np.zeros((stop - start, self.buf.meta.shape[1]), dtype=np.int64)
+        self._padding_meta(meta)
+        self.buf.meta[start:stop].copy_(torch.from_numpy(meta))
+
+    def _talker_params(self, sl: torch.Tensor) -> SamplingTensors:
+        st = self.state
+        return SamplingTensors(st.temperature[sl], st.top_k[sl], st.top_p[sl],
+                               st.repetition_penalty[sl], st.greedy[sl])
+
+    def _sub_params(self, sl: torch.Tensor) -> SamplingTensors:
+        st = self.state
+        return SamplingTensors(st.sub_temperature[sl], st.sub_top_k[sl], st.sub_top_p[sl],
+                               torch.ones_like(st.sub_temperature[sl]), st.sub_greedy[sl])
+
+    def _decode_rows(self, bs: int) -> None:
+        """The step body on rows [:bs] of the static buffers (captured as-is into a CUDA graph)."""
+        st, buf = self.state, self.buf
+        meta = buf.meta[:bs]
+        sl, pos, frame = meta[:, META_SLOT], meta[:, META_POS], meta[:, META_FRAME]  # [B] each
+        queue_row = frame.clamp(max=st.text_queue.shape[1] - 1)
+        text = st.text_queue[sl, queue_row]  # [B, H]
+        text = torch.where((frame < st.text_len[sl])[:, None], text, self.pad_row[None, :])
+        batch = step.DecodeBatch(
+            c0=st.last_c0[sl], past_hidden=st.past_hidden[sl], text=text, positions=pos,
+            slot_mapping=meta[:, META_SLOT_MAP], block_tables=meta[:, META_COLS:],
+            context_lens=meta[:, META_CTX], generated=st.rep_mask[sl], num_generated=frame + 1,
+            seeds=st.seed[sl], counters=frame)
+        result = step.decode_step(self.talker, self.kv, batch, self._talker_params(sl),
+                                  self._sub_params(sl), self.uniform_source)
+        frames, c0_next, hidden = result.codes, result.next_c0, result.hidden  # [B, 16], [B], [B, H]
+        buf.frames[:bs] = frames
+        buf.c0_next[:bs] = c0_next
+        st.last_c0[sl] = c0_next
+        st.past_hidden[sl] = hidden
+        st.rep_mask[sl, c0_next] = True
+        if self.codec is not None:
+            buf.pcm[:bs] = self.codec.decode_frame(sl, frames).float()
