@@ -65,6 +65,7 @@ PARAM_TEXT_MODE = "text_mode"  # whole | incremental (default: the variant's ref
 PARAM_XVECTOR_ONLY = "xvector_only"
 PARAM_AUDIO_FORMAT = "audio_format"  # float32 | int16
 PARAM_CHUNK_SCHEDULE = "chunk_schedule"  # "1,2,4,8": frames per response, the last entry repeats
+PARAM_ABORT = "abort"  # any request: true = drop the sequence now (its open request ends CANCELLED)
 SAMPLING_PARAMS = {
     "greedy": bool,
     "temperature": float,
@@ -83,6 +84,7 @@ SESSION_PARAMS = {
     PARAM_XVECTOR_ONLY: bool,
     PARAM_AUDIO_FORMAT: str,
     PARAM_CHUNK_SCHEDULE: str,
+    PARAM_ABORT: bool,
 }
 PARAMS = {**SAMPLING_PARAMS, **SESSION_PARAMS}
 

@@ -26,7 +26,8 @@ from pathlib import Path
 from q3tts.client import protocol
 from q3tts.serving import runtime
 
-REPO_TEMPLATE = Path(__file__).resolve().parents[2] / "model_repository"
+REPO_TEMPLATE = Path(os.environ.get("Q3TTS_MODEL_REPOSITORY")
+                     or Path(__file__).resolve().parents[2] / "model_repository")
 TEMPLATE_NAME = "config.pbtxt.tmpl"
 OPEN_SEQUENCES_GLOB = "open_sequences.*.json"  # written by the model (triton_model.SessionTable)
 
@@ -262,6 +263,7 @@ class TritonServer:
                 text = grpcclient.InferInput(protocol.INPUT_TEXT, [1], "BYTES")
                 text.set_data_from_numpy(np.array([b""], dtype=object))
                 client.async_stream_infer(protocol.MODEL, [text], sequence_id=cid, sequence_end=True,
+                                          parameters={protocol.PARAM_ABORT: True},
                                           enable_empty_final_response=True)
             deadline = time.monotonic() + timeout_s
             for _ in ids:

@@ -42,6 +42,7 @@ class Piece:
     end: bool
     text: str
     options: SessionOptions | None = None
+    abort: bool = False  # drop the sequence (protocol.PARAM_ABORT)
 
 
 def _inputs(request) -> dict[str, np.ndarray]:
@@ -129,9 +130,10 @@ def parse_request(request, default_schedule=P.DEFAULT_CHUNK_SCHEDULE) -> Piece:
         raise BadRequest(f"input {P.INPUT_TEXT} is required on every request (it may be empty)")
     text = _one_string(P.INPUT_TEXT, inputs[P.INPUT_TEXT])
     params = parse_parameters(request)
-    if not start:
+    abort = bool(params.pop(P.PARAM_ABORT, False))
+    if abort or not start:
         extra = sorted(set(inputs) - {P.INPUT_TEXT}) + sorted(params)
-        if extra:
+        if extra and not start:
             raise BadRequest(f"{', '.join(extra)} can only be set on the START request of a sequence")
-        return Piece(key, False, end, text)
+        return Piece(key, start, end, text, None, abort=True) if abort else Piece(key, False, end, text)
     return Piece(key, True, end, text, parse_options(inputs, params, default_schedule))

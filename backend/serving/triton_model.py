@@ -183,7 +183,13 @@ class ServingCore:
         kind = cmd[0]
         if kind == "piece":
             _, piece, reply, now = cmd
-            if piece.start:
+            if piece.abort:
+                self._drop(piece.key, "CANCELLED", "aborted by an abort request")
+                self.closed[piece.key] = ("it was aborted", now)
+                if piece.end:
+                    self.triton_open.pop(piece.key, None)
+                reply.finish()
+            elif piece.start:
                 self._start(piece, reply, now)
             else:
                 self._append(piece, reply, now)
@@ -402,6 +408,8 @@ def _load_factory(spec: str):
         mod_spec.loader.exec_module(module)
     else:
         module = importlib.import_module(target)
+    if not hasattr(module, attr or "Engine") and target == "q3tts.engine":
+        module = importlib.import_module("q3tts.engine.engine")  # the contract's name, before it is re-exported
     return getattr(module, attr or "Engine")
 
 

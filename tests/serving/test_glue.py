@@ -220,3 +220,13 @@ def test_int16_and_metrics(core_factory):
     assert flags == 1 and resp.tensors["AUDIO_INT16"].dtype == np.int16 and resp.tensors["SAMPLE_RATE"][0] == 24000
     assert core.metrics.audio_seconds.value == pytest.approx(5 * FRAME / 24000)
     assert len(core.metrics.ttfa.observed) == 1
+
+
+def test_abort_request_drops_the_sequence(core_factory):
+    core, engine = core_factory()
+    first = FakeRequest(14, "a", start=True)
+    stop = FakeRequest(14, "", end=True, params={"abort": True})
+    submit(core, first, stop)
+    wait_finals([first, stop])
+    assert "aborted" in first.sender.error.message() and stop.sender.sent == [(None, 1)]
+    assert engine.aborted and core.sessions == {}
