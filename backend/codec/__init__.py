@@ -10,6 +10,7 @@
 from .checkpoint import Codec, load_codec, random_codec_state, read_speech_tokenizer, write_speech_tokenizer
 from .decoder import CodecDecoder
 from .encoder import CodecEncoder
+from .streaming import StreamingDecoder
 
 __all__ = ["Codec", "CodecDecoder", "CodecEncoder", "load_codec", "random_codec_state",
-           "read_speech_tokenizer", "write_speech_tokenizer"]
+           "read_speech_tokenizer", "StreamingDecoder", "write_speech_tokenizer"]

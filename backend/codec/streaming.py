@@ -1,0 +1,48 @@
+"""Frame-by-frame streaming decode for many streams at once (spec e.2).
+
+`StreamingDecoder` preallocates the per-stream decoder state for `max_streams` slots (every state tensor
+has a leading slot dim; one extra scratch slot, `scratch_slot`, takes padding rows). A call gathers the
+states of the given slots, runs the decoder's chunk path on the new frames only, and scatters the
+states back: nothing is ever re-decoded, shapes are static per batch size, and there is no host sync,
+so `decode_frame` can be captured in a CUDA graph. Each stream sits at its own frame position.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .decoder import CodecDecoder
+
+
+class StreamingDecoder:
+    """Per-stream state pool around a `CodecDecoder` (moved to `dtype` / `device`)."""
+
+    def __init__(self, decoder: CodecDecoder, max_streams: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        self.decoder = decoder.to(device=device, dtype=dtype).eval()
+        self.max_streams = max_streams
+        self.scratch_slot = max_streams
+        self.samples_per_frame = decoder.config.samples_per_frame
+        self.pool = decoder.spec.zeros(max_streams + 1, dtype, device)  # [slots + 1, ...] each
+
+    @torch.no_grad()
+    def reset(self, slots: Tensor) -> None:
+        """Start fresh streams in `slots` [B] (int64, on the pool's device)."""
+        for state in self.pool:
+            state.index_fill_(0, slots, 0)
+
+    @torch.no_grad()
+    def decode_chunk(self, slots: Tensor, codes: Tensor) -> Tensor:
+        """Decode the next T frames of each stream: slots [B], codes [B, 16, T] -> pcm [B, T·1920].
+
+        Slots must be distinct, except `scratch_slot`, which padding rows may share (its state is junk)."""
+        states = [state.index_select(0, slots) for state in self.pool]
+        pcm = self.decoder.forward_chunk(codes, states)
+        for state, new in zip(self.pool, states):
+            state.index_copy_(0, slots, new)
+        return pcm
+
+    def decode_frame(self, slots: Tensor, codes: Tensor) -> Tensor:
+        """Decode the newest frame of each stream: slots [B], codes [B, 16] -> pcm [B, 1920]."""
+        return self.decode_chunk(slots, codes[:, :, None])
