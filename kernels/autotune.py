@@ -67,30 +67,35 @@ def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, hidden_sizes: Se
     head_dim is added for QK-norm. batch_sizes only pick which split counts are exercised; the
     kernels themselves are specialised on none of them.
     """
-    from . import paged_attention, rmsnorm, rotary, store_kv
+    # NOTE: by full module path: the package re-binds the names `store_kv` etc. to its wrappers
+    from .paged_attention import paged_decode_attention
+    from .rmsnorm import rms_norm
+    from .rotary import apply_rotary
+    from .store_kv import store_kv
 
     device = torch.device(device)
     for dim in (*hidden_sizes, head_dim):
         w = torch.ones(dim, dtype=dtype, device=device)
         x = torch.randn(2, dim, dtype=dtype, device=device)
-        rmsnorm.rms_norm(x, w, 1e-6)
-        rmsnorm.rms_norm(x, w, 1e-6, residual=x)
+        rms_norm(x, w, 1e-6)
+        rms_norm(x, w, 1e-6, residual=x)
     qk = torch.randn(2, num_heads, head_dim, dtype=dtype, device=device)
-    rmsnorm.rms_norm(qk, torch.ones(head_dim, dtype=dtype, device=device), 1e-6)
+    rms_norm(qk, torch.ones(head_dim, dtype=dtype, device=device), 1e-6)
     kk = torch.randn(2, num_kv_heads, head_dim, dtype=dtype, device=device)
-    rmsnorm.rms_norm(kk, torch.ones(head_dim, dtype=dtype, device=device), 1e-6)
+    rms_norm(kk, torch.ones(head_dim, dtype=dtype, device=device), 1e-6)
     table = torch.randn(8, head_dim, dtype=dtype, device=device)
-    pos = torch.zeros(2, dtype=torch.long, device=device)
-    rotary.apply_rotary(qk, kk, pos, table, table, inplace=False)
-    rotary.apply_rotary(qk.clone(), kk.clone(), pos, table, table, inplace=True)
     cache = torch.zeros(max_pages * 2, page_size, num_kv_heads, head_dim, dtype=dtype,
                         device=device)
-    slots = torch.tensor([0, -1], dtype=torch.int32, device=device)
-    store_kv.store_kv(kk, kk, cache, cache.clone(), slots)
+    for index_dtype in (torch.int32, torch.int64):  # positions / slots come in either
+        pos = torch.zeros(2, dtype=index_dtype, device=device)
+        apply_rotary(qk, kk, pos, table, table, inplace=False)
+        apply_rotary(qk.clone(), kk.clone(), pos, table, table, inplace=True)
+        slots = torch.tensor([0, -1], dtype=index_dtype, device=device)
+        store_kv(kk, kk, cache, cache.clone(), slots)
     for bsz in batch_sizes:
         q = torch.randn(bsz, num_heads, head_dim, dtype=dtype, device=device)
         tables = torch.zeros(bsz, max_pages, dtype=torch.int32, device=device)
         lens = torch.full((bsz,), page_size, dtype=torch.int32, device=device)
-        paged_attention.paged_decode_attention(q, cache, cache, tables, lens, head_dim ** -0.5)
+        paged_decode_attention(q, cache, cache, tables, lens, head_dim ** -0.5)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
