@@ -60,7 +60,7 @@ OUTPUTS = {
 AUDIO_FORMATS = {"float32": OUTPUT_AUDIO, "int16": OUTPUT_AUDIO_INT16}
 
 # Request parameters (gRPC `parameters=`, perf_analyzer --request-parameter, HTTP generate top-level keys).
-# Read on START (a later request may not change them). name -> python type
+# Read on START; ignored on later requests (perf_analyzer repeats them), except `abort`. name -> python type
 PARAM_TEXT_MODE = "text_mode"  # whole | incremental (default: the variant's reference default)
 PARAM_XVECTOR_ONLY = "xvector_only"
 PARAM_AUDIO_FORMAT = "audio_format"  # float32 | int16

@@ -120,7 +120,7 @@ class TritonServer:
                  max_slots: int | None = None, pool: dict | None = None, idle_s: float = 30.0,
                  chunk_schedule: str | None = None, engine_factory: str = "q3tts.engine:Engine",
                  ready_timeout_s: float = 300.0, exit_timeout_s: int = 10, log_verbose: int = 0,
-                 extra_params: dict[str, str] | None = None):
+                 extra_params: dict[str, str] | None = None, bind: str = "127.0.0.1"):
         self.model = str(Path(model).resolve()) if Path(model).exists() else model
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="q3tts-serve-"))
         self.gpus = detect_gpus() if gpus is None else list(gpus)
@@ -134,6 +134,7 @@ class TritonServer:
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
         self.extra_params = dict(extra_params or {})
+        self.bind = bind  # 127.0.0.1 everywhere except inside a container (docker/Dockerfile)
         ports = free_ports(3)
         self.http_port = http_port or ports[0]
         self.grpc_port = grpc_port or ports[1]
@@ -175,7 +176,9 @@ class TritonServer:
             "engine_config": _pbtxt_string(json.dumps(engine_cfg)),
             "chunk_schedule": _pbtxt_string(self.chunk_schedule),
             "engine_factory": _pbtxt_string(self.engine_factory),
-            "execution_env_path": _pbtxt_string(str(rt.execution_env)),
+            # EXECUTION_ENV_PATH only for a venv (Triton sources <env>/bin/activate)
+            "execution_env_param": (f', {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: '
+                                    f'{_pbtxt_string(str(rt.execution_env))} }} }}' if runtime.in_venv() else ""),
             "state_dir": _pbtxt_string(str(self.run_dir)),
             "idle_s": _pbtxt_string(str(self.idle_s)),
             "extra_params": _pbtxt_string(params["extra"]),
@@ -185,9 +188,9 @@ class TritonServer:
     def command(self, rt: runtime.Runtime) -> list[str]:
         cmd = [str(rt.tritonserver), "--model-repository", str(self.run_dir / "model_repository"),
                "--backend-directory", str(rt.backend_dir),
-               "--http-address", "127.0.0.1", "--http-port", str(self.http_port),
-               "--grpc-address", "127.0.0.1", "--grpc-port", str(self.grpc_port),
-               "--metrics-address", "127.0.0.1", "--metrics-port", str(self.metrics_port),
+               "--http-address", self.bind, "--http-port", str(self.http_port),
+               "--grpc-address", self.bind, "--grpc-port", str(self.grpc_port),
+               "--metrics-address", self.bind, "--metrics-port", str(self.metrics_port),
                "--allow-gpu-metrics", "true" if self.gpus else "false",
                "--disable-auto-complete-config", "--exit-timeout-secs", str(self.exit_timeout_s),
                "--log-verbose", str(self.log_verbose)]
@@ -358,6 +361,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", type=Path, default=None, help="where the rendered repository and log go")
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
     p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--bind", default="127.0.0.1", help="listen address (keep 127.0.0.1 outside a container)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -365,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
                           metrics_port=args.metrics_port, gpus=parse_gpus(args.gpus), dtype=args.dtype,
                           max_slots=args.max_slots, pool=parse_pool(args.pool), idle_s=args.idle_s,
                           chunk_schedule=args.chunk_schedule, ready_timeout_s=args.ready_timeout_s,
-                          log_verbose=args.log_verbose)
+                          log_verbose=args.log_verbose, bind=args.bind)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -132,7 +132,9 @@ def parse_request(request, default_schedule=P.DEFAULT_CHUNK_SCHEDULE) -> Piece:
     params = parse_parameters(request)
     abort = bool(params.pop(P.PARAM_ABORT, False))
     if abort or not start:
-        extra = sorted(set(inputs) - {P.INPUT_TEXT}) + sorted(params)
+        # NOTE: parameters on later requests are ignored (perf_analyzer repeats them on every step);
+        # voice inputs there are an error, since they would silently not apply.
+        extra = sorted(set(inputs) - {P.INPUT_TEXT})
         if extra and not start:
             raise BadRequest(f"{', '.join(extra)} can only be set on the START request of a sequence")
         return Piece(key, start, end, text, None, abort=True) if abort else Piece(key, False, end, text)

@@ -86,8 +86,26 @@ def _copy_if_changed(src: Path, dst: Path) -> None:
     shutil.copy2(src, dst)
 
 
+def in_venv() -> bool:
+    return sys.prefix != sys.base_prefix
+
+
+def system_runtime(home: Path) -> Runtime:
+    """A tritonserver install that has its own stub (the NGC image: /opt/tritonserver)."""
+    if not (home / "bin" / "tritonserver").exists():
+        raise RuntimeSetupError(f"Q3TTS_TRITON_HOME={home} has no bin/tritonserver")
+    return Runtime(tritonserver=home / "bin" / "tritonserver", backend_dir=home / "backends",
+                   ld_library_path=(str(find_libpython().parent),), execution_env=Path(sys.prefix),
+                   python_version=f"{sys.version_info.major}.{sys.version_info.minor}")
+
+
 def prepare(runtime_dir: Path | None = None) -> Runtime:
-    """Build the backend dir (idempotent: only missing or changed files are copied) and return the Runtime."""
+    """Build the backend dir (idempotent: only missing or changed files are copied) and return the Runtime.
+
+    With $Q3TTS_TRITON_HOME set (Docker: /opt/tritonserver) that install is used as it is.
+    """
+    if os.environ.get("Q3TTS_TRITON_HOME"):
+        return system_runtime(Path(os.environ["Q3TTS_TRITON_HOME"]))
     if sys.version_info[:2] >= (3, 13):
         raise RuntimeSetupError("the 3.13 stub needs numpy>=2, which empties every output in Triton 2.51; use Python<=3.12")
     root = wheel_root()

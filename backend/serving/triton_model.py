@@ -164,11 +164,20 @@ class ServingCore:
                     self._close_all("UNAVAILABLE", "the server is shutting down")
                     log("info", "engine thread stopped")
                     return
-                self._apply(cmd)
+                try:
+                    self._apply(cmd)
+                except Exception as e:  # never let one request kill the engine thread
+                    log("error", f"command {cmd[0]} failed: {traceback.format_exc()}")
+                    reply = next((c for c in cmd if isinstance(c, Reply)), None)
+                    if reply is not None and not reply.done:
+                        reply.fail("INTERNAL", f"internal error: {type(e).__name__}: {e}")
             now = time.monotonic()
             if now - self._last_tick >= TICK_S:
                 self._last_tick = now
-                self._tick(now)
+                try:
+                    self._tick(now)
+                except Exception:
+                    log("error", f"tick failed: {traceback.format_exc()}")
             if self.engine.has_work():
                 try:
                     outputs = self.engine.step()
@@ -177,7 +186,13 @@ class ServingCore:
                     self._close_all("INTERNAL", f"engine step failed: {e}")
                     continue
                 for out in outputs:
-                    self._route(out)
+                    try:
+                        self._route(out)
+                    except Exception as e:
+                        log("error", f"routing output of {out.seq_id} failed: {traceback.format_exc()}")
+                        s = self.by_engine_id.get(out.seq_id)
+                        if s is not None:
+                            self._drop(s.key, "INTERNAL", f"internal error: {type(e).__name__}: {e}")
 
     def _apply(self, cmd) -> None:
         kind = cmd[0]

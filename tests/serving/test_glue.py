@@ -28,6 +28,8 @@ class ScriptedEngine:
     def add(self, seq_id, voice, sampling, text="", text_done=False):
         if voice.speaker == "nobody":
             raise InvalidRequest("unknown speaker 'nobody'")
+        if voice.speaker == "crash":
+            raise RuntimeError("unexpected")
         self.seqs[seq_id] = {"done": text_done, "made": 0, "abort": False, "text": text}
 
     def append_text(self, seq_id, text):
@@ -230,3 +232,15 @@ def test_abort_request_drops_the_sequence(core_factory):
     wait_finals([first, stop])
     assert "aborted" in first.sender.error.message() and stop.sender.sent == [(None, 1)]
     assert engine.aborted and core.sessions == {}
+
+
+def test_unexpected_engine_exception_is_one_internal_error_and_thread_survives(core_factory):
+    core, _ = core_factory()
+    bad = FakeRequest(15, "x", start=True, end=True, SPEAKER="crash")
+    submit(core, bad)
+    wait_finals([bad])
+    assert "internal error: RuntimeError: unexpected" in bad.sender.error.message()
+    good = FakeRequest(16, "x", start=True, end=True)
+    submit(core, good)
+    wait_finals([good])
+    assert good.sender.error is None and core.engine_thread.is_alive()
