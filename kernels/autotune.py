@@ -92,10 +92,15 @@ def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, hidden_sizes: Se
         apply_rotary(qk.clone(), kk.clone(), pos, table, table, inplace=True)
         slots = torch.tensor([0, -1], dtype=index_dtype, device=device)
         store_kv(kk, kk, cache, cache.clone(), slots)
-    for bsz in batch_sizes:
+    # NOTE: the first call tunes (on CUDA): give it full, distinct pages so configs differ for real
+    tune_rows = 8 if device.type == "cuda" else 1
+    big = torch.randn(tune_rows * max_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
+                      device=device)
+    for bsz in (tune_rows, *batch_sizes):
         q = torch.randn(bsz, num_heads, head_dim, dtype=dtype, device=device)
-        tables = torch.zeros(bsz, max_pages, dtype=torch.int32, device=device)
-        lens = torch.full((bsz,), page_size, dtype=torch.int32, device=device)
-        paged_decode_attention(q, cache, cache, tables, lens, head_dim ** -0.5)
+        tables = torch.arange(bsz * max_pages, dtype=torch.int32, device=device)
+        tables = (tables % big.shape[0]).view(bsz, max_pages)
+        lens = torch.full((bsz,), max_pages * page_size, dtype=torch.int32, device=device)
+        paged_decode_attention(q, big, big, tables, lens, head_dim ** -0.5)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
