@@ -28,7 +28,9 @@ SPEECH_TOKENIZER_DIR = "speech_tokenizer"
 def _randomize(module: nn.Module, gen: torch.Generator) -> None:
     """Reinitialise the non-conv/linear tensors so that every path carries signal.
 
-    Codebooks: unit-scale entries (embedding_sum = N(0,1)·usage, usage in [0.5, 2]); norms and Snake
+    Decoder codebooks: unit-scale entries (embedding_sum = N(0,1)·usage, usage in [0.5, 2]); encoder
+    codebooks: entries at the scale of a randomly initialised Mimi's projected features (std 0.02), so
+    that the nearest-entry search follows the signal instead of the features' offset; norms and Snake
     parameters: small perturbations of their identity values; LayerScale / ConvNeXt gamma: small
     positive scales (0.05-0.15) so residual branches matter without dominating.
     """
@@ -46,7 +48,8 @@ def _randomize(module: nn.Module, gen: torch.Generator) -> None:
             usage[name] = uniform(t, 0.5, 2.0)
             new = usage[name]
         elif leaf in ("embedding_sum", "embed_sum"):
-            new = normal(t, 1.0) * usage[name.rsplit(".", 1)[0] + ".cluster_usage"][:, None]
+            std = 1.0 if leaf == "embedding_sum" else 0.02
+            new = normal(t, std) * usage[name.rsplit(".", 1)[0] + ".cluster_usage"][:, None]
         elif leaf in ("scale", "gamma"):
             new = uniform(t, 0.05, 0.15)
         elif leaf in ("alpha", "beta"):

@@ -12,7 +12,9 @@ import torch
 from q3tts.codec import load_codec, read_speech_tokenizer, write_speech_tokenizer
 
 SEED = 1234
-FRAMES = 120  # > sliding window 72: the KV window is exercised
+FRAMES = 100  # > sliding window 72: the KV window is exercised
+
+torch.set_num_threads(1)  # tiny shapes: extra threads only contend on the shared 2-core machine
 
 
 def _import_official():
