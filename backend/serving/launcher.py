@@ -4,6 +4,10 @@
 server env from `runtime.prepare()`, readiness with a timeout (a load hangs forever when libpython is
 missing), and an ordered stop: END for every sequence the model still reports open, SIGTERM by PID, then
 wait for the python stub PIDs (they outlive the server by ~2 s and keep writing to its log).
+
+NOTE (measured, Triton 2.51): a client that keeps its gRPC stream open holds the server's shutdown until
+--exit-timeout-secs, whatever the model does; the server then exits without calling finalize(). Sequences
+left open by clients that went away are what the END step fixes (Triton counts them in-flight until idle).
 """
 
 from __future__ import annotations

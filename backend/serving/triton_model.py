@@ -171,6 +171,7 @@ class ServingCore:
                     reply = next((c for c in cmd if isinstance(c, Reply)), None)
                     if reply is not None and not reply.done:
                         reply.fail("INTERNAL", f"internal error: {type(e).__name__}: {e}")
+            cmds = cmd = reply = None  # hold no sender past its FINAL (see _response_loop)
             now = time.monotonic()
             if now - self._last_tick >= TICK_S:
                 self._last_tick = now
@@ -412,6 +413,9 @@ class ServingCore:
                     self.commands.put(("cancel", reply.key, reply))
             except Exception as e:  # a closed/cancelled stream: nothing more can reach the client
                 log("warn", f"send failed for sequence {reply.key}: {e}")
+            # NOTE: drop the references now: a response sender kept alive holds its request's response
+            # factory, and the model cannot unload while one is held.
+            del item, reply, response
 
 
 def _load_factory(spec: str):
