@@ -19,15 +19,21 @@ from .layers import (CausalConv1d, CausalTransConv1d, LayerScale, RMSNorm, Snake
 
 
 class Codebook(nn.Module):
-    """RVQ codebook: entry = embedding_sum / clamp(cluster_usage, 1e-5)."""
+    """RVQ codebook: entry = embedding_sum / clamp(cluster_usage, 1e-5), divided in the parameter dtype
+    (as the reference does every call) and cached per dtype/device; weights are fixed after loading."""
 
     def __init__(self, dim: int, size: int) -> None:
         super().__init__()
         self.cluster_usage = nn.Parameter(torch.ones(size))
         self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
+        self._table: Tensor | None = None
 
-    def table(self) -> Tensor:  # [size, dim], in the parameter dtype
-        return self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
+    def table(self) -> Tensor:  # [size, dim]
+        w = self.embedding_sum
+        if self._table is None or self._table.dtype != w.dtype or self._table.device != w.device:
+            with torch.no_grad():
+                self._table = w / self.cluster_usage.clamp(min=1e-5)[:, None]
+        return self._table
 
 
 class _VQLayer(nn.Module):
