@@ -266,3 +266,14 @@ class CodecDecoder(nn.Module):
     def decode(self, codes: Tensor) -> Tensor:
         """Full decode in one pass: codes [B, 16, T] (entries < 0 are read as 0) -> pcm [B, T·1920]."""
         return self.forward_chunk(codes.clamp(min=0), self.zero_states(codes.shape[0]))
+
+    def decode_like_reference(self, codes: Tensor, chunk: int = 300, context: int = 25) -> Tensor:
+        """The reference's `chunked_decode` (spec e.1): independent passes over `chunk` frames, each with
+        up to `context` preceding frames whose audio is dropped. Equals `decode` for T <= chunk; use it
+        only for bit-parity with the reference on longer outputs. codes [B, 16, T] -> pcm [B, T·1920]."""
+        spf = self.config.samples_per_frame
+        pieces = []
+        for start in range(0, codes.shape[-1], chunk):
+            ctx = min(context, start)
+            pieces.append(self.decode(codes[..., start - ctx:start + chunk])[:, ctx * spf:])
+        return torch.cat(pieces, dim=1)

@@ -34,6 +34,14 @@ def test_full_decode_matches_reference(codec, codes, ref_pcm):
 
 
 @pytest.mark.oracle
+def test_chunked_decode_of_long_output_matches_reference(codec, ref_tokenizer):
+    """Beyond 300 frames the reference decodes in 300-frame chunks with 25 frames of context."""
+    long = torch.randint(0, 2048, (1, 16, 330), generator=torch.Generator().manual_seed(5))
+    wavs, _ = ref_tokenizer.decode({"audio_codes": [long[0].T]})
+    assert _max_err(codec.decoder.decode_like_reference(long)[0], torch.from_numpy(wavs[0])) <= TOL
+
+
+@pytest.mark.oracle
 def test_frame_by_frame_matches_reference(codec, codes, ref_pcm):
     stream = StreamingDecoder(codec.decoder, max_streams=4)
     slots = torch.tensor([3, 0, 1])
