@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from q3tts.codec import CodecDecoder, StreamingDecoder
+from q3tts.codec import CodecDecoder, StreamingDecoder, read_speech_tokenizer
 
 SPF = 1920
 TOL = 1e-5
@@ -120,8 +120,6 @@ def test_padding_rows_use_the_scratch_slot(codec, codes):
 
 
 def test_bf16_streaming_tracks_fp32(codec_dir, codes):
-    from q3tts.codec import read_speech_tokenizer  # noqa: PLC0415
-
     cfg, weights = read_speech_tokenizer(codec_dir)
     ref = CodecDecoder.from_weights(cfg, weights).decode(codes[:1, :, :40])[0]
     stream = StreamingDecoder(CodecDecoder.from_weights(cfg, weights), 1, dtype=torch.bfloat16)
