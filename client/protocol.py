@@ -15,6 +15,8 @@ recent request. When request k+1 arrives, request k gets its FINAL (an empty res
 goes to k+1, so one gRPC stream sees the sequence's audio in order. The sequence's last response carries
 FINISH_REASON with the FINAL flag; every other request ends with an empty FINAL (clients set
 `enable_empty_final_response=True`). Every request gets exactly one FINAL, or one error response.
+Clients that wait for each request to complete before sending the next (perf_analyzer) set `ack_pieces`:
+then every non-END request is answered at once and all the audio streams on the END request.
 Each audio response carries SAMPLE_RATE and FIRST_FRAME (index of its first 80 ms frame).
 """
 
@@ -66,6 +68,7 @@ PARAM_XVECTOR_ONLY = "xvector_only"
 PARAM_AUDIO_FORMAT = "audio_format"  # float32 | int16
 PARAM_CHUNK_SCHEDULE = "chunk_schedule"  # "1,2,4,8": frames per response, the last entry repeats
 PARAM_ABORT = "abort"  # any request: true = drop the sequence now (its open request ends CANCELLED)
+PARAM_ACK_PIECES = "ack_pieces"  # true: non-END requests end at once, audio streams on END (perf_analyzer)
 SAMPLING_PARAMS = {
     "greedy": bool,
     "temperature": float,
@@ -85,6 +88,7 @@ SESSION_PARAMS = {
     PARAM_AUDIO_FORMAT: str,
     PARAM_CHUNK_SCHEDULE: str,
     PARAM_ABORT: bool,
+    PARAM_ACK_PIECES: bool,
 }
 PARAMS = {**SAMPLING_PARAMS, **SESSION_PARAMS}
 

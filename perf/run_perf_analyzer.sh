@@ -8,7 +8,8 @@
 # Env: CONCURRENCY (default 1:8:2), MAX_FRAMES (48), MEASURE_MS (20000), OUT (run/perf).
 # The libshim (TRITON_RECIPE §6.1): perf_analyzer NEEDs libb64.so.0d and libcudart.so.12, both already in the
 # pytriton wheel under mangled names; symlinks with the plain names go into $OUT/libshim.
-# perf_analyzer's "latency" for decoupled models is send -> LAST response; use perf/bench_serve.py for TTFA.
+# perf_analyzer waits for each request to complete before the next step of its sequence, hence ack_pieces
+# (protocol.py). Its "latency" for decoupled models is send -> LAST response; use perf/bench_serve.py for TTFA.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
@@ -48,5 +49,6 @@ fi
   --input-data "$OUT/inputs.json" --sequence-id-range 1:1000000000 --serial-sequences \
   --concurrency-range "${CONCURRENCY:-1:8:2}" -p "${MEASURE_MS:-20000}" -s 50 -r 5 \
   --request-parameter "max_frames:${MAX_FRAMES:-48}:int" --request-parameter "seed:0:int" \
+  --request-parameter "ack_pieces:true:bool" \
   -f "$OUT/perf_analyzer.csv" | tee "$OUT/perf_analyzer.txt"
 echo "results: $OUT/perf_analyzer.csv"

@@ -31,6 +31,7 @@ class SessionOptions:
     sampling: SamplingParams
     audio_format: str = "float32"
     chunk_schedule: tuple[int, ...] = P.DEFAULT_CHUNK_SCHEDULE
+    ack_pieces: bool = False  # non-END requests get their FINAL at once; audio streams on the END request
 
 
 @dataclass
@@ -115,7 +116,7 @@ def parse_options(inputs: dict[str, np.ndarray], params: dict[str, Any], default
             schedule = P.parse_chunk_schedule(params[P.PARAM_CHUNK_SCHEDULE])
         except ValueError as e:
             raise BadRequest(str(e)) from None
-    return SessionOptions(voice, sampling, fmt, schedule)
+    return SessionOptions(voice, sampling, fmt, schedule, bool(params.get(P.PARAM_ACK_PIECES, False)))
 
 
 def parse_request(request, default_schedule=P.DEFAULT_CHUNK_SCHEDULE) -> Piece:

@@ -8,7 +8,8 @@ response thread owns every `sender.send`. Every request is answered through its 
 exactly one FINAL on every path (success, superseded, bad input, engine error, cancel, idle, shutdown).
 
 Audio routing (see client/protocol.py): audio streams on the sender of the sequence's most recent request;
-a request that is superseded by the next one of its sequence gets an empty FINAL first.
+a request that is superseded by the next one of its sequence gets an empty FINAL first. With `ack_pieces`
+every non-END request is answered at once and the audio streams on the END request.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class Session:
     chunks_sent: int = 0
     first_audio_at: float | None = None
     last_check: float = 0.0
+    pending: tuple | None = None  # (reason, error) of an engine finish that waits for a request (ack_pieces)
 
 
 class ServingCore:
@@ -251,6 +253,9 @@ class ServingCore:
             return
         s = Session(key, engine_id, reply, o, t_start=now, last_request=now, ended=piece.end)
         reply.key = key
+        if o.ack_pieces and not piece.end:
+            reply.finish()
+            s.reply = None
         self.sessions[key] = s
         self.by_engine_id[engine_id] = s
 
@@ -277,23 +282,33 @@ class ServingCore:
             if piece.end:
                 self._forget(s)
             return
+        running = s.engine_id in self.by_engine_id
         try:
-            if piece.text:
+            if piece.text and running:
                 self.engine.append_text(s.engine_id, piece.text)
         except (InvalidRequest, EngineError, ValueError) as e:
             self._reject(reply, "INVALID_ARG", f"sequence {key}: {e}")
             if piece.end:
                 self._end(s)
             return
-        s.reply.finish()  # superseded: audio continues on the newest request
-        s.reply = reply
         reply.key = key
+        if s.options.ack_pieces and not piece.end:
+            reply.finish()  # acknowledged: audio waits for the END request
+            return
+        if s.reply is not None:
+            s.reply.finish()  # superseded: audio continues on the newest request
+        s.reply = reply
         if piece.end:
             self._end(s)
+        if s.pending is not None:  # the engine finished while no request was open (ack_pieces)
+            self._complete(s, *s.pending)
+        else:
+            self._maybe_flush(s)
 
     def _end(self, s: Session) -> None:
         s.ended = True
-        self.engine.end_text(s.engine_id)
+        if s.engine_id in self.by_engine_id:
+            self.engine.end_text(s.engine_id)
 
     def _route(self, out) -> None:
         s = self.by_engine_id.get(out.seq_id)
@@ -305,20 +320,30 @@ class ServingCore:
             s.buffered_frames += max(1, pcm.size // P.SAMPLES_PER_FRAME)
         if out.finished:
             del self.by_engine_id[s.engine_id]
-            if out.error or out.reason == "error":
-                self._flush(s)
-                self._reject(s.reply, "INTERNAL", f"sequence {s.key}: {out.error or 'engine error'}")
+            if s.reply is None:  # ack_pieces between requests: deliver on the END request
+                s.pending = (out.reason, out.error)
             else:
-                self._flush(s, final_reason=out.reason or "eos")
-            s.reply, s.finished = None, out.reason or "error"
-            if self.metrics:
-                self.metrics.audio_seconds.increment(s.frames_sent * P.SAMPLES_PER_FRAME / P.SAMPLE_RATE)
-            if s.ended:
-                self._forget(s)
+                self._complete(s, out.reason, out.error)
             return
+        self._maybe_flush(s)
+
+    def _maybe_flush(self, s: Session) -> None:
         sched = s.options.chunk_schedule
-        if s.buffered_frames >= sched[min(s.chunks_sent, len(sched) - 1)]:
+        if s.reply is not None and s.buffered_frames >= sched[min(s.chunks_sent, len(sched) - 1)]:
             self._flush(s)
+
+    def _complete(self, s: Session, reason: str | None, error: str | None) -> None:
+        """The sequence's last response (with FINISH_REASON) or its engine error, on the open request."""
+        if error or reason == "error":
+            self._flush(s)
+            self._reject(s.reply, "INTERNAL", f"sequence {s.key}: {error or 'engine error'}")
+        else:
+            self._flush(s, final_reason=reason or "eos")
+        s.reply, s.finished, s.pending = None, reason or "error", None
+        if self.metrics:
+            self.metrics.audio_seconds.increment(s.frames_sent * P.SAMPLES_PER_FRAME / P.SAMPLE_RATE)
+        if s.ended:
+            self._forget(s)
 
     def _flush(self, s: Session, final_reason: str | None = None) -> None:
         pcm = np.concatenate(s.buffer) if s.buffer else np.zeros(0, np.float32)

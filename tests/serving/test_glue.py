@@ -244,3 +244,18 @@ def test_unexpected_engine_exception_is_one_internal_error_and_thread_survives(c
     submit(core, good)
     wait_finals([good])
     assert good.sender.error is None and core.engine_thread.is_alive()
+
+
+def test_ack_pieces_answers_each_piece_at_once_and_streams_on_end(core_factory):
+    core, _ = core_factory()
+    first = FakeRequest(17, "a ", start=True, params={"ack_pieces": True})
+    submit(core, first)
+    wait_finals([first])
+    mid = FakeRequest(17, "b ")
+    submit(core, mid)
+    wait_finals([mid])
+    last = FakeRequest(17, "c", end=True)
+    submit(core, last)
+    wait_finals([last])
+    assert first.sender.sent == [(None, 1)] and mid.sender.sent == [(None, 1)]
+    assert np.concatenate(last.sender.audio)[::FRAME].tolist() == [1, 2, 3, 4, 5]
