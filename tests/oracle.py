@@ -6,6 +6,7 @@ torchaudio for torch 2.13, so an import-only stand-in is installed first (REFERE
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import sys
 import types
@@ -21,6 +22,8 @@ def _install_torchaudio_standin() -> None:
     compliance = types.ModuleType("torchaudio.compliance")
     kaldi = types.ModuleType("torchaudio.compliance.kaldi")
     root.compliance, compliance.kaldi = compliance, kaldi
+    for module in (root, compliance, kaldi):  # transformers calls find_spec("torchaudio")
+        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
     sys.modules.update({"torchaudio": root, "torchaudio.compliance": compliance,
                         "torchaudio.compliance.kaldi": kaldi})
 
