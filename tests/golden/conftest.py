@@ -37,6 +37,15 @@ def import_official():
     return oracle.import_qwen_tts()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _single_thread():
+    """Tiny matrices: one intra-op thread is several times faster than two on a busy 2-core box."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("golden_ckpts")
