@@ -40,7 +40,8 @@ class Result:
     chunks: int = 0
     finals: int = 0
     requests: int = 0
-    chunk_frames: list = field(default_factory=list)
+    chunk_frames: list = field(default_factory=list)  # frames per audio response, in arrival order
+    first_frames: list = field(default_factory=list)  # FIRST_FRAME of each audio response, in arrival order
 
     @property
     def audio_s(self) -> float:
@@ -152,6 +153,7 @@ def synthesize(url: str, pieces: Iterable[str], voice: dict | None = None, param
                     res.ttfa_s = t - t0
                 first = result.as_numpy(P.OUTPUT_FIRST_FRAME)
                 chunks.append((int(first[0]) if first is not None else len(chunks), audio))
+                res.first_frames.append(chunks[-1][0])
                 res.chunk_frames.append(audio.size // P.SAMPLES_PER_FRAME)
                 res.chunks += 1
                 if on_chunk:

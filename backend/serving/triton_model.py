@@ -527,9 +527,10 @@ class OneShotModel:
             params = json.loads(raw) if isinstance(raw, str) and raw else {}
             params = {k: (str(v) if isinstance(v, float) else v) for k, v in params.items()
                       if not k.startswith("triton_")}
+            cid = next(self._ids)
             inner = pb_utils.InferenceRequest(
                 model_name=self.target, requested_output_names=self.outputs, inputs=request.inputs(),
-                correlation_id=next(self._ids), flags=FLAG_START | FLAG_END, parameters=params)
+                correlation_id=cid, flags=FLAG_START | FLAG_END, parameters=params)
             responses = await inner.async_exec(decoupled=True)
             loop = asyncio.get_running_loop()
             while True:
@@ -540,10 +541,22 @@ class OneShotModel:
                     sender.send(pb_utils.InferenceResponse(error=resp.error()), flags=FINAL)
                     return
                 tensors = resp.output_tensors()
-                if tensors and not sender.is_cancelled():
+                if tensors and sender.is_cancelled():  # client gone: stop the engine work too
+                    await loop.run_in_executor(None, self._abort_inner, cid)
+                    break
+                if tensors:
                     sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
-            sender.send(flags=FINAL)
+            sender.send(flags=FINAL)  # still needed after a cancel
         except Exception as e:
             log("error", f"oneshot relay failed: {traceback.format_exc()}")
             sender.send(pb_utils.InferenceResponse(error=triton_error("INTERNAL", f"oneshot relay: {e}")),
                         flags=FINAL)
+
+    def _abort_inner(self, cid: int) -> None:
+        """Drop the relayed sequence in the sequence model (a START|END request with abort=true)."""
+        text = pb_utils.Tensor(P.INPUT_TEXT, np.array([b""], dtype=object))
+        req = pb_utils.InferenceRequest(model_name=self.target, requested_output_names=self.outputs,
+                                        inputs=[text], correlation_id=cid, flags=FLAG_START | FLAG_END,
+                                        parameters={P.PARAM_ABORT: True})
+        for _ in req.exec(decoupled=True):
+            pass

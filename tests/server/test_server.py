@@ -56,6 +56,8 @@ def test_multi_request_sequence_with_streamed_text(server):
     assert r.error is None, r.error
     assert r.requests == len(TEXT.split()) + 1 and r.finals == r.requests  # each request: one FINAL
     assert r.finish_reason in ("eos", "max_frames") and r.audio.size > 0
+    # one ordered audio stream across the requests: each chunk starts where the previous one ended
+    assert r.first_frames == [sum(r.chunk_frames[:i]) for i in range(len(r.chunk_frames))]
 
 
 def test_eight_concurrent_sequences(server):
@@ -85,6 +87,21 @@ def test_cancel_mid_stream_frees_pages_and_slots(server):
     m = wait_metrics(server, baseline_ok)
     assert baseline_ok(m), m
     assert "the request was cancelled" in server.log_text() or m["q3tts_open_sessions"] == 0
+
+
+def test_oneshot_cancel_aborts_the_relayed_sequence(server):
+    assert baseline_ok(wait_metrics(server, baseline_ok))
+    events: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    client.async_stream_infer(P.ONESHOT_MODEL, start_inputs(TEXT * 4, **VOICE), enable_empty_final_response=True,
+                              parameters={"max_frames": 2000, "chunk_schedule": "1"})
+    result, error = events.get(timeout=120)
+    assert error is None and result.as_numpy(P.OUTPUT_AUDIO).size == P.SAMPLES_PER_FRAME
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    m = wait_metrics(server, baseline_ok, 30)
+    assert baseline_ok(m), m
 
 
 def test_idle_sequence_is_collected(server):
