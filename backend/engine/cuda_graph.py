@@ -22,11 +22,13 @@ META_COLS = META_PAGES  # block table columns follow
 class GraphBuffers:
     """Static inputs/outputs of one decode step, sized for the largest bucket.
 
-    meta [Bmax, 5 + P] int64 per row: slot, position, slot_mapping (-1 = padding), context_len,
-    frame index, then the block table (P pages, padded with the dummy page).
+    meta [Bmax, 5] int64 per row: slot, position, slot_mapping (-1 = padding), context_len, frame
+    index; tables [Bmax, P] int32: the block table (padded with the dummy page; int32 = the paged
+    attention kernel's contract).
     """
 
-    meta: torch.Tensor      # [Bmax, 5 + P] int64
+    meta: torch.Tensor      # [Bmax, 5] int64
+    tables: torch.Tensor    # [Bmax, P] int32
     frames: torch.Tensor    # [Bmax, 16] int64 codes of the frame made this step
     c0_next: torch.Tensor   # [Bmax] int64 first code of the next frame (EOS = finished)
     pcm: torch.Tensor       # [Bmax, samples_per_frame] float32
@@ -34,7 +36,8 @@ class GraphBuffers:
     @classmethod
     def allocate(cls, max_batch: int, max_pages: int, groups: int, samples: int,
                  device: torch.device) -> GraphBuffers:
-        return cls(meta=torch.zeros(max_batch, META_COLS + max_pages, dtype=torch.int64, device=device),
+        return cls(meta=torch.zeros(max_batch, META_COLS, dtype=torch.int64, device=device),
+                   tables=torch.zeros(max_batch, max_pages, dtype=torch.int32, device=device),
                    frames=torch.zeros(max_batch, groups, dtype=torch.int64, device=device),
                    c0_next=torch.zeros(max_batch, dtype=torch.int64, device=device),
                    pcm=torch.zeros(max_batch, samples, dtype=torch.float32, device=device))

@@ -119,14 +119,16 @@ class ModelRunner:
         n = len(rows)
         bucket = self.config.bucket_for(n) if n <= self.max_batch else None
         bucket = bucket if bucket is not None and bucket <= self.max_batch else n
-        meta = np.zeros((bucket, self.buf.meta.shape[1]), dtype=np.int64)
-        self._padding_meta(meta)
+        meta = np.zeros((bucket, META_COLS), dtype=np.int64)
+        tables = np.zeros((bucket, self.max_pages), dtype=np.int32)
+        self._padding_meta(meta, tables)
         for i, r in enumerate(rows):
             page = r.pages[r.position // self.kv.page_size]
-            meta[i, :META_COLS] = (r.slot, r.position, page * self.kv.page_size + r.position % self.kv.page_size,
-                                   r.position + 1, r.frame)
-            meta[i, META_COLS:META_COLS + len(r.pages)] = r.pages
+            meta[i] = (r.slot, r.position, page * self.kv.page_size + r.position % self.kv.page_size,
+                       r.position + 1, r.frame)
+            tables[i, :len(r.pages)] = r.pages
         self.buf.meta[:bucket].copy_(torch.from_numpy(meta))
+        self.buf.tables[:bucket].copy_(torch.from_numpy(tables))
         if self.graphs is not None and self.graphs.pad(bucket) == bucket:
             self.graphs.replay(bucket)
         else:
@@ -137,18 +139,20 @@ class ModelRunner:
         pcm = self.buf.pcm[:n].cpu().numpy() if self.codec is not None else np.zeros((n, 0), np.float32)
         return frames, c0_next, pcm
 
-    def _padding_meta(self, meta: np.ndarray) -> None:
+    def _padding_meta(self, meta: np.ndarray, tables: np.ndarray) -> None:
         meta[:, META_SLOT] = self.dummy_slot
         meta[:, META_POS] = 0
         meta[:, META_SLOT_MAP] = -1
         meta[:, META_CTX] = 1
         meta[:, META_FRAME] = 0
-        meta[:, META_COLS:] = self.dummy_page
+        tables[:] = self.dummy_page
 
     def _fill_padding(self, start: int, stop: int) -> None:
-        meta = np.zeros((stop - start, self.buf.meta.shape[1]), dtype=np.int64)
-        self._padding_meta(meta)
+        meta = np.zeros((stop - start, META_COLS), dtype=np.int64)
+        tables = np.zeros((stop - start, self.max_pages), dtype=np.int32)
+        self._padding_meta(meta, tables)
         self.buf.meta[start:stop].copy_(torch.from_numpy(meta))
+        self.buf.tables[start:stop].copy_(torch.from_numpy(tables))
 
     def _talker_params(self, sl: torch.Tensor) -> SamplingTensors:
         st = self.state
@@ -170,8 +174,8 @@ class ModelRunner:
         text = torch.where((frame < st.text_len[sl])[:, None], text, self.pad_row[None, :])
         batch = step.DecodeBatch(
             c0=st.last_c0[sl], past_hidden=st.past_hidden[sl], text=text, positions=pos,
-            slot_mapping=meta[:, META_SLOT_MAP], block_tables=meta[:, META_COLS:],
-            context_lens=meta[:, META_CTX], generated=st.rep_mask[sl], num_generated=frame + 1,
+            slot_mapping=meta[:, META_SLOT_MAP], block_tables=buf.tables[:bs],
+            context_lens=meta[:, META_CTX].int(), generated=st.rep_mask[sl], num_generated=frame + 1,
             seeds=st.seed[sl], counters=frame)
         result = step.decode_step(self.talker, self.kv, batch, self._talker_params(sl),
                                   self._sub_params(sl), self.uniform_source)

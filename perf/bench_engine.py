@@ -1,0 +1,149 @@
+"""Engine decode-step benchmark: per-step ms, frames/s and audio-s/s per batch size (graph replay).
+
+H200 (the default): python3 perf/bench_engine.py
+    makes a real-size random 1.7B CustomVoice checkpoint (or --model DIR), captures the decode step as
+    CUDA graphs, fills the engine with B sequences for each B in --batches and times --steps steps.
+CPU check:          python3 perf/bench_engine.py --scale tiny --device cpu --batches 1 2 --steps 3
+
+Also checks: one graph replay per decode step (replay counter vs steps), and graph replay == eager on
+one batch (same padded bucket, greedy, bit-exact codes). Writes $OUT/engine_bench.md when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from q3tts.engine.api import SamplingParams, VoiceSpec
+from q3tts.engine.config import EngineConfig
+from q3tts.engine.engine import Engine
+
+TEXT = "Hello world, this is a benchmark of the streaming speech engine running many voices at once."
+
+
+def make_model(args) -> Path:
+    if args.model:
+        return Path(args.model)
+    from q3tts.checkpoint.maker import make_checkpoint
+
+    out = Path(tempfile.mkdtemp(prefix="q3tts_bench_")) / f"cv_{args.scale}"
+    t0 = time.perf_counter()
+    make_checkpoint(out, "custom_voice", "1.7b", args.scale, seed=0)
+    print(f"checkpoint {out} in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def fill(engine: Engine, batch: int, tag: str, greedy: bool = False, frames: int = 1000) -> list[str]:
+    """Add `batch` sequences (all text up front, no EOS: max_frames large) and prefill them."""
+    spk = sorted(engine.checkpoint.config.talker.speaker_ids)[0]
+    ids = [f"{tag}{i}" for i in range(batch)]
+    for i, sid in enumerate(ids):
+        engine.add(sid, VoiceSpec(speaker=spk), SamplingParams(greedy=greedy, seed=i, max_frames=frames),
+                   TEXT, True)
+    engine.step()  # prefill + first decode
+    assert engine.stats()["active"] == batch, engine.stats()
+    return ids
+
+
+def drain(engine: Engine, ids: list[str]) -> None:
+    for sid in ids:
+        engine.abort(sid)
+    while engine.has_work():
+        engine.step()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bench_batch(engine: Engine, batch: int, steps: int, device: str) -> dict:
+    ids = fill(engine, batch, f"b{batch}_", frames=steps + 4)
+    engine.step()  # warm
+    replays0, decode0 = engine.stats()["graph_replays"], engine.stats()["decode_steps"]
+    sync(device)
+    made = 0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        made += sum(o.codes.shape[0] for o in engine.step())  # random weights may emit EOS early
+    sync(device)
+    dt = (time.perf_counter() - t0) / steps
+    s = engine.stats()
+    replays, decodes = s["graph_replays"] - replays0, s["decode_steps"] - decode0
+    drain(engine, ids)
+    fps = made / (dt * steps)
+    return dict(batch=batch, bucket=engine.config.bucket_for(batch), ms=dt * 1e3, fps=fps,
+                audio=fps * 0.08, replays=replays, decodes=decodes, rows=made / steps)
+
+
+def graph_vs_eager(engine: Engine, batch: int, steps: int = 4) -> bool:
+    """Run the same greedy batch with graph replay and with the eager step body; compare codes."""
+    runner = engine.runner
+    results = []
+    for use_graph in (True, False):
+        saved = runner.graphs
+        runner.graphs = saved if use_graph else None
+        ids = fill(engine, batch, f"cmp{int(use_graph)}_", greedy=True, frames=steps + 4)
+        frames = [sorted((o.seq_id[5:], o.codes.tobytes()) for o in engine.step()) for _ in range(steps)]
+        drain(engine, ids)
+        runner.graphs = saved
+        results.append(frames)
+    return results[0] == results[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint folder (default: make a random one)")
+    p.add_argument("--scale", choices=("tiny", "full"), default="full")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    args = p.parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    max_b = max(args.batches)
+    buckets = tuple(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, *args.batches}))
+    buckets = tuple(b for b in buckets if b <= max(256, max_b))
+    cfg = EngineConfig(device=args.device, dtype=dtype, max_slots=max_b, max_queue=max_b,
+                       max_frames=args.steps + 16, max_prompt_tokens=256, max_text_tokens=256,
+                       kv_memory_fraction=0.5, graph_batch_sizes=buckets,
+                       num_pages=None if args.device.startswith("cuda") else 2 * max_b * (args.steps + 300) // 16,
+                       use_cuda_graphs=not args.no_cuda_graphs)
+    model = make_model(args)
+    t0 = time.perf_counter()
+    engine = Engine(model, cfg)
+    print(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.config.num_pages} KV pages, "
+          f"graphs {sorted(engine.runner.graphs.graphs) if engine.runner.graphs else 'off (eager)'}")
+    rows = []
+    for b in args.batches:
+        r = bench_batch(engine, b, args.steps, args.device)
+        rows.append(r)
+        print(f"B={b:4d} bucket={r['bucket']} {r['ms']:8.2f} ms/step {r['fps']:9.1f} frames/s "
+              f"{r['audio']:8.2f} audio-s/s  rows/step {r['rows']:.1f}  graph replays {r['replays']}/{r['decodes']} steps")
+    graphs_on = engine.runner.graphs is not None
+    one_launch = all(r["replays"] == r["decodes"] for r in rows) if graphs_on else None
+    same = graph_vs_eager(engine, min(8, max_b)) if graphs_on else None
+    print(f"one graph replay per decode step: {one_launch}; graph == eager (greedy, bit-exact): {same}")
+    table = ["| batch | bucket | ms/step | frames/s | audio-s/s | RTF/stream | replays/steps |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        table.append(f"| {r['batch']} | {r['bucket']} | {r['ms']:.2f} | {r['fps']:.1f} | {r['audio']:.2f} | "
+                     f"{r['ms'] / 80:.4f} | {r['replays']}/{r['decodes']} |")
+    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    md = (f"# Engine decode step ({args.scale} 1.7B CustomVoice, {dtype}, {dev})\n\n" + "\n".join(table)
+          + f"\n\none graph replay per decode step: {one_launch}; graph == eager: {same}\n")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "engine_bench.md").write_text(md)
+    print(md)
+    return 0 if (one_launch in (True, None) and same in (True, None)) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
