@@ -70,3 +70,49 @@ def test_reference_loads_our_keys_strictly(checkpoint_dirs, reference, ours):
         ref_keys = {k for k in reference(name).model.state_dict() if not k.startswith("speech_tokenizer.")}
         assert ref_keys == set(ours(name).ckpt.weights), name
 
+
+
+def _table_source(table: torch.Tensor):
+    """An injected uniform source: row `counter` of a fixed [frames + 1, 16] table."""
+    return lambda seeds, counters: table[counters.long()]
+
+
+def test_sampled_run_with_injected_uniforms_repeats(ours):
+    mine = ours("cv17")
+    prompt = mine.builder.build(TEXT, CASES["cv17-ryan-english"][1])
+    table = torch.rand(FRAMES + 1, 16, generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(max_frames=12)
+    first = generate_codes(mine.model, prompt, params, _table_source(table))
+    again = generate_codes(mine.model, prompt, params, _table_source(table))
+    other = generate_codes(mine.model, prompt, params, _table_source(table.flip(0)))
+    assert first.shape == (12, 16) and torch.equal(first, again) and not torch.equal(first, other)
+    seeded = generate_codes(mine.model, prompt, SamplingParams(max_frames=12, seed=3))
+    assert torch.equal(seeded, generate_codes(mine.model, prompt, SamplingParams(max_frames=12, seed=3)))
+
+
+def _bias_eos(module: torch.nn.Module, eos_id: int):
+    """Forward hook on a codec head adding +100 to the EOS logit."""
+    def hook(_mod, _inp, out):
+        bias = torch.zeros(out.shape[-1], dtype=out.dtype)
+        bias[eos_id] = 100.0
+        return out + bias
+    return module.register_forward_hook(hook)
+
+
+@pytest.mark.oracle
+def test_forced_eos_ends_request_like_reference(ours, reference):
+    mine = ours("cv06")
+    voice = CASES["cv06-serena-chinese"][1]
+    eos = mine.model.config.talker.codec_eos_id
+    wrapper = reference("cv06")
+    handles = [_bias_eos(mine.model.talker.codec_head, eos),
+               _bias_eos(wrapper.model.talker.codec_head, eos)]
+    try:
+        codes = generate_codes(mine.model, mine.builder.build(TEXT, voice),
+                               SamplingParams(greedy=True, max_frames=FRAMES))
+        ref = run_reference(wrapper, "custom_voice", TEXT, voice, True, FRAMES)
+    finally:
+        for h in handles:
+            h.remove()
+    assert codes.shape == (2, 16)  # EOS is blocked for the first two frames only
+    assert torch.equal(codes, ref.codes)
