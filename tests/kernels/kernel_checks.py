@@ -22,23 +22,31 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
 
+_KERNEL_MODULES = ("_cast", "rmsnorm", "rotary", "store_kv", "paged_attention")
+
+
+def _is_interpreted(module) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    jitted = [v for v in vars(module).values() if isinstance(v, (JITFunction, InterpretedFunction))]
+    return all(isinstance(v, InterpretedFunction) for v in jitted)
+
+
 def kernel_module(name: str):
     """q3tts.kernels.<name> (the package re-binds `store_kv` etc. to the wrappers, so import by path).
 
-    Skips when triton is missing, or when the kernels were compiled for a GPU path but no GPU exists
-    (another suite imported them before this conftest could set TRITON_INTERPRET).
+    Skips the test module when triton is missing, or on CPU when triton was imported before
+    TRITON_INTERPRET=1 was set (another suite imported q3tts.kernels first): the interpreter must be
+    chosen before triton's own jit functions (tl.sum, ...) are decorated, so nothing can be reloaded.
     """
     pytest.importorskip("triton", reason="triton is not installed")
-    module = importlib.import_module(f"q3tts.kernels.{name}")
-    if DEVICE == "cpu":
-        from triton.runtime.interpreter import InterpretedFunction
-
-        jitted = [v for v in vars(module).values() if hasattr(v, "fn") and hasattr(v, "arg_names")
-                  or isinstance(v, InterpretedFunction)]
-        if not all(isinstance(v, InterpretedFunction) for v in jitted):
-            pytest.skip("q3tts.kernels was imported before TRITON_INTERPRET=1 was set; "
-                        "run tests/kernels on its own on a CPU-only machine")
-    return module
+    modules = [importlib.import_module(f"q3tts.kernels.{m}") for m in _KERNEL_MODULES]
+    if DEVICE == "cpu" and not all(_is_interpreted(m) for m in modules):
+        pytest.skip("no CUDA, and triton was imported before TRITON_INTERPRET=1 could be set: run "
+                    "`pytest tests/kernels` on its own, or set TRITON_INTERPRET=1 in tests/conftest.py",
+                    allow_module_level=True)
+    return importlib.import_module(f"q3tts.kernels.{name}")
 
 
 def assert_close_3way(out: torch.Tensor, out_pt: torch.Tensor, out_ref: torch.Tensor,
