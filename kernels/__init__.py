@@ -53,7 +53,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """rotate_half RoPE of q [N, NH, D], k [N, KVH, D] at positions [N] from cos/sin tables
-    [max_pos, D]; returns (q_rot, k_rot) (q and k themselves when inplace). See kernels/rotary.py."""
+    [max_pos, D]; returns (q_rot, k_rot) (q and k themselves when inplace).
+    See kernels/rotary.py."""
     if use_triton(q):
         return _rt.apply_rotary(q, k, positions, cos, sin, inplace)
     q_rot, k_rot = reference.apply_rotary_ref(q, k, positions, cos, sin)

@@ -1,7 +1,8 @@
 """`cast(x, dtype)` and `dot(a, b)` with GPU numerics on the GPU and in the interpreter.
 
 NOTE: the Triton interpreter (TRITON_INTERPRET=1, triton 3.6) truncates fp32 -> bf16 casts, while
-GPUs and torch round to nearest even; this helper rounds by hand there so CPU tests see GPU numerics.
+GPUs and torch round to nearest even; this helper rounds by hand there so CPU tests see GPU
+numerics.
 On the GPU the branch is compiled out.
 """
 

@@ -1,7 +1,7 @@
-"""Launch configs, the config cache and `warmup()`: every kernel is compiled and tuned before capture.
+"""Launch configs, the config cache and `warmup()`: compile and tune every kernel before capture.
 
-Keys are shape classes (head_dim, page size, GQA group, dtypes), never batch or sequence length, so a
-CUDA-graph sweep over batch sizes compiles nothing new once `warmup()` has run (rule 11).
+Keys are shape classes (head_dim, page size, GQA group, dtypes), never batch or sequence length,
+so a CUDA-graph sweep over batch sizes compiles nothing new once `warmup()` has run (rule 11).
 Tuning runs only on CUDA, outside graph capture, and only for idempotent launches; elsewhere the
 first (heuristic) candidate is used. `Q3TTS_TUNE=0` disables tuning.
 """

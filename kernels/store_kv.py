@@ -50,7 +50,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Write k, v [N, KVH, D] into k_cache, v_cache [num_pages, page_size, KVH, D] at slot_mapping
     [N] (int32/int64; slot = page * page_size + offset; negative = padding row, skipped).
 
-    Slots must be unique among the kept rows and < num_pages * page_size (not checked: no host sync).
+    Slots must be unique among the kept rows and < num_pages * page_size (not checked: no host
+    sync).
     """
     n, num_kv, dim = k.shape
     assert v.shape == k.shape, f"v {tuple(v.shape)} != k {tuple(k.shape)}"

@@ -66,8 +66,8 @@ class Table:
         print(self.rows[-1], flush=True)
 
     def markdown(self, header: str) -> str:
-        head = ("| kernel | shape | MB | triton graph µs | GB/s | triton eager µs | torch ref µs "
-                "| ref/triton (eager) |\n|---|---|---:|---:|---:|---:|---:|---:|")
+        head = ("| kernel | shape | MB | triton graph µs | GB/s | triton eager µs "
+                "| torch ref µs | ref/triton (eager) |\n|---|---|---:|---:|---:|---:|---:|---:|")
         return "\n".join([header, "", head, *self.rows, ""])
 
 

@@ -34,17 +34,18 @@ def _is_interpreted(module) -> bool:
 
 
 def kernel_module(name: str):
-    """q3tts.kernels.<name> (the package re-binds `store_kv` etc. to the wrappers, so import by path).
+    """q3tts.kernels.<name>, imported by path (the package re-binds `store_kv` to its wrapper).
 
     Skips the test module when triton is missing, or on CPU when triton was imported before
     TRITON_INTERPRET=1 was set (another suite imported q3tts.kernels first): the interpreter must be
-    chosen before triton's own jit functions (tl.sum, ...) are decorated, so nothing can be reloaded.
+    chosen before triton's own jit functions (tl.sum, ...) are decorated: nothing can be reloaded.
     """
     pytest.importorskip("triton", reason="triton is not installed")
     modules = [importlib.import_module(f"q3tts.kernels.{m}") for m in _KERNEL_MODULES]
     if DEVICE == "cpu" and not all(_is_interpreted(m) for m in modules):
         pytest.skip("no CUDA, and triton was imported before TRITON_INTERPRET=1 could be set: run "
-                    "`pytest tests/kernels` on its own, or set TRITON_INTERPRET=1 in tests/conftest.py",
+                    "`pytest tests/kernels` on its own, or set TRITON_INTERPRET=1 in "
+                    "tests/conftest.py",
                     allow_module_level=True)
     return importlib.import_module(f"q3tts.kernels.{name}")
 

@@ -83,7 +83,8 @@ def test_public_wrappers_run_the_kernels_when_asked(monkeypatch):
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
     x, w, q, k, cos, sin, pos, cache, tables, lens = _inputs()
     torch.testing.assert_close(K.rms_norm(x, w, 1e-6), R.rms_norm_ref(x, w, 1e-6))
-    for got, want in zip(K.apply_rotary(q, k, pos, cos, sin), R.apply_rotary_ref(q, k, pos, cos, sin)):
+    pairs = zip(K.apply_rotary(q, k, pos, cos, sin), R.apply_rotary_ref(q, k, pos, cos, sin))
+    for got, want in pairs:
         torch.testing.assert_close(got, want)
     torch.testing.assert_close(K.paged_decode_attention(q, cache, cache, tables, lens, 0.25),
                                R.paged_decode_attention_ref(q, cache, cache, tables, lens, 0.25))

@@ -11,7 +11,8 @@ from q3tts.kernels.reference import paged_decode_attention_ref
 pa = kernel_module("paged_attention")
 
 # the interpreter evaluates tensor loop bounds through a deprecated numpy scalar conversion
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning")
 
 
 def attention_same_dtype(q, k_cache, v_cache, block_tables, context_lens, scale):

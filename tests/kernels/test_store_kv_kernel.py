@@ -17,7 +17,8 @@ CASES = [  # (n, num_kv_heads, head_dim, num_pages, page_size)
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}_kv{}_d{}_p{}x{}".format(*c))
-@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16),
                                     (torch.float32, torch.bfloat16)],
                          ids=["f32", "bf16", "f32_into_bf16"])
 def test_store_kv_matches_reference(dtypes, case, slot_dtype):
