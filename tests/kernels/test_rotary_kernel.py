@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ from q3tts.kernels.reference import apply_rotary_ref
 rotary = kernel_module("rotary")
 
 MAX_POS = 37
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _tables(head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +53,9 @@ def test_rotary_matches_reference(dtype, case, inplace):
     assert q_out.dtype == dtype and k_out.shape == k.shape
     assert_close_3way(q_out, q_pt, q_ref, dtype, "q")
     assert_close_3way(k_out, k_pt, k_ref, dtype, "k")
-    if dtype == torch.bfloat16:  # products rounded like eager bf16: bit-exact
+    if dtype == torch.bfloat16 and INTERPRETING:
+        # The interpreter rounds each product like eager bf16: bit-exact. Compiled for the GPU, the
+        # mul+add contracts into an FMA (one rounding fewer), so only the 3-way bound above applies.
         assert torch.equal(q_out, q_pt) and torch.equal(k_out, k_pt)
 
 
