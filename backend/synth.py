@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from q3tts.checkpoint.loader import load_checkpoint
-from q3tts.engine.api import SamplingParams, VoiceSpec
+from q3tts.checkpoint.loader import CheckpointError, load_checkpoint
+from q3tts.engine.api import EngineError, SamplingParams, VoiceSpec
 from q3tts.models.attention import PagedKVCache
 from q3tts.models.step import DecodeBatch, decode_step, prefill
 from q3tts.models.tts_model import Qwen3TTS
@@ -91,12 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codes-out", required=True, type=Path)
 
 
-def run(args: argparse.Namespace) -> int:
-    ckpt = load_checkpoint(args.model, dtype=getattr(torch, args.dtype))
-    model = Qwen3TTS.from_checkpoint(ckpt)
-    prompt = PromptBuilder(model, ckpt.tokenizer).build(args.text, _voice(args))
-    gen = ckpt.generation
-    params = SamplingParams(
+def _params(args: argparse.Namespace, gen: dict) -> SamplingParams:
+    """Command-line choices over the checkpoint's generation_config.json."""
+    return SamplingParams(
         greedy=args.greedy or not gen.get("do_sample", True),
         temperature=gen.get("temperature", 0.9), top_k=gen.get("top_k", 50),
         top_p=gen.get("top_p", 1.0), repetition_penalty=gen.get("repetition_penalty", 1.05),
@@ -104,7 +102,18 @@ def run(args: argparse.Namespace) -> int:
         subtalker_temperature=gen.get("subtalker_temperature", 0.9),
         subtalker_top_k=gen.get("subtalker_top_k", 50), subtalker_top_p=gen.get("subtalker_top_p", 1.0),
         seed=args.seed, max_frames=args.max_frames)
-    params.validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        ckpt = load_checkpoint(args.model, dtype=getattr(torch, args.dtype))
+        model = Qwen3TTS.from_checkpoint(ckpt)
+        prompt = PromptBuilder(model, ckpt.tokenizer).build(args.text, _voice(args))
+        params = _params(args, ckpt.generation)
+        params.validate()
+    except (CheckpointError, EngineError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     codes = generate_codes(model, prompt, params)
     np.save(args.codes_out, codes.numpy().astype(np.int64))
     print(f"wrote {args.codes_out}: {codes.shape[0]} frames")
