@@ -106,7 +106,8 @@ class PromptBuilder:
             if not voice.speaker:
                 raise InvalidRequest(f"CustomVoice needs a speaker; one of {', '.join(speakers)}")
             if voice.speaker.lower() not in self.tcfg.speaker_ids:
-                raise InvalidRequest(f"unknown speaker {voice.speaker!r}; known: {', '.join(speakers)}")
+                raise InvalidRequest(
+                    f"unknown speaker {voice.speaker!r}; known: {', '.join(speakers)}")
         elif voice.speaker:
             raise InvalidRequest(f"a {variant} model has no named speakers (got {voice.speaker!r})")
         if variant == "voice_design" and not voice.instruct:
@@ -130,7 +131,8 @@ class PromptBuilder:
         codes = np.asarray(voice.ref_codes)
         groups = self.tcfg.num_code_groups
         if codes.ndim != 2 or codes.shape[1] != groups or codes.shape[0] == 0:
-            raise InvalidRequest(f"ref_codes must have shape [F>0, {groups}], got {list(codes.shape)}")
+            raise InvalidRequest(
+                f"ref_codes must have shape [F>0, {groups}], got {list(codes.shape)}")
         if codes.min() < 0 or codes.max() >= self.tcfg.codebook_size:
             raise InvalidRequest(f"ref_codes values must lie in [0, {self.tcfg.codebook_size})")
 
@@ -184,12 +186,14 @@ class PromptBuilder:
 
     def _xvector(self, voice: VoiceSpec) -> torch.Tensor:
         weight = self.talker.codec_head.weight
-        return torch.as_tensor(np.asarray(voice.xvector)).to(device=weight.device, dtype=weight.dtype)
+        xvector = torch.as_tensor(np.asarray(voice.xvector))
+        return xvector.to(device=weight.device, dtype=weight.dtype)
 
     def ref_code_embeds(self, codes: np.ndarray) -> torch.Tensor:
         """[F, 16] codes -> [F, H]: sum over groups of talker C (group 0) and cp tables (1..15)."""
         codes_t = torch.as_tensor(np.asarray(codes), dtype=torch.int64, device=self.device)
-        tables = [self.talker.model.codec_embedding, *self.talker.code_predictor.model.codec_embedding]
+        cp_tables = self.talker.code_predictor.model.codec_embedding
+        tables = [self.talker.model.codec_embedding, *cp_tables]
         per_group = [table(codes_t[:, g]) for g, table in enumerate(tables)]  # 16 x [F, H]
         return torch.stack(per_group, dim=1).sum(1)
 
@@ -197,7 +201,8 @@ class PromptBuilder:
                   whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ref_ids = self.tokenizer.encode(ref_string(voice.ref_text))[ROLE_TOKENS:-REF_TAIL]
         x = torch.cat((self.embed_text(ref_ids + text_ids), eos))  # [n_r + n + 1, H]
-        y = torch.cat((self._codec([self.tcfg.codec_bos_id]), self.ref_code_embeds(voice.ref_codes)))
+        y = torch.cat((self._codec([self.tcfg.codec_bos_id]),
+                       self.ref_code_embeds(voice.ref_codes)))  # [F + 1, H]
         if whole:
             body = torch.cat((x + self._codec([self.tcfg.codec_pad_id] * x.shape[0]), y + pad))
             return body, pad

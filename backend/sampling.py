@@ -68,7 +68,7 @@ def apply_repetition_penalty(logits: torch.Tensor, generated: torch.Tensor,
 
 def block_eos(logits: torch.Tensor, num_generated: torch.Tensor, eos_id: int,
               min_new_tokens: int) -> torch.Tensor:
-    """EOS logit = -inf on rows that generated fewer than `min_new_tokens` tokens (num_generated [B])."""
+    """EOS logit = -inf on rows with fewer than `min_new_tokens` generated (num_generated [B])."""
     blocked = (num_generated < min_new_tokens)[:, None]  # [B, 1]
     is_eos = torch.arange(logits.shape[-1], device=logits.device)[None, :] == eos_id  # [1, V]
     return logits.masked_fill(blocked & is_eos, float("-inf"))
@@ -133,7 +133,8 @@ class TalkerRules:
 
 
 def sample_talker(logits: torch.Tensor, params: SamplingTensors, rules: TalkerRules,
-                  generated: torch.Tensor, num_generated: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+                  generated: torch.Tensor, num_generated: torch.Tensor,
+                  u: torch.Tensor) -> torch.Tensor:
     """First-codebook draw. logits [B, V] (any float dtype); generated [B, V] bool history mask;
     num_generated [B] int; u [B]. Returns c0 [B] int64."""
     scores = apply_repetition_penalty(logits.float(), generated, params.repetition_penalty)

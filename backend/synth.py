@@ -100,7 +100,8 @@ def _params(args: argparse.Namespace, gen: dict) -> SamplingParams:
         top_p=gen.get("top_p", 1.0), repetition_penalty=gen.get("repetition_penalty", 1.05),
         subtalker_greedy=args.greedy or not gen.get("subtalker_dosample", True),
         subtalker_temperature=gen.get("subtalker_temperature", 0.9),
-        subtalker_top_k=gen.get("subtalker_top_k", 50), subtalker_top_p=gen.get("subtalker_top_p", 1.0),
+        subtalker_top_k=gen.get("subtalker_top_k", 50),
+        subtalker_top_p=gen.get("subtalker_top_p", 1.0),
         seed=args.seed, max_frames=args.max_frames)
 
 

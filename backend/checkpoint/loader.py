@@ -65,7 +65,8 @@ def resolve_path(path_or_hub_id: str | Path) -> Path:
         return path
     repo_id = str(path_or_hub_id)
     if path.exists() or repo_id.count("/") != 1 or repo_id.startswith((".", "/")):
-        raise CheckpointFileMissing(f"{repo_id}: not a checkpoint folder (and not a Hub id 'org/name')")
+        raise CheckpointFileMissing(
+            f"{repo_id}: not a checkpoint folder (and not a Hub id 'org/name')")
     from huggingface_hub import snapshot_download  # noqa: PLC0415
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError  # noqa: PLC0415
 
@@ -133,11 +134,22 @@ def check_shapes(weights: dict[str, torch.Tensor], expected: dict[str, tuple[int
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     wrong = [f"{k}: {tuple(weights[k].shape)} != expected {expected[k]}"
-             for k in sorted(set(expected) & set(weights)) if tuple(weights[k].shape) != expected[k]]
-    problems = ([f"missing {missing[:5]} ({len(missing)} total)"] if missing else []) + \
-        ([f"unexpected {unexpected[:5]} ({len(unexpected)} total)"] if unexpected else []) + wrong[:5]
+             for k in sorted(set(expected) & set(weights))
+             if tuple(weights[k].shape) != expected[k]]
+    problems = wrong[:5]
+    if missing:
+        problems.insert(0, f"missing {missing[:5]} ({len(missing)} total)")
+    if unexpected:
+        problems.insert(0, f"unexpected {unexpected[:5]} ({len(unexpected)} total)")
     if problems:
-        raise CheckpointShapeError(f"{where}: weights do not match config.json: " + "; ".join(problems))
+        raise CheckpointShapeError(
+            f"{where}: weights do not match config.json: " + "; ".join(problems))
+
+
+def _cast(weights: dict[str, torch.Tensor], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """Floating tensors to `dtype`, all to `device`."""
+    return {k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
+            for k, v in weights.items()}
 
 
 def load_checkpoint(path_or_hub_id: str | Path, dtype: torch.dtype = torch.float32,
@@ -155,7 +167,6 @@ def load_checkpoint(path_or_hub_id: str | Path, dtype: torch.dtype = torch.float
         codec_config=CodecConfig.from_dict(codec_raw),
         generation=_read_json(root, "generation_config.json"),
         tokenizer=TextTokenizer.from_dir(root),
-        weights={k: v.to(device=device, dtype=dtype) for k, v in weights.items()},
-        codec_weights={k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
-                       for k, v in load_file(root / "speech_tokenizer/model.safetensors").items()},
+        weights=_cast(weights, dtype, device),
+        codec_weights=_cast(load_file(root / "speech_tokenizer/model.safetensors"), dtype, device),
     )

@@ -37,7 +37,8 @@ def _init_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Te
     return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
 
 
-def random_main_weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def random_main_weights(config: ModelConfig, seed: int,
+                        dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Seeded random `model.safetensors` contents for `config` (talker + Base speaker encoder)."""
     from q3tts.models.speaker_encoder import SpeakerEncoder  # noqa: PLC0415
     from q3tts.models.talker import Talker  # noqa: PLC0415
@@ -95,7 +96,8 @@ def make_checkpoint(out: str | Path, variant: str, size: str, scale: str, seed: 
     text_vocab = FULL_TEXT_VOCAB if scale == "full" else 64 * math.ceil(text_ids["vocab_size"] / 64)
     config_dict = presets.model_config_dict(variant, size, scale, text_ids, text_vocab)
     (out / "config.json").write_text(json.dumps(config_dict, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(presets.generation_config_dict(), indent=2))
+    generation = presets.generation_config_dict()
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     weights = random_main_weights(ModelConfig.from_dict(config_dict), seed, dtype)
     save_weights(weights, out, max_shard_bytes)
     write_speech_tokenizer(out, scale, seed)

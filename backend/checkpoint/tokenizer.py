@@ -68,7 +68,8 @@ def build_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]],
         tok.add_tokens([added[token_id]])
         got = tok.token_to_id(added[token_id].content)
         if got != token_id:
-            raise ValueError(f"added token {added[token_id].content!r} expected id {token_id}, got {got}")
+            raise ValueError(f"added token {added[token_id].content!r}: expected id {token_id}, "
+                             f"got {got}")
     return tok
 
 
@@ -116,8 +117,8 @@ class TextTokenizer:
 
 
 def _tokenizer_config(added_ids: dict[str, int]) -> dict:
-    decoder = {str(added_ids[c]): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
-                                   "single_word": False, "special": special}
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    decoder = {str(added_ids[c]): {"content": c, **flags, "special": special}
                for c, special in ADDED_TOKENS}
     return {
         "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": decoder,

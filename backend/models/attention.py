@@ -44,7 +44,8 @@ class AttentionContext:
         raise NotImplementedError
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
     """Causal GQA attention over one sequence's tokens (the prefill reference path).
 
     q: [N, NH, D]; k, v: [N, KVH, D] -> [N, NH, D]. Softmax in fp32, probabilities cast back to the

@@ -37,11 +37,11 @@ class CodePredictor(nn.Module):
         cp = cfg.code_predictor
         self.num_groups = cfg.num_code_groups
         self.model = CodePredictorModel(cfg)
-        self.lm_head = nn.ModuleList(
-            nn.Linear(cp.hidden_size, cfg.codebook_size, bias=False) for _ in range(self.num_groups - 1))
+        self.lm_head = nn.ModuleList(nn.Linear(cp.hidden_size, cfg.codebook_size, bias=False)
+                                     for _ in range(self.num_groups - 1))
+        same_width = cp.hidden_size == cfg.hidden_size
         self.small_to_mtp_projection = (
-            nn.Linear(cfg.hidden_size, cp.hidden_size, bias=True) if cp.hidden_size != cfg.hidden_size
-            else nn.Identity())
+            nn.Identity() if same_width else nn.Linear(cfg.hidden_size, cp.hidden_size, bias=True))
         self._embed_c0 = embed_c0  # the talker's codec embedding C(.), not a submodule
         self._cache: PagedKVCache | None = None
 
@@ -73,8 +73,8 @@ class CodePredictor(nn.Module):
         rows = torch.arange(bsz, device=c0.device)  # [B]
         e0 = self._embed_c0(c0)  # [B, H]
         x = torch.stack((past_hidden, e0), dim=1).reshape(2 * bsz, -1)  # [2B, H]: rows b*2 + {0,1}
-        logits = self._step(x, rows.repeat_interleave(2), torch.arange(2, device=c0.device).repeat(bsz),
-                            cache, head=0)
+        first_two = torch.arange(2, device=c0.device).repeat(bsz)  # [2B]: positions 0, 1
+        logits = self._step(x, rows.repeat_interleave(2), first_two, cache, head=0)
         code = sampler(logits.view(bsz, 2, -1)[:, 1], 1)  # [B]
         codes, embeds = [code], [e0]
         for j in range(1, self.num_groups - 1):

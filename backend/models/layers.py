@@ -48,7 +48,8 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: DecoderLayerConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=False)
@@ -110,7 +111,8 @@ class DecoderStack(nn.Module):
     def attn_scale(self) -> float:
         return self.cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionContext) -> torch.Tensor:
         """x [N, H], positions [N] -> final-normed hidden [N, H]."""
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for layer in self.layers:

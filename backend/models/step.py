@@ -16,7 +16,8 @@ import torch
 
 from q3tts.models.attention import DecodeContext, PagedKVCache, PrefillContext
 from q3tts.models.talker import Talker
-from q3tts.sampling import SamplingTensors, SubtalkerSampler, TalkerRules, UniformSource, sample_talker
+from q3tts.sampling import (SamplingTensors, SubtalkerSampler, TalkerRules, UniformSource,
+                            sample_talker)
 
 
 def talker_rules(talker: Talker) -> TalkerRules:

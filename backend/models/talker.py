@@ -60,7 +60,8 @@ class Talker(nn.Module):
         """C(ids): ids [N] -> [N, H]."""
         return self.model.codec_embedding(ids)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionContext) -> torch.Tensor:
         """x [N, H] at positions [N] -> final-normed hidden [N, H]."""
         return self.model(x, positions, attn)
 
