@@ -18,6 +18,10 @@ FINISH_REASON with the FINAL flag; every other request ends with an empty FINAL 
 Clients that wait for each request to complete before sending the next (perf_analyzer) set `ack_pieces`:
 then every non-END request is answered at once and all the audio streams on the END request.
 Each audio response carries SAMPLE_RATE and FIRST_FRAME (index of its first 80 ms frame).
+Errors: a request that has not streamed audio yet fails with a TritonError naming the problem (bad input,
+unknown speaker, admission, idle, ...). A request that has streamed audio ends instead with a final data
+response FINISH_REASON=error|cancelled + ERROR=<text>: Triton 2.51 BLS response iterators (the one-shot
+model) break on an error response that follows data responses.
 """
 
 from __future__ import annotations
@@ -51,13 +55,15 @@ OUTPUT_AUDIO = "AUDIO"  # float32 PCM in [-1, 1] (audio_format=float32, the defa
 OUTPUT_AUDIO_INT16 = "AUDIO_INT16"  # int16 PCM (audio_format=int16)
 OUTPUT_SAMPLE_RATE = "SAMPLE_RATE"
 OUTPUT_FIRST_FRAME = "FIRST_FRAME"
-OUTPUT_FINISH_REASON = "FINISH_REASON"  # only on the sequence's last response: eos | max_frames
+OUTPUT_FINISH_REASON = "FINISH_REASON"  # the sequence's last response: eos|max_frames|aborted|error|cancelled
+OUTPUT_ERROR = "ERROR"  # with FINISH_REASON error|cancelled: what went wrong after audio had started
 OUTPUTS = {
     OUTPUT_AUDIO: ("TYPE_FP32", [-1], "float32"),
     OUTPUT_AUDIO_INT16: ("TYPE_INT16", [-1], "int16"),
     OUTPUT_SAMPLE_RATE: ("TYPE_INT32", [1], "int32"),
     OUTPUT_FIRST_FRAME: ("TYPE_INT64", [1], "int64"),
     OUTPUT_FINISH_REASON: ("TYPE_STRING", [1], "object"),
+    OUTPUT_ERROR: ("TYPE_STRING", [1], "object"),
 }
 AUDIO_FORMATS = {"float32": OUTPUT_AUDIO, "int16": OUTPUT_AUDIO_INT16}
 

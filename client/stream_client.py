@@ -165,6 +165,9 @@ def synthesize(url: str, pieces: Iterable[str], voice: dict | None = None, param
             reason = result.as_numpy(P.OUTPUT_FINISH_REASON)
             if reason is not None:
                 res.finish_reason = reason.reshape(-1)[0].decode()
+            err = result.as_numpy(P.OUTPUT_ERROR)
+            if err is not None:  # failed after audio had started (protocol.py)
+                res.error = res.error or err.reshape(-1)[0].decode()
             sr = result.as_numpy(P.OUTPUT_SAMPLE_RATE)
             if sr is not None:
                 res.sample_rate = int(sr[0])

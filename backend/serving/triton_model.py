@@ -52,10 +52,11 @@ class Reply:
     """One request's response stream; `finish`/`fail` may be called once (asserted), `audio` before that."""
 
     def __init__(self, sender, out: queue.Queue, key: Any = None):
-        self.sender, self.out, self.key, self.done = sender, out, key, False
+        self.sender, self.out, self.key, self.done, self.sent_data = sender, out, key, False, False
 
     def send(self, response) -> None:
         assert not self.done, "response after FINAL"
+        self.sent_data = True
         self.out.put((self, response, 0))
 
     def finish(self, response=None) -> None:
@@ -64,7 +65,16 @@ class Reply:
         self.out.put((self, response, FINAL))
 
     def fail(self, code_name: str, msg: str) -> None:
-        self.finish(pb_utils.InferenceResponse(error=triton_error(code_name, msg)))
+        if self.sent_data:
+            # NOTE: once audio went out, the request ends with a data response (FINISH_REASON + ERROR), not
+            # a TritonError: in Triton 2.51 an error response after data responses breaks a BLS response
+            # iterator (the one-shot relay hung or leaked, and the model could not unload).
+            reason = "cancelled" if code_name == "CANCELLED" else "error"
+            self.finish(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor(P.OUTPUT_FINISH_REASON, np.array([reason.encode()], object)),
+                pb_utils.Tensor(P.OUTPUT_ERROR, np.array([msg.encode()], object))]))
+        else:
+            self.finish(pb_utils.InferenceResponse(error=triton_error(code_name, msg)))
 
 
 @dataclass
@@ -201,8 +211,8 @@ class ServingCore:
         kind = cmd[0]
         if kind == "piece":
             _, piece, reply, now = cmd
-            if piece.abort:
-                self._drop(piece.key, "CANCELLED", "aborted by an abort request")
+            if piece.abort:  # the open request ends normally, with FINISH_REASON "aborted"
+                self._drop(piece.key, None, "aborted by an abort request")
                 self.closed[piece.key] = ("it was aborted", now)
                 if piece.end:
                     self.triton_open.pop(piece.key, None)
@@ -371,8 +381,9 @@ class ServingCore:
         s.chunks_sent += 1
         s.buffer, s.buffered_frames = [], 0
 
-    def _drop(self, key, code: str, msg: str) -> None:
-        """Abort a live session in the engine (pages/slot freed at its next step) and fail its open request."""
+    def _drop(self, key, code: str | None, msg: str) -> None:
+        """Abort a live session in the engine (pages/slot freed at its next step) and fail its open request
+        (code None: end it normally with FINISH_REASON "aborted")."""
         s = self.sessions.get(key)
         if s is None:
             return
@@ -383,7 +394,11 @@ class ServingCore:
             except EngineError:
                 pass
         if s.reply is not None and not s.reply.done:
-            s.reply.fail(code, f"sequence {key}: {msg}")
+            if code is None:
+                reason = pb_utils.Tensor(P.OUTPUT_FINISH_REASON, np.array([b"aborted"], object))
+                s.reply.finish(pb_utils.InferenceResponse(output_tensors=[reason]))
+            else:
+                s.reply.fail(code, f"sequence {key}: {msg}")
         log("verbose", f"sequence {key} dropped: {msg}")
         self._forget(s)
 
@@ -533,20 +548,27 @@ class OneShotModel:
                 correlation_id=cid, flags=FLAG_START | FLAG_END, parameters=params)
             responses = await inner.async_exec(decoupled=True)
             loop = asyncio.get_running_loop()
-            while True:
-                resp = await loop.run_in_executor(None, next, responses, None)
-                if resp is None:
-                    break
+            error, cancelled = None, False
+            # NOTE: always drain the inner stream to its end: an undrained BLS response iterator keeps
+            # this model from unloading (measured: the server then hits its exit timeout)
+            while (resp := await loop.run_in_executor(None, next, responses, None)) is not None:
+                if cancelled or error is not None:
+                    continue
                 if resp.has_error():
-                    sender.send(pb_utils.InferenceResponse(error=resp.error()), flags=FINAL)
-                    return
+                    error = resp.error()
+                    continue
                 tensors = resp.output_tensors()
                 if tensors and sender.is_cancelled():  # client gone: stop the engine work too
+                    cancelled = True
                     await loop.run_in_executor(None, self._abort_inner, cid)
-                    break
-                if tensors:
+                    log("info", f"oneshot: client cancelled, sequence {cid} aborted")
+                elif tensors:
                     sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
-            sender.send(flags=FINAL)  # still needed after a cancel
+            if error is not None:
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            else:
+                sender.send(flags=FINAL)  # still needed after a cancel
+            log("info", f"oneshot: relay {cid} done")
         except Exception as e:
             log("error", f"oneshot relay failed: {traceback.format_exc()}")
             sender.send(pb_utils.InferenceResponse(error=triton_error("INTERNAL", f"oneshot relay: {e}")),

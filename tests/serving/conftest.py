@@ -110,7 +110,11 @@ class RecordingSender:
 
     @property
     def error(self):
+        """The TritonError, or the ERROR output of a request that failed after streaming audio."""
         errs = [r.error for r, _ in self.sent if r is not None and r.error is not None]
+        errs += [TritonError(r.tensors["ERROR"][0].decode(), {b"cancelled": TritonError.CANCELLED}.get(
+            r.tensors["FINISH_REASON"][0], TritonError.INTERNAL)) for r, _ in self.sent
+            if r is not None and "ERROR" in r.tensors]
         return errs[0] if errs else None
 
 

@@ -159,6 +159,7 @@ def test_cancel_aborts_in_engine_and_sends_one_cancelled_final(core_factory):
     r.sender.cancelled = True
     wait_finals([r])
     assert "cancelled" in r.sender.error.message() and engine.aborted
+    assert r.sender.sent[-1][0].tensors["FINISH_REASON"][0] == b"cancelled"  # audio had started: data final
     deadline = time.monotonic() + 2
     while engine.seqs and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -230,7 +231,8 @@ def test_abort_request_drops_the_sequence(core_factory):
     stop = FakeRequest(14, "", end=True, params={"abort": True})
     submit(core, first, stop)
     wait_finals([first, stop])
-    assert "aborted" in first.sender.error.message() and stop.sender.sent == [(None, 1)]
+    (resp, flags), = first.sender.sent  # ends normally: FINISH_REASON "aborted"
+    assert flags == 1 and resp.tensors["FINISH_REASON"][0] == b"aborted" and stop.sender.sent == [(None, 1)]
     assert engine.aborted and core.sessions == {}
 
 
