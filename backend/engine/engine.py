@@ -50,7 +50,7 @@ class Engine:
             _, self.eos_row, self.pad_row = self.builder.special_embeds()  # [1, H] each
         codec = self._make_codec(ckpt, config, dtype) if with_codec else None
         self.samples_per_frame = codec.samples_per_frame if codec is not None else 1920
-        config = config.resolve(self._bytes_per_page(ckpt, dtype), self._free_bytes(config))
+        config = config.resolve(self._bytes_per_page(ckpt, dtype, config.page_size), self._free_bytes(config))
         self.config = config
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(self.model, codec, config, self.pad_row, uniform_source)
@@ -71,9 +71,11 @@ class Engine:
         return StreamingDecoder(decoder, config.max_slots, dtype, config.device)
 
     @staticmethod
-    def _bytes_per_page(ckpt, dtype: torch.dtype) -> int:
+    def _bytes_per_page(ckpt, dtype: torch.dtype, page_size: int) -> int:
+        """K and V of every layer for `page_size` tokens."""
         lc = ckpt.config.talker.layers
-        return 2 * lc.num_layers * lc.num_kv_heads * lc.head_dim * torch.empty((), dtype=dtype).element_size()
+        per_token = 2 * lc.num_layers * lc.num_kv_heads * lc.head_dim * torch.empty((), dtype=dtype).element_size()
+        return per_token * page_size
 
     @staticmethod
     def _free_bytes(config: EngineConfig) -> int | None:

@@ -102,7 +102,7 @@ class ModelRunner:
                                   self._talker_params(sl), st.seed[sl], self.uniform_source)
         st.last_c0[sl] = c0
         st.past_hidden[sl] = hidden
-        st.rep_mask[sl, c0] = True
+        _mark_generated(st.rep_mask, sl, c0)
 
     @torch.no_grad()
     def push_text(self, slot: int, start: int, rows: torch.Tensor) -> None:
@@ -184,6 +184,12 @@ class ModelRunner:
         buf.c0_next[:bs] = c0_next
         st.last_c0[sl] = c0_next
         st.past_hidden[sl] = hidden
-        st.rep_mask[sl, c0_next] = True
+        _mark_generated(st.rep_mask, sl, c0_next)
         if self.codec is not None:
             buf.pcm[:bs] = self.codec.decode_frame(sl, frames).float()
+
+
+def _mark_generated(rep_mask: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> None:
+    """rep_mask[slots, ids] = True without a host scalar: `x[i, j] = True` copies a CPU tensor to the
+    device, which CUDA graph capture refuses."""
+    rep_mask.index_put_((slots, ids), torch.ones_like(ids, dtype=torch.bool))
