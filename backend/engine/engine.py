@@ -94,8 +94,7 @@ class Engine:
         sampling.validate()
         if voice.ref_audio is not None and (voice.xvector is None or
                                             (voice.ref_codes is None and not voice.xvector_only)):
-            raise InvalidRequest("the engine takes ref_codes/xvector; encode ref_audio first "
-                                 "(CodecEncoder.encode, SpeakerEncoder.embed)")
+            voice = self._encode_ref_audio(voice)
         mode = self.builder.text_mode(voice)
         self.builder.build("a", voice)  # validates the voice (raises InvalidRequest)
         seq = Sequence(seq_id, voice, sampling, text_mode=mode,
@@ -111,6 +110,23 @@ class Engine:
         except EngineError:
             self._drop_text(seq_id)
             raise
+
+    def _encode_ref_audio(self, voice: VoiceSpec) -> VoiceSpec:
+        """Fill the absent ref_codes / xvector from ref_audio (codec encoder loaded on first use)."""
+        import dataclasses
+
+        from q3tts.codec.encoder import CodecEncoder
+        from q3tts.voice_clone import encode_reference
+
+        if getattr(self, "_ref_encoder", None) is None:
+            self._ref_encoder = CodecEncoder.from_weights(
+                self.checkpoint.codec_config, self.checkpoint.codec_weights,
+                getattr(torch, self.config.dtype), self.config.device)
+        codes, xvector = encode_reference(self.model, self._ref_encoder, voice.ref_audio,
+                                          voice.ref_sample_rate)
+        return dataclasses.replace(
+            voice, ref_codes=codes if voice.ref_codes is None else voice.ref_codes,
+            xvector=xvector if voice.xvector is None else voice.xvector)
 
     def append_text(self, seq_id: Hashable, text: str) -> None:
         seq = self._live(seq_id)

@@ -1,0 +1,48 @@
+"""Voice cloning from reference audio (Base): reference wav -> (ref_codes, x-vector), spec f.
+
+Shared by `q3tts synth --ref-audio` and `Engine.add` (a `VoiceSpec.ref_audio` request). Mirrors the
+official `Qwen3TTSModel.create_voice_clone_prompt`: the audio is resampled to 24 kHz with soxr HQ
+(librosa.resample's default), encoded by the codec encoder (first 16 quantizers, ceil(n/1920) frames)
+and embedded by the Base checkpoint's speaker encoder (`speaker_encoder.*` weights,
+`Qwen3TTS.speaker_encoder`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from q3tts.audio import SAMPLE_RATE, resample
+from q3tts.engine.api import InvalidRequest
+
+
+def encode_reference(model, codec, wav: np.ndarray, sample_rate: int) -> tuple[np.ndarray, np.ndarray]:
+    """Encode one reference recording for Base voice cloning.
+
+    model: a Base `Qwen3TTS` (its `.speaker_encoder` makes the x-vector, in the model's dtype/device).
+    codec: a `CodecEncoder`, or anything with an `.encoder` that is one (`q3tts.codec.Codec`).
+    wav: mono float samples [n] at `sample_rate` (any rate; resampled to 24 kHz first).
+    Returns (ref_codes [F, 16] np.int64 with F = ceil(n_24k / 1920), xvector [H] np.float32).
+    Raises InvalidRequest for a non-Base model or an empty / non-mono / non-finite recording.
+    """
+    speaker_encoder = getattr(model, "speaker_encoder", None)
+    if speaker_encoder is None:
+        raise InvalidRequest("reference audio needs a Base checkpoint (it has the speaker encoder)")
+    wav = np.asarray(wav, dtype=np.float32)
+    if wav.ndim != 1:
+        raise InvalidRequest(f"reference audio must be mono [n], got shape {list(wav.shape)}")
+    if int(sample_rate) <= 0:
+        raise InvalidRequest(f"reference audio sample rate must be > 0, got {sample_rate}")
+    if wav.size == 0 or not np.isfinite(wav).all():
+        raise InvalidRequest("reference audio is empty or has non-finite samples")
+    wav24 = torch.from_numpy(np.ascontiguousarray(resample(wav, int(sample_rate), SAMPLE_RATE)))
+    encoder = getattr(codec, "encoder", codec)
+    try:
+        with torch.inference_mode():
+            codes = encoder.encode(wav24)  # [F, 16]
+            xvector = speaker_encoder.embed(wav24)  # [H]
+    except RuntimeError as exc:  # e.g. a clip shorter than the speaker encoder's reflect padding
+        raise InvalidRequest(f"reference audio of {wav24.shape[0]} samples at 24 kHz could not be "
+                             f"encoded: {exc}") from exc
+    return (codes.cpu().numpy().astype(np.int64),
+            xvector.float().cpu().numpy().astype(np.float32))
