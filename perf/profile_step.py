@@ -1,0 +1,411 @@
+"""Where the decode step's time goes: talker / code predictor / sampling / codec, graph and eager.
+
+H200 (the default): python3 perf/profile_step.py            (~2-4 min with the checkpoint build)
+    builds the engine exactly like perf/bench_engine.py (real-size random 1.7B CustomVoice checkpoint,
+    or --model DIR), fills it with B live sequences for each B in --batches (1 8 64), and times, on the
+    live state of the last decode step (same rows, positions, pages, padding):
+      talker_layers   28 layers + final norm over the paged KV        (one decode token per row)
+      talker_head     codec head -> fp32 logits
+      talker_sample   sample_talker (rep. penalty, EOS/suppress, temp, top-k, top-p, draw)
+      cp_generate     code predictor: 15 passes + 15 subtalker samples (what the step runs)
+      cp_passes       the same 15 passes with an argmax sampler (passes alone)
+      sub_sample_x15  15 x warp_and_draw on [B, codebook] logits (subtalker sampling alone)
+      uniforms        the counter-based uniform draws (x2)
+      codec_frame     StreamingDecoder.decode_frame (gather state, chunk decode, scatter)
+      full_step       the engine's own captured step graph / its eager body (reference)
+    each as its own captured CUDA graph (replay timed with CUDA events, median of --iters) and eager
+    (wall clock around a synchronized call, median), plus graph == eager (bit-exact) per component;
+    then a torch.profiler trace of one eager step aggregated by kernel name (top 25 by CUDA time,
+    with launch counts). Writes $OUT/profile_step.md when OUT is set.
+CPU check:          python3 perf/profile_step.py --scale tiny --device cpu --batches 1 3 --iters 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import drain, fill, make_model, sync  # noqa: E402
+
+from q3tts.engine.config import EngineConfig  # noqa: E402
+from q3tts.engine.cuda_graph import META_CTX, META_FRAME, META_POS, META_SLOT, META_SLOT_MAP  # noqa: E402
+from q3tts.engine.engine import Engine  # noqa: E402
+from q3tts.models import step as model_step  # noqa: E402
+from q3tts.models.attention import DecodeContext  # noqa: E402
+from q3tts.sampling import SubtalkerSampler, sample_talker, warp_and_draw  # noqa: E402
+
+
+# --------------------------------------------------------------------------- engine (as bench_engine)
+
+def build_engine(args) -> Engine:
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.dtype = dtype
+    max_b = max(args.batches)
+    buckets = tuple(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, *args.batches}))
+    buckets = tuple(b for b in buckets if b <= max(256, max_b))
+    frames = args.frames
+    cfg = EngineConfig(device=args.device, dtype=dtype, max_slots=max_b, max_queue=max_b,
+                       max_frames=frames + 16, max_prompt_tokens=256, max_text_tokens=256,
+                       kv_memory_fraction=0.5, graph_batch_sizes=buckets,
+                       num_pages=None if args.device.startswith("cuda") else 2 * max_b * (frames + 300) // 16,
+                       use_cuda_graphs=not args.no_cuda_graphs)
+    model = make_model(args)
+    t0 = time.perf_counter()
+    engine = Engine(model, cfg)
+    print(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.config.num_pages} KV pages, graphs "
+          f"{sorted(engine.runner.graphs.graphs) if engine.runner.graphs else 'off (eager)'}", flush=True)
+    return engine
+
+
+# --------------------------------------------------------------------------- timing
+
+class Timer:
+    def __init__(self, device: torch.device, iters: int, eager_iters: int):
+        self.cuda = device.type == "cuda"
+        self.iters, self.eager_iters = iters, eager_iters
+
+    def graph(self, graph: torch.cuda.CUDAGraph) -> float:
+        """Median ms of one replay (CUDA events around each replay)."""
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                 for _ in range(self.iters)]
+        for a, b in pairs:
+            a.record()
+            graph.replay()
+            b.record()
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) for a, b in pairs)
+
+    def eager(self, fn: Callable[[], None]) -> float:
+        """Median ms of one synchronized eager call (wall clock: includes launch overhead)."""
+        fn()
+        self._sync()
+        times = []
+        for _ in range(self.eager_iters):
+            self._sync()
+            t0 = time.perf_counter()
+            fn()
+            self._sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """Warm up `fn` on a side stream, then capture it (same recipe as GraphRunner.capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+# --------------------------------------------------------------------------- components
+
+class Component:
+    """fn() writes its results into `outs` (static tensors); `state` = tensors fn mutates that must
+    be restored between the graph and the eager run for the bit-exact comparison."""
+
+    def __init__(self, name: str, fn: Callable[[], None], outs: list[torch.Tensor],
+                 state: list[torch.Tensor] | None = None):
+        self.name, self.fn, self.outs, self.state = name, fn, outs, state or []
+
+
+def components(engine: Engine, bs: int) -> list[Component]:
+    """Static inputs from the live state of rows [:bs] of the last decode step."""
+    runner = engine.runner
+    talker, kv, st, buf = runner.talker, runner.kv, runner.state, runner.buf
+    cp = talker.code_predictor
+    meta = buf.meta[:bs].clone()
+    sl, pos, frame = meta[:, META_SLOT], meta[:, META_POS], meta[:, META_FRAME]
+    smap, ctx_lens = meta[:, META_SLOT_MAP], meta[:, META_CTX].int()
+    tables = buf.tables[:bs].clone()
+    seeds = st.seed[sl].clone()
+    c0 = st.last_c0[sl].clone()
+    past = st.past_hidden[sl].clone()
+    generated = st.rep_mask[sl].clone()
+    num_gen = frame + 1
+    tparams, sparams = runner._talker_params(sl), runner._sub_params(sl)
+    rules = model_step.talker_rules(talker)
+    uni = runner.uniform_source
+    with torch.no_grad():
+        u_frame = uni(seeds, frame)  # [B, 16]
+        u_next = uni(seeds, frame + 1)[:, 0].contiguous()
+        codes0, next_input = cp.generate(past, c0, SubtalkerSampler(sparams, u_frame))
+        queue_row = frame.clamp(max=st.text_queue.shape[1] - 1)
+        text = torch.where((frame < st.text_len[sl])[:, None], st.text_queue[sl, queue_row],
+                           runner.pad_row[None, :])
+        x = (next_input + text).contiguous()
+        hidden0 = talker(x, pos, DecodeContext(kv, smap, tables, ctx_lens, talker.attn_scale))
+        logits0 = talker.logits(hidden0)
+        gen = torch.Generator(device=past.device).manual_seed(0)
+        cp_logits = torch.randn(cp.num_groups - 1, bs, cp.lm_head[0].out_features, generator=gen,
+                                device=past.device, dtype=torch.float32)  # [15, B, codebook]
+        frames0 = torch.cat((c0[:, None], codes0), 1)
+
+    o_hidden, o_logits = torch.empty_like(hidden0), torch.empty_like(logits0)
+    o_c0 = torch.empty_like(c0)
+    o_codes, o_next = torch.empty_like(codes0), torch.empty_like(next_input)
+    o_codes2 = torch.empty_like(codes0)
+    o_sub = torch.empty(cp.num_groups - 1, bs, dtype=torch.int64, device=c0.device)
+    o_u = torch.empty_like(u_frame)
+    o_u2 = torch.empty_like(u_next)
+
+    def talker_layers():
+        ctx = DecodeContext(kv, smap, tables, ctx_lens, talker.attn_scale)
+        o_hidden.copy_(talker(x, pos, ctx))
+
+    def talker_head():
+        o_logits.copy_(talker.logits(hidden0))
+
+    def talker_sample():
+        o_c0.copy_(sample_talker(logits0, tparams, rules, generated, num_gen, u_next))
+
+    def cp_generate():
+        codes, nxt = cp.generate(past, c0, SubtalkerSampler(sparams, u_frame))
+        o_codes.copy_(codes)
+        o_next.copy_(nxt)
+
+    def cp_passes():
+        codes, _ = cp.generate(past, c0, lambda logits, group: logits.argmax(-1))
+        o_codes2.copy_(codes)
+
+    def sub_sample():
+        for j in range(cp.num_groups - 1):
+            o_sub[j].copy_(warp_and_draw(cp_logits[j], sparams, u_frame[:, j + 1]))
+
+    def uniforms():
+        o_u.copy_(uni(seeds, frame))
+        o_u2.copy_(uni(seeds, frame + 1)[:, 0])
+
+    comps = [Component("talker_layers", talker_layers, [o_hidden]),
+             Component("talker_head", talker_head, [o_logits]),
+             Component("talker_sample", talker_sample, [o_c0]),
+             Component("cp_generate", cp_generate, [o_codes, o_next]),
+             Component("cp_passes", cp_passes, [o_codes2]),
+             Component("sub_sample_x15", sub_sample, [o_sub]),
+             Component("uniforms", uniforms, [o_u, o_u2])]
+    if runner.codec is not None:
+        codec = runner.codec
+        o_pcm = torch.empty(bs, runner.samples_per_frame, dtype=torch.float32, device=c0.device)
+
+        def codec_frame():
+            o_pcm.copy_(codec.decode_frame(sl, frames0).float())
+
+        comps.append(Component("codec_frame", codec_frame, [o_pcm], list(codec.pool)))
+    return comps
+
+
+def profile_components(engine: Engine, bs: int, timer: Timer) -> list[dict]:
+    rows = []
+    cuda = engine.runner.device.type == "cuda"
+    with torch.no_grad():
+        for comp in components(engine, bs):
+            r = dict(name=comp.name, graph=None, eager=None, same=None)
+            snap = [t.clone() for t in comp.state]
+            if cuda:
+                try:
+                    g = capture(comp.fn)
+                    for t, s in zip(comp.state, snap):
+                        t.copy_(s)
+                    g.replay()
+                    torch.cuda.synchronize()
+                    got = [o.clone() for o in comp.outs]
+                    for t, s in zip(comp.state, snap):
+                        t.copy_(s)
+                    comp.fn()
+                    r["same"] = all(torch.equal(a, b) for a, b in zip(got, comp.outs))
+                    if not r["same"]:
+                        r["diff"] = max(_maxdiff(a, b) for a, b in zip(got, comp.outs))
+                    r["graph"] = timer.graph(g)
+                    del g
+                except Exception as exc:  # noqa: BLE001 - report and go on: one bad capture must not cost the run
+                    r["error"] = f"{type(exc).__name__}: {exc}"[:200]
+                    print(f"  {comp.name}: graph failed: {r['error']}", flush=True)
+                    torch.cuda.synchronize()
+            r["eager"] = timer.eager(comp.fn)
+            for t, s in zip(comp.state, snap):
+                t.copy_(s)
+            rows.append(r)
+    return rows
+
+
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.is_floating_point():
+        return float((a.float() - b.float()).abs().max())
+    return float((a != b).sum())  # integer outputs: count of differing entries
+
+
+def full_step(engine: Engine, bs: int, timer: Timer) -> dict:
+    """The engine's own step on the current meta rows: its captured graph and its eager body."""
+    runner = engine.runner
+    r = dict(name="full_step", graph=None, eager=None, same=None)
+    meta, tables = runner.buf.meta[:bs].clone(), runner.buf.tables[:bs].clone()
+
+    def restore():
+        runner.buf.meta[:bs].copy_(meta)
+        runner.buf.tables[:bs].copy_(tables)
+
+    with torch.no_grad():
+        if runner.graphs is not None and runner.graphs.pad(bs) == bs:
+            restore()
+            r["graph"] = timer.graph(runner.graphs.graphs[bs])
+        restore()
+        r["eager"] = timer.eager(lambda: runner._decode_rows(bs))
+    return r
+
+
+# --------------------------------------------------------------------------- profiler
+
+def trace_step(engine: Engine, bs: int, top: int = 25) -> tuple[list[str], str]:
+    """torch.profiler over one eager step; kernels (CUDA) or ops (CPU) by name, top `top`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = engine.runner
+    cuda = runner.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad():
+        runner._decode_rows(bs)  # warm
+        sync(str(runner.device))
+        with profile(activities=acts) as prof:
+            runner._decode_rows(bs)
+            sync(str(runner.device))
+    kernels, ops = [], []
+    for e in prof.key_averages():
+        dev_t = _first_attr(e, ("self_device_time_total", "self_cuda_time_total"))
+        is_kernel = str(getattr(e, "device_type", "")).endswith("CUDA") or (
+            cuda and dev_t > 0 and _first_attr(e, ("self_cpu_time_total",)) == 0)
+        if is_kernel:
+            kernels.append((e.key, e.count, dev_t))
+        elif not e.key.startswith("ProfilerStep"):
+            ops.append((e.key, e.count, _first_attr(e, ("self_cpu_time_total",))))
+    if cuda and kernels:
+        items, unit = kernels, "CUDA"
+    else:
+        items, unit = ops, "self CPU"
+    total_t = sum(t for _, _, t in items) or 1.0
+    total_n = sum(n for _, n, _ in items)
+    aten_launches = sum(n for k, n, _ in ops if k.startswith("aten::"))
+    items = sorted(items, key=lambda t: -t[2])[:top]
+    lines = [f"| kernel ({unit}) | count | total us | us/launch | % |", "|---|---:|---:|---:|---:|"]
+    for name, n, t in items:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        short = short.replace("|", "/")
+        lines.append(f"| `{short}` | {n} | {t:.0f} | {t / max(n, 1):.1f} | {100 * t / total_t:.1f} |")
+    summary = (f"{'kernels' if unit == 'CUDA' else 'ops'}: {total_n} launches, {total_t / 1e3:.2f} ms "
+               f"{unit} time in one eager step; aten op calls {aten_launches}")
+    return lines, summary
+
+
+def _first_attr(e, names) -> float:
+    for n in names:
+        v = getattr(e, n, None)
+        if v is not None:
+            return float(v)
+    return 0.0
+
+
+# --------------------------------------------------------------------------- main
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint folder (default: make a random one)")
+    p.add_argument("--scale", choices=("tiny", "full"), default="full")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--iters", type=int, default=50, help="graph replays per timing (median)")
+    p.add_argument("--eager-iters", type=int, default=None, help="default iters // 5, at least 3")
+    p.add_argument("--frames", type=int, default=64, help="max_frames of the filled sequences")
+    p.add_argument("--warm-steps", type=int, default=8, help="engine steps before profiling a batch")
+    p.add_argument("--trace-batches", type=int, nargs="*", default=None,
+                   help="batches to trace with torch.profiler (default: all)")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    engine = build_engine(args)
+    timer = Timer(engine.runner.device, args.iters, args.eager_iters or max(3, args.iters // 5))
+    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    md = [f"# Decode step profile ({args.scale} 1.7B CustomVoice, {args.dtype}, {dev})", "",
+          "Per component: ms per call, graph = one captured CUDA graph (replay, CUDA events, median), "
+          "eager = synchronized wall clock (median). `==` graph output bit-equal to eager on the same "
+          "inputs. Components run on the live state of the last decode step of B filled sequences.", ""]
+    trace_b = args.batches if args.trace_batches is None else args.trace_batches
+    ok = True
+    for b in args.batches:
+        t0 = time.perf_counter()
+        ids = fill(engine, b, f"p{b}_", frames=args.frames)
+        for _ in range(args.warm_steps):
+            engine.step()
+        bucket = engine.config.bucket_for(b) or b
+        active = engine.stats()["active"]
+        rows = profile_components(engine, bucket, timer)
+        rows.append(full_step(engine, bucket, timer))
+        ok &= all(r["same"] in (True, None) for r in rows) and not any("error" in r for r in rows)
+        parts = {r["name"]: r for r in rows}
+        md.append(f"## B={b} (bucket {bucket}, {active} active after {args.warm_steps} warm steps)")
+        md.append("")
+        md.append("| component | graph ms | eager ms | eager/graph | % of step (graph) | graph==eager |")
+        md.append("|---|---:|---:|---:|---:|---|")
+        step_g = parts["full_step"]["graph"]
+        for r in rows:
+            ratio = (r["eager"] / r["graph"]) if r["graph"] else None
+            share = (100 * r["graph"] / step_g) if (r["graph"] and step_g) else None
+            same = "-" if r["same"] is None else ("yes" if r["same"] else f"NO (diff {r.get('diff', 0):.3g})")
+            if "error" in r:
+                same = f"capture error: {r['error']}"
+            md.append(f"| {r['name']} | {_fmt(r['graph'])} | {_fmt(r['eager'])} | "
+                      f"{'-' if ratio is None else f'{ratio:.1f}x'} | "
+                      f"{'-' if share is None else f'{share:.1f}'} | {same} |")
+        g = {k: (v["graph"] if v["graph"] is not None else v["eager"]) for k, v in parts.items()}
+        mode = "graph" if step_g is not None else "eager"
+        if "cp_generate" in g:
+            parts_sum = (g["talker_layers"] + g["talker_head"] + g["talker_sample"] + g["cp_generate"]
+                         + g["uniforms"] + g.get("codec_frame", 0.0))
+            md.append("")
+            md.append(f"sum of parts ({mode}: talker_layers + talker_head + talker_sample + cp_generate + "
+                      f"uniforms + codec_frame) = {parts_sum:.3f} ms vs full_step {g['full_step']:.3f} ms; "
+                      f"cp_generate - cp_passes ~ subtalker sampling in the CP = "
+                      f"{g['cp_generate'] - g['cp_passes']:.3f} ms")
+        if b in trace_b:
+            try:
+                lines, summary = trace_step(engine, bucket)
+                md += ["", f"torch.profiler, one eager step at B={b}: {summary}", ""] + lines
+            except Exception as exc:  # noqa: BLE001 - the trace is extra: keep the timings
+                md += ["", f"torch.profiler failed: {type(exc).__name__}: {exc}"]
+        md.append("")
+        drain(engine, ids)
+        print(f"B={b}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+    md.append(f"total wall {time.perf_counter() - t_start:.1f} s")
+    text = "\n".join(md) + "\n"
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "profile_step.md").write_text(text)
+    print(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
