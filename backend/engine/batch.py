@@ -2,9 +2,10 @@
 
 One JSON object per line, fields named like the `q3tts synth` flags (dashes or underscores):
     text (required), id, speaker, language, instruct, ref_codes / ref_text / xvector (paths to .npy),
-    xvector_only, text_mode, greedy, seed, max_frames, temperature, top_k, top_p,
-    repetition_penalty, codes_out (.npy int64 [F, 16]), out (.wav), start_step (the engine step
-    at which the request joins the running batch; default 0).
+    ref_audio (path to a reference recording, Base: the engine encodes it), xvector_only, text_mode,
+    greedy, seed, max_frames, temperature, top_k, top_p, repetition_penalty, codes_out (.npy int64
+    [F, 16]), out (.wav), start_step (the engine step at which the request joins the running batch;
+    default 0).
 Relative paths are resolved against the JSONL file's folder. Generation defaults come from the
 checkpoint's generation_config.json, as in `q3tts synth`.
 """
@@ -24,7 +25,7 @@ from .api import SamplingParams, VoiceSpec
 from .config import EngineConfig
 
 _KNOWN = {"id", "text", "speaker", "language", "instruct", "ref_codes", "ref_text", "xvector",
-          "xvector_only", "text_mode", "greedy", "seed", "max_frames", "temperature", "top_k", "top_p",
+          "ref_audio", "xvector_only", "text_mode", "greedy", "seed", "max_frames", "temperature", "top_k", "top_p",
           "repetition_penalty", "codes_out", "out", "start_step"}
 
 
@@ -79,6 +80,13 @@ def _request(d: dict, root: Path, gen: dict, default_id: str) -> BatchRequest:
         p = path(key)
         return None if p is None else np.load(p)
 
+    ref_audio, ref_sr = None, 24000
+    if d.get("ref_audio") is not None:
+        from q3tts.audio import read_wav
+
+        if not path("ref_audio").is_file():
+            raise ValueError(f"ref_audio {path('ref_audio')}: no such file")
+        ref_audio, ref_sr = read_wav(path("ref_audio"))
     greedy = bool(d.get("greedy", not gen.get("do_sample", True)))
     sampling = SamplingParams(
         greedy=greedy, temperature=d.get("temperature", gen.get("temperature", 0.9)),
@@ -90,7 +98,8 @@ def _request(d: dict, root: Path, gen: dict, default_id: str) -> BatchRequest:
         seed=int(d.get("seed", 0)), max_frames=int(d.get("max_frames", SamplingParams.max_frames)))
     voice = VoiceSpec(speaker=d.get("speaker"), language=d.get("language", "auto"),
                       instruct=d.get("instruct"), ref_text=d.get("ref_text"), ref_codes=npy("ref_codes"),
-                      xvector=npy("xvector"), xvector_only=bool(d.get("xvector_only", False)),
+                      xvector=npy("xvector"), ref_audio=ref_audio, ref_sample_rate=ref_sr,
+                      xvector_only=bool(d.get("xvector_only", False)),
                       text_mode=d.get("text_mode"))
     return BatchRequest(seq_id=str(d.get("id", default_id)), text=d["text"], voice=voice,
                         sampling=sampling, start_step=int(d.get("start_step", 0)),
