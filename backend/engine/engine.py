@@ -241,9 +241,12 @@ class Engine:
         seq.prompt_ready = True
 
     def _extend_trailing(self, seq: Sequence) -> None:
-        """trailing ids = the text ids the prompt did not take, then tts_eos once the text ended."""
-        k = self._icl_k(seq) if self._is_icl(seq.voice) else 1
-        ids = seq.text_ids[k:]
+        """trailing ids = the ref/text ids the prompt did not take, then tts_eos once the text ended
+        (ICL with more ref-text tokens than ref frames + 1: the rest of the ref text comes first)."""
+        icl = self._is_icl(seq.voice)
+        k = self._icl_k(seq) if icl else 1
+        ref_rest = self._icl_ref_ids(seq)[len(seq.voice.ref_codes) + 1:] if icl else []
+        ids = ref_rest + seq.text_ids[k:]
         if seq.text_done and (not self._is_icl(seq.voice) or len(seq.text_ids) + 1 > k):
             ids = ids + [self.tts_eos_id]
         if len(ids) > self.config.max_text_tokens:
@@ -276,12 +279,14 @@ class Engine:
     def _is_icl(self, voice: VoiceSpec) -> bool:
         return self.checkpoint.config.variant == "base" and not voice.xvector_only
 
-    def _icl_k(self, seq: Sequence) -> int:
-        """ICL streaming: text tokens inside the prefill = |Y| - n_ref (spec b.3)."""
+    def _icl_ref_ids(self, seq: Sequence) -> list[int]:
         from q3tts.prompt import REF_TAIL, ROLE_TOKENS, ref_string
 
-        ref_ids = self.builder.tokenizer.encode(ref_string(seq.voice.ref_text))[ROLE_TOKENS:-REF_TAIL]
-        return max(0, len(seq.voice.ref_codes) + 1 - len(ref_ids))
+        return self.builder.tokenizer.encode(ref_string(seq.voice.ref_text))[ROLE_TOKENS:-REF_TAIL]
+
+    def _icl_k(self, seq: Sequence) -> int:
+        """ICL streaming: text tokens inside the prefill = |Y| - n_ref (spec b.3)."""
+        return max(0, len(seq.voice.ref_codes) + 1 - len(self._icl_ref_ids(seq)))
 
     def _estimate_prompt(self, seq: Sequence) -> None:
         """Before the prompt exists, size it with a one-token text so never-fits rejects early."""
