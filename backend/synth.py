@@ -1,11 +1,12 @@
 """`q3tts synth`: offline synthesis without Triton.
 
-One request (`--text`): prefill one sequence, then loop `q3tts.models.step.decode_step` (B = 1) over
-explicit state in a single-sequence page pool. Writes codes int64 [frames, 16] (`--codes-out`) and/or
-a 24 kHz wav (`--out`), decoded as the official wrapper does (`decode_audio`): one full pass (the
-reference's 300-frame chunking beyond that), and for Base ICL the decoder input is
+One request (`--text`): prefill one sequence, then loop `q3tts.models.step.decode_step` (B = 1)
+over explicit state in a single-sequence page pool. Writes codes int64 [frames, 16] (`--codes-out`)
+and/or a 24 kHz wav (`--out`), decoded as the official wrapper does (`decode_audio`): one full pass
+(the reference's 300-frame chunking beyond that), and for Base ICL the decoder input is
 ref_codes ⧺ generated with the output cut at int(ref_len / total_len × n_samples) (spec e.1).
-`--stream` decodes each frame with the streaming codec as it is generated and prints per-frame timing.
+`--stream` decodes each frame with the streaming codec as it is generated and prints per-frame
+timing.
 `--ref-audio` (Base) encodes a reference recording into ref_codes + x-vector (`q3tts.voice_clone`).
 
 Many requests (`--requests FILE.jsonl`): run together through the engine (`q3tts.engine.batch`).
@@ -85,7 +86,7 @@ def generate_codes(model: Qwen3TTS, prompt: Prompt, params: SamplingParams,
 
 
 
-# --- audio ------------------------------------------------------------------------------------------
+# --- audio ----------------------------------------------------------------------------------------
 
 def _cut_reference(pcm: torch.Tensor, ref_len: int, total_len: int) -> torch.Tensor:
     """The official wrapper's ICL cut: drop the first int(ref_len / total_len × n) samples."""
@@ -104,8 +105,8 @@ def decode_audio(decoder: CodecDecoder, codes: torch.Tensor,
     codes = codes.to(device=p.device, dtype=torch.int64)
     ref_len = 0 if ref_codes is None else int(np.asarray(ref_codes).shape[0])
     if ref_len:
-        codes = torch.cat((torch.as_tensor(np.asarray(ref_codes), dtype=torch.int64, device=p.device),
-                           codes))
+        ref = torch.as_tensor(np.asarray(ref_codes), dtype=torch.int64, device=p.device)
+        codes = torch.cat((ref, codes))
     if codes.shape[0] == 0:
         return torch.zeros(0)
     pcm = decoder.decode_like_reference(codes.T[None])[0]
@@ -116,8 +117,8 @@ class StreamingSink:
     """`generate_codes(on_frame=...)` callback: decodes each new frame with the streaming codec and
     prints per-frame timing (LM step, codec frame, time to first audio since `t0`).
 
-    With `ref_codes` (Base ICL) the stream is first primed with the reference frames, so the audio is
-    the full decode of ref_codes ⧺ generated; `pcm()` applies the same cut as `decode_audio`."""
+    With `ref_codes` (Base ICL) the stream is first primed with the reference frames, so the audio
+    is the full decode of ref_codes ⧺ generated; `pcm()` applies the same cut as `decode_audio`."""
 
     def __init__(self, decoder: CodecDecoder, ref_codes: np.ndarray | None, t0: float,
                  log: Callable[[str], None] | None = print) -> None:
@@ -156,7 +157,8 @@ class StreamingSink:
         if self.first_audio_s is None:
             self.first_audio_s = done - self.t0
             note = f"  first audio at {self.first_audio_s * 1e3:.1f} ms"
-        self.log(f"frame {t:4d}: lm {self.lm_ms[-1]:8.2f} ms  codec {self.codec_ms[-1]:8.2f} ms{note}")
+        self.log(f"frame {t:4d}: lm {self.lm_ms[-1]:8.2f} ms  codec {self.codec_ms[-1]:8.2f} ms"
+                 f"{note}")
         self.last = time.perf_counter()
 
     def pcm(self) -> torch.Tensor:
@@ -175,7 +177,7 @@ class StreamingSink:
                 f"audio {n * self.codec.samples_per_frame / SAMPLE_RATE:.2f} s")
 
 
-# --- command line -----------------------------------------------------------------------------------
+# --- command line ---------------------------------------------------------------------------------
 
 class UsageError(ValueError):
     """A bad combination of command-line options."""
@@ -262,7 +264,8 @@ _SINGLE_ONLY = ("text", "speaker", "instruct", "ref_audio", "ref_codes", "ref_te
 
 def _check_usage(args: argparse.Namespace) -> None:
     if args.requests is not None:
-        given = [f"--{k.replace('_', '-')}" for k in _SINGLE_ONLY if getattr(args, k) not in (None, False)]
+        given = [f"--{k.replace('_', '-')}" for k in _SINGLE_ONLY
+                 if getattr(args, k) not in (None, False)]
         if given:
             raise UsageError(f"{', '.join(given)} cannot be combined with --requests (give "
                              f"per-request fields and outputs in the JSONL file)")

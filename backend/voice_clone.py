@@ -1,9 +1,9 @@
 """Voice cloning from reference audio (Base): reference wav -> (ref_codes, x-vector), spec f.
 
-Shared by `q3tts synth --ref-audio` and `Engine.add` (a `VoiceSpec.ref_audio` request). Mirrors the
-official `Qwen3TTSModel.create_voice_clone_prompt`: the audio is resampled to 24 kHz with soxr HQ
-(librosa.resample's default), encoded by the codec encoder (first 16 quantizers, ceil(n/1920) frames)
-and embedded by the Base checkpoint's speaker encoder (`speaker_encoder.*` weights,
+Shared by `q3tts synth --ref-audio` and `Engine.add` (a `VoiceSpec.ref_audio` request). Mirrors
+the official `Qwen3TTSModel.create_voice_clone_prompt`: the audio is resampled to 24 kHz with soxr
+HQ (librosa.resample's default), encoded by the codec encoder (first 16 quantizers, ceil(n/1920)
+frames) and embedded by the Base checkpoint's speaker encoder (`speaker_encoder.*` weights,
 `Qwen3TTS.speaker_encoder`).
 """
 
@@ -16,10 +16,12 @@ from q3tts.audio import SAMPLE_RATE, resample
 from q3tts.engine.api import InvalidRequest
 
 
-def encode_reference(model, codec, wav: np.ndarray, sample_rate: int) -> tuple[np.ndarray, np.ndarray]:
+def encode_reference(model, codec, wav: np.ndarray,
+                     sample_rate: int) -> tuple[np.ndarray, np.ndarray]:
     """Encode one reference recording for Base voice cloning.
 
-    model: a Base `Qwen3TTS` (its `.speaker_encoder` makes the x-vector, in the model's dtype/device).
+    model: a Base `Qwen3TTS` (its `.speaker_encoder` makes the x-vector, in the model's dtype and
+        device).
     codec: a `CodecEncoder`, or anything with an `.encoder` that is one (`q3tts.codec.Codec`).
     wav: mono float samples [n] at `sample_rate` (any rate; resampled to 24 kHz first).
     Returns (ref_codes [F, 16] np.int64 with F = ceil(n_24k / 1920), xvector [H] np.float32).
