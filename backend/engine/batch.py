@@ -25,8 +25,8 @@ from .api import SamplingParams, VoiceSpec
 from .config import EngineConfig
 
 _KNOWN = {"id", "text", "speaker", "language", "instruct", "ref_codes", "ref_text", "xvector",
-          "ref_audio", "xvector_only", "text_mode", "greedy", "seed", "max_frames", "temperature", "top_k", "top_p",
-          "repetition_penalty", "codes_out", "out", "start_step"}
+          "ref_audio", "xvector_only", "text_mode", "greedy", "seed", "max_frames", "temperature",
+          "top_k", "top_p", "repetition_penalty", "codes_out", "out", "start_step"}
 
 
 @dataclass
