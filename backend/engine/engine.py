@@ -147,6 +147,13 @@ class Engine:
         if seq is not None:
             self._finish(seq, "aborted", None)
 
+    def _codec_context(self, seq) -> np.ndarray | None:
+        """Base ICL: the reference codes [F, 16] that precede the generated frames in the codec's
+        input (spec e.1), so streamed audio continues the reference like the official decode."""
+        if not self._is_icl(seq.voice) or seq.voice.ref_codes is None:
+            return None
+        return np.asarray(seq.voice.ref_codes, dtype=np.int64)
+
     # --- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
@@ -156,7 +163,7 @@ class Engine:
             outputs.append(self._final_output(seq))
         for seq in started:
             pages = self.scheduler.kv.pages(seq.seq_id)
-            self.runner.start(seq.slot, seq.sampling, seq.prompt, pages)
+            self.runner.start(seq.slot, seq.sampling, seq.prompt, pages, self._codec_context(seq))
             seq.prompt = None
         for seq in decode:
             self._push_trailing(seq)

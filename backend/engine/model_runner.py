@@ -85,8 +85,11 @@ class ModelRunner:
     # --- per sequence -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def start(self, slot: int, sampling, prefill: torch.Tensor, pages: list[int]) -> None:
-        """Reset the slot, run the prompt `prefill` [L0, H] into its pages and sample its first c0."""
+    def start(self, slot: int, sampling, prefill: torch.Tensor, pages: list[int],
+              codec_context: np.ndarray | None = None) -> None:
+        """Reset the slot, run the prompt `prefill` [L0, H] into its pages and sample its first c0.
+
+        `codec_context` [F, 16]: frames fed to the slot's codec stream first, their audio dropped."""
         st = self.state
         st.load_sampling(slot, sampling)
         st.rep_mask[slot].zero_()
@@ -94,6 +97,9 @@ class ModelRunner:
         sl = torch.tensor([slot], device=self.device)
         if self.codec is not None:
             self.codec.reset(sl)
+            if codec_context is not None and len(codec_context):
+                context = torch.as_tensor(codec_context, device=self.device).T[None]  # [1, 16, F]
+                self.codec.decode_chunk(sl, context)
         num = prefill.shape[0]
         pos = torch.arange(num, device=self.device)  # [L0]
         page_ids = torch.tensor(pages, device=self.device)

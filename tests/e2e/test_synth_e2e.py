@@ -126,7 +126,7 @@ def test_requests_equal_single_synth(synth, ckpt_dirs, ref_wav, tmp_path):
     give each request the codes of a single `synth` of the same request."""
     requests = [
         dict(id="icl", text=TEXT, language="english", ref_audio=str(ref_wav), ref_text=REF_TEXT,
-             greedy=True, max_frames=FRAMES, codes_out="icl.npy"),
+             greedy=True, max_frames=FRAMES, codes_out="icl.npy", out="icl.wav"),
         dict(id="late", text="The quick brown fox jumps.", ref_audio=str(ref_wav),
              xvector_only=True, greedy=True, max_frames=FRAMES - 6, start_step=3,
              codes_out="late.npy"),
@@ -152,6 +152,16 @@ def test_requests_equal_single_synth(synth, ckpt_dirs, ref_wav, tmp_path):
         got = np.load(tmp_path / r["codes_out"])
         assert want.shape == (r["max_frames"], 16), r["id"]
         assert np.array_equal(got, want), r["id"]
+    # ICL audio streamed by the engine continues the reference codes, like the official decode of
+    # ref_codes ++ generated (cut after the reference): compare with single synth's --out audio.
+    single = synth("synth", "--model", ckpt_dirs["base"], "--text", TEXT, "--language", "english",
+                   "--ref-audio", ref_wav, "--ref-text", REF_TEXT, "--greedy", "--max-frames", FRAMES,
+                   "--out", tmp_path / "single_icl.wav")
+    assert single.rc == 0, single.stderr
+    got = sf.read(str(tmp_path / "icl.wav"), dtype="float32")[0]  # batch writes float wavs: exact
+    want = single.pcm[str(tmp_path / "single_icl.wav")]
+    assert got.shape == want.shape == (FRAMES * 1920,)
+    assert np.abs(got - want).max() <= 1e-5
 
 
 def test_engine_ref_audio_equals_precomputed(ckpt_dirs, ref_wav):
