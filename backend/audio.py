@@ -9,7 +9,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
 import soxr
 import torch
 from torch import Tensor
@@ -19,12 +18,16 @@ SAMPLE_RATE = 24000
 
 def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
     """Read an audio file -> (float32 mono samples [n], sample rate). Channels are averaged."""
+    import soundfile as sf  # lazy: the serving path (and the GPU machine's client side) needs no soundfile
+
     audio, sr = sf.read(str(path), dtype="float32", always_2d=True)
     return audio.mean(axis=1).astype(np.float32), int(sr)
 
 
 def write_wav(path: str | Path, pcm: np.ndarray | Tensor, sr: int = SAMPLE_RATE) -> None:
     """Write float mono samples [n] in [-1, 1] as 16-bit PCM wav."""
+    import soundfile as sf  # lazy, see read_wav
+
     if isinstance(pcm, Tensor):
         pcm = pcm.detach().float().cpu().numpy()
     sf.write(str(path), np.asarray(pcm, dtype=np.float32).reshape(-1), sr, subtype="PCM_16")

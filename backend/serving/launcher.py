@@ -180,9 +180,9 @@ class TritonServer:
             "engine_config": _pbtxt_string(json.dumps(engine_cfg)),
             "chunk_schedule": _pbtxt_string(self.chunk_schedule),
             "engine_factory": _pbtxt_string(self.engine_factory),
-            # EXECUTION_ENV_PATH only for a venv (Triton sources <env>/bin/activate)
+            # EXECUTION_ENV_PATH only for a venv (Triton sources <env>/bin/activate) or $Q3TTS_STUB_ENV
             "execution_env_param": (f', {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: '
-                                    f'{_pbtxt_string(str(rt.execution_env))} }} }}' if runtime.in_venv() else ""),
+                                    f'{_pbtxt_string(str(rt.execution_env))} }} }}' if rt.use_execution_env else ""),
             "state_dir": _pbtxt_string(str(self.run_dir)),
             "idle_s": _pbtxt_string(str(self.idle_s)),
             "extra_params": _pbtxt_string(params["extra"]),

@@ -8,6 +8,14 @@ symlink that would alter the wheel). The server then needs `LD_LIBRARY_PATH` = t
 interpreter finds the venv through `python3` on PATH).
 
 `python -m q3tts.serving.runtime --prepare` builds it (idempotent) and prints the paths.
+
+Hooks (environment variables):
+  Q3TTS_TRITON_HOME     a tritonserver install with its own stub (NGC image: /opt/tritonserver), used as is
+  Q3TTS_PYTRITON_ROOT   a folder holding `pytriton/tritonserver` and `nvidia_pytriton.libs` (an unpacked slim
+                        copy of the wheel, perf/gpu_serve.sh) instead of the running Python's site-packages
+  Q3TTS_STUB_ENV        the Python environment the stub runs in (EXECUTION_ENV_PATH), e.g. a venv with numpy<2
+                        next to an image whose numpy is 2.x; its Python version picks the stub and libpython
+  Q3TTS_TRITON_RUNTIME  where the backend dir is built (default <sys.prefix>/q3tts-triton-runtime)
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import filecmp
 import json
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 from dataclasses import asdict, dataclass
@@ -34,8 +43,14 @@ class Runtime:
     tritonserver: Path  # the server binary
     backend_dir: Path  # --backend-directory (holds python/ with the stub)
     ld_library_path: tuple[str, ...]  # prepended to LD_LIBRARY_PATH
-    execution_env: Path  # EXECUTION_ENV_PATH: the venv (sys.prefix)
+    execution_env: Path  # EXECUTION_ENV_PATH: the venv (sys.prefix) or $Q3TTS_STUB_ENV
     python_version: str
+    explicit_env: bool = False  # $Q3TTS_STUB_ENV: always pass EXECUTION_ENV_PATH
+
+    @property
+    def use_execution_env(self) -> bool:
+        """Whether config.pbtxt gets EXECUTION_ENV_PATH (Triton sources <env>/bin/activate: a venv only)."""
+        return self.explicit_env or in_venv()
 
     def server_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """The environment tritonserver must run with."""
@@ -51,19 +66,63 @@ def _site_packages() -> Path:
     return Path(sysconfig.get_paths()["purelib"])
 
 
+def pytriton_root() -> Path:
+    """The folder holding `pytriton/` and `nvidia_pytriton.libs/`: $Q3TTS_PYTRITON_ROOT or site-packages."""
+    return Path(os.environ.get("Q3TTS_PYTRITON_ROOT") or _site_packages())
+
+
 def wheel_root() -> Path:
-    """`pytriton/tritonserver` inside the installed nvidia-pytriton wheel."""
-    root = _site_packages() / "pytriton" / "tritonserver"
+    """`pytriton/tritonserver` inside the installed nvidia-pytriton wheel (or $Q3TTS_PYTRITON_ROOT)."""
+    root = pytriton_root() / "pytriton" / "tritonserver"
     if not (root / "bin" / "tritonserver").exists():
-        raise RuntimeSetupError(f"tritonserver not found under {root}: pip install nvidia-pytriton==0.7.0")
+        hint = ("unpack the slim tarball there" if os.environ.get("Q3TTS_PYTRITON_ROOT")
+                else "pip install nvidia-pytriton==0.7.0")
+        raise RuntimeSetupError(f"tritonserver not found under {root}: {hint}")
     return root
 
 
-def find_libpython() -> Path:
-    """libpythonX.Y.so.1.0 of the running interpreter's base Python (never a same-version system copy first)."""
-    name = f"libpython{sys.version_info.major}.{sys.version_info.minor}.so.1.0"
-    candidates = [sysconfig.get_config_var("LIBDIR"), os.path.join(sys.base_prefix, "lib"),
-                  "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"]
+@dataclass(frozen=True)
+class PythonInfo:
+    """What the stub needs to know about the Python environment it will run in."""
+
+    prefix: Path  # sys.prefix (the venv)
+    version: str  # "3.12"
+    libdirs: tuple[str, ...]  # where its base Python's libpython may be, best first
+
+
+def current_python() -> PythonInfo:
+    return PythonInfo(Path(sys.prefix), f"{sys.version_info.major}.{sys.version_info.minor}",
+                      tuple(d for d in (sysconfig.get_config_var("LIBDIR"), os.path.join(sys.base_prefix, "lib"))
+                            if d))
+
+
+_PROBE = ("import json, os, sys, sysconfig; print(json.dumps({'prefix': sys.prefix, 'version': '%d.%d' % "
+          "sys.version_info[:2], 'libdirs': [d for d in (sysconfig.get_config_var('LIBDIR'), "
+          "os.path.join(sys.base_prefix, 'lib')) if d]}))")
+
+
+def env_python(env: Path) -> PythonInfo:
+    """Ask `<env>/bin/python3` (the interpreter the stub's embedded Python resolves) about itself."""
+    exe = env / "bin" / "python3"
+    if not exe.exists():
+        raise RuntimeSetupError(f"Q3TTS_STUB_ENV={env} has no bin/python3: make it with `python3.X -m venv {env}`")
+    if not (env / "bin" / "activate").exists():
+        raise RuntimeSetupError(f"Q3TTS_STUB_ENV={env} has no bin/activate (Triton sources it): use a venv")
+    try:
+        out = subprocess.run([str(exe), "-I", "-S", "-c", _PROBE], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeSetupError(f"cannot run {exe}: {e}") from e
+    d = json.loads(out)
+    return PythonInfo(Path(env), d["version"], tuple(d["libdirs"]))
+
+
+def find_libpython(info: PythonInfo | None = None) -> Path:
+    """libpythonX.Y.so.1.0 of the base Python of `info` (default: the running interpreter), never a
+    same-version system copy first."""
+    info = info or current_python()
+    name = f"libpython{info.version}.so.1.0"
+    candidates = [*info.libdirs, "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"]
     for d in candidates:
         if d and (Path(d) / name).exists():
             return Path(d) / name
@@ -90,13 +149,20 @@ def in_venv() -> bool:
     return sys.prefix != sys.base_prefix
 
 
+def stub_python() -> PythonInfo:
+    """The environment the stub runs in: $Q3TTS_STUB_ENV, else the running interpreter's."""
+    env = os.environ.get("Q3TTS_STUB_ENV")
+    return env_python(Path(env).resolve()) if env else current_python()
+
+
 def system_runtime(home: Path) -> Runtime:
     """A tritonserver install that has its own stub (the NGC image: /opt/tritonserver)."""
     if not (home / "bin" / "tritonserver").exists():
         raise RuntimeSetupError(f"Q3TTS_TRITON_HOME={home} has no bin/tritonserver")
+    info = stub_python()
     return Runtime(tritonserver=home / "bin" / "tritonserver", backend_dir=home / "backends",
-                   ld_library_path=(str(find_libpython().parent),), execution_env=Path(sys.prefix),
-                   python_version=f"{sys.version_info.major}.{sys.version_info.minor}")
+                   ld_library_path=(str(find_libpython(info).parent),), execution_env=info.prefix,
+                   python_version=info.version, explicit_env=bool(os.environ.get("Q3TTS_STUB_ENV")))
 
 
 def prepare(runtime_dir: Path | None = None) -> Runtime:
@@ -106,8 +172,10 @@ def prepare(runtime_dir: Path | None = None) -> Runtime:
     """
     if os.environ.get("Q3TTS_TRITON_HOME"):
         return system_runtime(Path(os.environ["Q3TTS_TRITON_HOME"]))
-    if sys.version_info[:2] >= (3, 13):
-        raise RuntimeSetupError("the 3.13 stub needs numpy>=2, which empties every output in Triton 2.51; use Python<=3.12")
+    info = stub_python()
+    if tuple(map(int, info.version.split("."))) >= (3, 13):
+        raise RuntimeSetupError(f"the {info.version} stub needs numpy>=2, which empties every output in Triton 2.51; "
+                                "use Python<=3.12 (Q3TTS_STUB_ENV: a venv of an older Python)")
     root = wheel_root()
     runtime_dir = runtime_dir or default_runtime_dir()
     py_dir = runtime_dir / "backends" / "python"
@@ -115,19 +183,22 @@ def prepare(runtime_dir: Path | None = None) -> Runtime:
     for f in (root / "backends" / "python").iterdir():
         if f.is_file():
             _copy_if_changed(f, py_dir / f.name)
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    version = info.version
     stub = root / "python_backend_stubs" / version / STUB
     if not stub.exists():
         raise RuntimeSetupError(f"the wheel has no python stub for Python {version} ({stub})")
     _copy_if_changed(stub, py_dir / STUB)
     os.chmod(py_dir / STUB, 0o755)  # the backend chmods a stub that failed once to 0100
-    libs = _site_packages() / "nvidia_pytriton.libs"
+    libs = pytriton_root() / "nvidia_pytriton.libs"
+    if not libs.is_dir():
+        raise RuntimeSetupError(f"{libs} is missing: the copied stub and backend need the wheel's bundled libs")
     return Runtime(
         tritonserver=root / "bin" / "tritonserver",
         backend_dir=runtime_dir / "backends",
-        ld_library_path=(str(find_libpython().parent), str(libs)),
-        execution_env=Path(sys.prefix),
+        ld_library_path=(str(find_libpython(info).parent), str(libs)),
+        execution_env=info.prefix,
         python_version=version,
+        explicit_env=bool(os.environ.get("Q3TTS_STUB_ENV")),
     )
 
 
@@ -143,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeSetupError as e:
         print(f"q3tts runtime: {e}", file=sys.stderr)
         return 1
-    print(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in asdict(rt).items()}, indent=2))
+    print(json.dumps({**{k: str(v) if isinstance(v, Path) else v for k, v in asdict(rt).items()},
+                      "use_execution_env": rt.use_execution_env}, indent=2))
     return 0
 
 
