@@ -19,8 +19,11 @@ class StreamingDecoder:
     """Per-stream state pool around a `CodecDecoder` (moved to `dtype` / `device`)."""
 
     def __init__(self, decoder: CodecDecoder, max_streams: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", pad_to: tuple[int, ...] = ()) -> None:
+        """`pad_to`: batch sizes every call is padded up to (with scratch rows), so a stream's bits
+        never depend on how many streams share the call (GEMM kernels differ by row count)."""
         self.decoder = decoder.to(device=device, dtype=dtype).eval()
+        self.pad_to = tuple(sorted(pad_to))
         self.max_streams = max_streams
         self.scratch_slot = max_streams
         self.samples_per_frame = decoder.config.samples_per_frame
@@ -37,11 +40,16 @@ class StreamingDecoder:
         """Decode the next T frames of each stream: slots [B], codes [B, 16, T] -> pcm [B, T·1920].
 
         Slots must be distinct, except `scratch_slot`, which padding rows may share (its state is junk)."""
+        num = slots.shape[0]
+        rows = next((b for b in self.pad_to if b >= num), num)
+        if rows > num:
+            slots = torch.cat([slots, slots.new_full((rows - num,), self.scratch_slot)])
+            codes = torch.cat([codes, codes.new_zeros((rows - num, *codes.shape[1:]))])
         states = [state.index_select(0, slots) for state in self.pool]
         pcm = self.decoder.forward_chunk(codes, states)
         for state, new in zip(self.pool, states):
             state.index_copy_(0, slots, new)
-        return pcm
+        return pcm[:num]
 
     def decode_frame(self, slots: Tensor, codes: Tensor) -> Tensor:
         """Decode the newest frame of each stream: slots [B], codes [B, 16] -> pcm [B, 1920]."""
