@@ -4,7 +4,10 @@
 # prints TTFA p50/p90, RTF and audio-s/s, checks every stream (non-empty, finite, whole 1920-sample frames,
 # as many frames as FINISH_REASON says), writes $OUT/serve_bench.md when OUT is set. One call, < 8 min.
 #
-#   device tool, carry [".gpu", ".whl"]:   bash perf/gpu_serve.sh
+#   device tool: bash perf/gpu_serve.sh    carry (64 MiB in all, so not the whole .gpu/ and .whl/):
+#     [".gpu/pytriton_slim.tgz", ".gpu/site", ".whl/numpy-1.26.4-cp312-cp312-slim.whl"]
+#   (.gpu/site without soundfile/cffi/pycparser: the client and the stub need tritonclient, rapidjson, soxr;
+#    the slim numpy wheel is the cp312 wheel without tests/f2py/distutils/.pyi; the full one works too)
 #   CPU simulation (tests the flow here):  see the "CPU simulation" block below
 #
 # Steps: (0) preflight  (1) pip -e . if needed, unpack the slim pytriton tarball, build the stub env
