@@ -5,6 +5,12 @@ Talker: fp32 logits -> repetition penalty over the row's generated c0 -> EOS blo
 `min_new_tokens` frames were generated -> control ids suppressed -> temperature -> top-k -> top-p ->
 inverse-CDF draw with a uniform (greedy rows: argmax after the first three processors).
 Code predictor: temperature -> top-k -> top-p -> draw, nothing else.
+Three equivalent implementations of temperature -> top-k -> top-p -> draw, picked by a host-side
+`mode` of the `SamplingTensors` (static, so each is graph-capturable): FULL sorts the vocabulary
+twice (any parameters: the reference); TOPK takes the k-th largest from `topk(TOPK_CAP)` and skips
+top-p (valid when every row has top_p >= 1 and, unless greedy, 1 <= top_k <= TOPK_CAP); GREEDY is
+a plain argmax (valid when every row is greedy with top_p >= 1). `sampling_mode` picks the cheapest
+valid one from the rows' Python values.
 Uniforms come from `uniforms(seeds, counters)`: a splitmix64 hash in int64 tensor ops, no host RNG,
 so a sequence's draws depend only on its seed and frame index.
 """
@@ -12,6 +18,7 @@ so a sequence's draws depend only on its seed and frame index.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +27,24 @@ from q3tts.engine.api import SamplingParams
 
 NUM_UNIFORMS = 16  # column 0: talker c0; column g: code group g (1..15)
 UniformSource = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+FULL, TOPK, GREEDY = "full", "topk", "greedy"  # sampling modes, slowest (always valid) first
+TOPK_CAP = 64  # static k of the TOPK mode's torch.topk
+
+
+def row_mode(greedy: bool, top_k: int, top_p: float) -> str:
+    """The cheapest mode valid for one row's parameters (see the module docstring)."""
+    if top_p < 1:
+        return FULL  # top-p can drop tied maxima (even of a greedy row): needs the sorted row
+    if greedy:
+        return GREEDY
+    return TOPK if 1 <= top_k <= TOPK_CAP else FULL
+
+
+def sampling_mode(modes) -> str:
+    """The cheapest mode valid for every row, given each row's `row_mode`."""
+    modes = set(modes)
+    return FULL if FULL in modes else TOPK if TOPK in modes else GREEDY
 
 
 @dataclass(frozen=True)
@@ -32,6 +57,15 @@ class SamplingTensors:
     top_p: torch.Tensor
     repetition_penalty: torch.Tensor
     greedy: torch.Tensor
+    # host-side, static: which implementation warp_and_draw runs (FULL unless the builder knows better)
+    mode = FULL  # not annotated: not a dataclass field
+
+    def with_mode(self, mode: str) -> SamplingTensors:
+        """The same tensors with `mode` (the caller vouches that it is valid for every row)."""
+        assert mode in (FULL, TOPK, GREEDY), mode
+        out = dataclasses.replace(self)
+        object.__setattr__(out, "mode", mode)
+        return out
 
     @classmethod
     def talker(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu"
@@ -51,9 +85,13 @@ class SamplingTensors:
     def _build(cls, rows: list[tuple], device) -> SamplingTensors:
         temp, top_k, top_p, rep, greedy = zip(*rows)
         f32 = dict(dtype=torch.float32, device=device)
-        return cls(torch.tensor(temp, **f32), torch.tensor(top_k, dtype=torch.int64, device=device),
-                   torch.tensor(top_p, **f32), torch.tensor(rep, **f32),
-                   torch.tensor(greedy, dtype=torch.bool, device=device))
+        out = cls(torch.tensor(temp, **f32), torch.tensor(top_k, dtype=torch.int64, device=device),
+                  torch.tensor(top_p, **f32), torch.tensor(rep, **f32),
+                  torch.tensor(greedy, dtype=torch.bool, device=device))
+        # decided on the float32 top_p the tensors hold, as the processors see it
+        top_p32 = torch.tensor(top_p, dtype=torch.float32).tolist()
+        return out.with_mode(sampling_mode(row_mode(bool(g), int(k), p)
+                                           for g, k, p in zip(greedy, top_k, top_p32)))
 
 
 # ---------------------------------------------------------------- processors, each [B, V] -> [B, V]
@@ -116,9 +154,27 @@ def draw(logits: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor) -> torch.T
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
+def apply_top_k_capped(logits: torch.Tensor, top_k: torch.Tensor, cap: int) -> torch.Tensor:
+    """`apply_top_k` for rows with 1 <= top_k <= cap: the k-th largest comes from `topk(cap)` (exact
+    copies of the row's values, so the same threshold, ties kept) instead of a full sort. Rows with
+    top_k outside that range get some threshold: only valid where the result is not used (greedy)."""
+    cap = min(cap, logits.shape[-1])
+    top = logits.topk(cap, dim=-1).values  # [B, cap], descending
+    kth = top.gather(-1, (top_k.clamp(1, cap) - 1)[:, None])  # [B, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
 def warp_and_draw(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
-    """temperature -> top-k -> top-p -> draw (the shared tail of both samplers)."""
+    """temperature -> top-k -> top-p -> draw (the shared tail of both samplers), by `params.mode`.
+
+    TOPK equals FULL on its rows: with top_p >= 1 the nucleus step only masks ids whose probability
+    is already 0, which the draw never picks. GREEDY equals FULL on its rows: temperature is 1,
+    top-k keeps every copy of the maximum and top-p (>= 1) keeps it too, so argmax is unchanged."""
+    if params.mode == GREEDY:
+        return logits.argmax(dim=-1)
     logits = apply_temperature(logits, params.temperature, params.greedy)
+    if params.mode == TOPK:
+        return draw(apply_top_k_capped(logits, params.top_k, TOPK_CAP), u, params.greedy)
     logits = apply_top_p(apply_top_k(logits, params.top_k), params.top_p)
     return draw(logits, u, params.greedy)
 

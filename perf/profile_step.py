@@ -9,7 +9,9 @@ H200 (the default): python3 perf/profile_step.py            (~2-4 min with the c
       talker_sample   sample_talker (rep. penalty, EOS/suppress, temp, top-k, top-p, draw)
       cp_generate     code predictor: 15 passes + 15 subtalker samples (what the step runs)
       cp_passes       the same 15 passes with an argmax sampler (passes alone)
-      sub_sample_x15  15 x warp_and_draw on [B, codebook] logits (subtalker sampling alone)
+      sub_sample_x15  15 x warp_and_draw on [B, codebook] logits (subtalker sampling alone, the
+                      step's sampling mode: TOPK for default parameters)
+      sub_sample_full_x15  the same with the reference FULL (two-sort) sampling
       uniforms        the counter-based uniform draws (x2)
       codec_frame     StreamingDecoder.decode_frame (gather state, chunk decode, scatter)
       full_step       the engine's own captured step graph / its eager body (reference)
@@ -40,7 +42,8 @@ from q3tts.engine.cuda_graph import META_CTX, META_FRAME, META_POS, META_SLOT, M
 from q3tts.engine.engine import Engine  # noqa: E402
 from q3tts.models import step as model_step  # noqa: E402
 from q3tts.models.attention import DecodeContext  # noqa: E402
-from q3tts.sampling import SubtalkerSampler, sample_talker, warp_and_draw  # noqa: E402
+from q3tts.sampling import (FULL, TOPK, SubtalkerSampler, sample_talker, sampling_mode,  # noqa: E402
+                            warp_and_draw)
 
 
 # --------------------------------------------------------------------------- engine (as bench_engine)
@@ -144,7 +147,10 @@ def components(engine: Engine, bs: int) -> list[Component]:
     past = st.past_hidden[sl].clone()
     generated = st.rep_mask[sl].clone()
     num_gen = frame + 1
-    tparams, sparams = runner._talker_params(sl), runner._sub_params(sl)
+    # the sampling mode the engine's step uses on these rows (TOPK for default parameters)
+    mode = sampling_mode(m for slot in sl.tolist() for m in runner.slot_modes[slot])
+    mode = FULL if mode == FULL else TOPK
+    tparams, sparams = runner._talker_params(sl, mode), runner._sub_params(sl, mode)
     rules = model_step.talker_rules(talker)
     uni = runner.uniform_source
     with torch.no_grad():
@@ -193,6 +199,13 @@ def components(engine: Engine, bs: int) -> list[Component]:
         for j in range(cp.num_groups - 1):
             o_sub[j].copy_(warp_and_draw(cp_logits[j], sparams, u_frame[:, j + 1]))
 
+    sparams_full = sparams.with_mode(FULL)
+    o_sub_full = torch.empty_like(o_sub)
+
+    def sub_sample_full():  # the reference two-sort path, for comparison
+        for j in range(cp.num_groups - 1):
+            o_sub_full[j].copy_(warp_and_draw(cp_logits[j], sparams_full, u_frame[:, j + 1]))
+
     def uniforms():
         o_u.copy_(uni(seeds, frame))
         o_u2.copy_(uni(seeds, frame + 1)[:, 0])
@@ -203,6 +216,7 @@ def components(engine: Engine, bs: int) -> list[Component]:
              Component("cp_generate", cp_generate, [o_codes, o_next]),
              Component("cp_passes", cp_passes, [o_codes2]),
              Component("sub_sample_x15", sub_sample, [o_sub]),
+             Component("sub_sample_full_x15", sub_sample_full, [o_sub_full]),
              Component("uniforms", uniforms, [o_u, o_u2])]
     if runner.codec is not None:
         codec = runner.codec

@@ -25,7 +25,7 @@ import torch
 
 from q3tts.models import step
 from q3tts.models.attention import PagedKVCache
-from q3tts.sampling import SamplingTensors, uniforms
+from q3tts.sampling import FULL, TOPK, SamplingTensors, row_mode, sampling_mode, uniforms
 
 from .config import EngineConfig
 from .cuda_graph import (META_COLS, META_CTX, META_FRAME, META_POS, META_SLOT, META_SLOT_MAP,
@@ -66,7 +66,10 @@ class ModelRunner:
         self.max_batch = max(config.max_graph_batch, config.max_slots)
         self.buf = GraphBuffers.allocate(self.max_batch, self.max_pages, self.groups,
                                          max(self.samples_per_frame, 1), self.device)
-        self.graphs: GraphRunner | None = None
+        self.graphs: GraphRunner | None = None  # steps whose rows all allow the TOPK sampling mode
+        self.graphs_full: GraphRunner | None = None  # the same steps with the reference (FULL) sampling
+        # host copy of each slot's sampling mode (talker, code predictor); the dummy slot is greedy
+        self.slot_modes: list[tuple[str, str]] = [(TOPK, TOPK)] * (config.max_slots + 1)
         self.num_decode_steps = 0
 
     @property
@@ -79,8 +82,12 @@ class ModelRunner:
             return
         # NOTE: kernels tune on their first launch; GraphRunner.capture warms every bucket up first
         self.graphs = GraphRunner(self._decode_rows, self._fill_padding, self.buckets)
+        self.graphs_full = GraphRunner(lambda bs: self._decode_rows(bs, fast=False), self._fill_padding,
+                                       self.buckets)
         with torch.no_grad():
             self.graphs.capture()
+            self.graphs_full.pool = self.graphs.pool  # one variant replays at a time: share the pool
+            self.graphs_full.capture()
 
     # --- per sequence -----------------------------------------------------------------------------
 
@@ -92,6 +99,9 @@ class ModelRunner:
         `codec_context` [F, 16]: frames fed to the slot's codec stream first, their audio dropped."""
         st = self.state
         st.load_sampling(slot, sampling)
+        self.slot_modes[slot] = (
+            row_mode(sampling.greedy, sampling.top_k, _f32(sampling.top_p)),
+            row_mode(sampling.cp_greedy, sampling.subtalker_top_k, _f32(sampling.subtalker_top_p)))
         st.rep_mask[slot].zero_()
         st.text_len[slot] = 0
         sl = torch.tensor([slot], device=self.device)
@@ -105,7 +115,8 @@ class ModelRunner:
         page_ids = torch.tensor(pages, device=self.device)
         slot_mapping = page_ids[pos // self.kv.page_size] * self.kv.page_size + pos % self.kv.page_size
         c0, hidden = step.prefill(self.talker, self.kv, prefill.to(self.dtype), slot_mapping,
-                                  self._talker_params(sl), st.seed[sl], self.uniform_source)
+                                  self._talker_params(sl, self.slot_modes[slot][0]), st.seed[sl],
+                                  self.uniform_source)
         st.last_c0[sl] = c0
         st.past_hidden[sl] = hidden
         _mark_generated(st.rep_mask, sl, c0)
@@ -135,10 +146,12 @@ class ModelRunner:
             tables[i, :len(r.pages)] = r.pages
         self.buf.meta[:bucket].copy_(torch.from_numpy(meta))
         self.buf.tables[:bucket].copy_(torch.from_numpy(tables))
-        if self.graphs is not None and self.graphs.pad(bucket) == bucket:
-            self.graphs.replay(bucket)
+        fast = sampling_mode(m for r in rows for m in self.slot_modes[r.slot]) != FULL
+        graphs = self.graphs if fast else self.graphs_full
+        if graphs is not None and graphs.pad(bucket) == bucket:
+            graphs.replay(bucket)
         else:
-            self._decode_rows(bucket)
+            self._decode_rows(bucket, fast)
         self.num_decode_steps += 1
         frames = self.buf.frames[:n].cpu().numpy()
         c0_next = self.buf.c0_next[:n].cpu().numpy()
@@ -160,18 +173,20 @@ class ModelRunner:
         self.buf.meta[start:stop].copy_(torch.from_numpy(meta))
         self.buf.tables[start:stop].copy_(torch.from_numpy(tables))
 
-    def _talker_params(self, sl: torch.Tensor) -> SamplingTensors:
+    def _talker_params(self, sl: torch.Tensor, mode: str = FULL) -> SamplingTensors:
         st = self.state
         return SamplingTensors(st.temperature[sl], st.top_k[sl], st.top_p[sl],
-                               st.repetition_penalty[sl], st.greedy[sl])
+                               st.repetition_penalty[sl], st.greedy[sl]).with_mode(mode)
 
-    def _sub_params(self, sl: torch.Tensor) -> SamplingTensors:
+    def _sub_params(self, sl: torch.Tensor, mode: str = FULL) -> SamplingTensors:
         st = self.state
         return SamplingTensors(st.sub_temperature[sl], st.sub_top_k[sl], st.sub_top_p[sl],
-                               torch.ones_like(st.sub_temperature[sl]), st.sub_greedy[sl])
+                               torch.ones_like(st.sub_temperature[sl]), st.sub_greedy[sl]).with_mode(mode)
 
-    def _decode_rows(self, bs: int) -> None:
-        """The step body on rows [:bs] of the static buffers (captured as-is into a CUDA graph)."""
+    def _decode_rows(self, bs: int, fast: bool = True) -> None:
+        """The step body on rows [:bs] of the static buffers (captured as-is into a CUDA graph).
+
+        fast: sample in the TOPK mode (the caller vouches every row allows it), else FULL."""
         st, buf = self.state, self.buf
         meta = buf.meta[:bs]
         sl, pos, frame = meta[:, META_SLOT], meta[:, META_POS], meta[:, META_FRAME]  # [B] each
@@ -183,8 +198,9 @@ class ModelRunner:
             slot_mapping=meta[:, META_SLOT_MAP], block_tables=buf.tables[:bs],
             context_lens=meta[:, META_CTX].int(), generated=st.rep_mask[sl], num_generated=frame + 1,
             seeds=st.seed[sl], counters=frame)
-        result = step.decode_step(self.talker, self.kv, batch, self._talker_params(sl),
-                                  self._sub_params(sl), self.uniform_source)
+        mode = TOPK if fast else FULL
+        result = step.decode_step(self.talker, self.kv, batch, self._talker_params(sl, mode),
+                                  self._sub_params(sl, mode), self.uniform_source)
         frames, c0_next, hidden = result.codes, result.next_c0, result.hidden  # [B, 16], [B], [B, H]
         buf.frames[:bs] = frames
         buf.c0_next[:bs] = c0_next
@@ -193,6 +209,11 @@ class ModelRunner:
         _mark_generated(st.rep_mask, sl, c0_next)
         if self.codec is not None:
             buf.pcm[:bs] = self.codec.decode_frame(sl, frames).float()
+
+
+def _f32(x: float) -> float:
+    """x as the float32 the slot state holds (the processors compare that value)."""
+    return float(np.float32(x))
 
 
 def _mark_generated(rep_mask: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> None:
