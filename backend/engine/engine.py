@@ -206,7 +206,7 @@ class Engine:
                     kv_pages_total=sch.kv.num_pages, slots_used=sch.slots.num_used,
                     slots_total=sch.slots.num_slots, steps=self.num_steps,
                     decode_steps=self.runner.num_decode_steps,
-                    graph_replays=self.runner.graphs.num_replays if self.runner.graphs else 0)
+                    graph_replays=self.runner.num_graph_replays)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

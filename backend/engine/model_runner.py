@@ -76,6 +76,11 @@ class ModelRunner:
     def bytes_per_page(self) -> int:
         return 2 * self.kv.k[:, 0].numel() * self.kv.k.element_size()
 
+    @property
+    def num_graph_replays(self) -> int:
+        """Decode steps run as one graph replay (either sampling variant)."""
+        return sum(g.num_replays for g in (self.graphs, self.graphs_full) if g is not None)
+
     def capture_graphs(self) -> None:
         """Capture the decode step for every bucket (CUDA only)."""
         if self.device.type != "cuda" or not self.config.use_cuda_graphs:
