@@ -97,13 +97,18 @@ def graph_vs_eager(engine: Engine, batch: int, steps: int = 4) -> bool:
     return results[0] == results[1]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
+    """The checkpoint / device / batch flags shared by the engine benchmarks."""
     p.add_argument("--model", help="checkpoint folder (default: make a random one)")
     p.add_argument("--scale", choices=("tiny", "full"), default="full")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--batches", type=int, nargs="+", default=batches)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p, [1, 8, 32, 64, 128, 256])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--no-cuda-graphs", action="store_true")
     args = p.parse_args(argv)

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import drain, fill, make_model, sync  # noqa: E402
+from bench_engine import add_model_arguments, drain, fill, make_model, sync  # noqa: E402
 
 from q3tts.engine.config import EngineConfig  # noqa: E402
 from q3tts.engine.cuda_graph import META_CTX, META_FRAME, META_POS, META_SLOT, META_SLOT_MAP  # noqa: E402
@@ -346,11 +346,7 @@ def _fmt(v) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="checkpoint folder (default: make a random one)")
-    p.add_argument("--scale", choices=("tiny", "full"), default="full")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    add_model_arguments(p, [1, 8, 64])
     p.add_argument("--iters", type=int, default=50, help="graph replays per timing (median)")
     p.add_argument("--eager-iters", type=int, default=None, help="default iters // 5, at least 3")
     p.add_argument("--frames", type=int, default=64, help="max_frames of the filled sequences")
