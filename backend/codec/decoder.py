@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import CodecConfig, CodecDecoderConfig
-from .layers import (CausalConv1d, CausalTransConv1d, LayerScale, RMSNorm, SnakeBeta, StateSpec, States,
+from .layers import (AttentionProjections, CausalConv1d, CausalTransConv1d, LayerScale, RMSNorm, SnakeBeta, StateSpec, States,
                      apply_rope, rope_cos_sin, sliding_window_attention)
 
 
@@ -78,17 +78,12 @@ class SplitRVQ(nn.Module):
         return self.rvq_first(codes[:, :1]) + self.rvq_rest(codes[:, 1:])
 
 
-class Attention(nn.Module):
+class Attention(AttentionProjections):
     """MHA (no bias, no QK-norm), RoPE, causal sliding window; streams keep the last window-1 K/V."""
 
     def __init__(self, spec: StateSpec, cfg: CodecDecoderConfig) -> None:
-        super().__init__()
-        h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(h, nh * hd, bias=False)
-        self.k_proj = nn.Linear(h, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(h, nkv * hd, bias=False)
-        self.o_proj = nn.Linear(nh * hd, h, bias=False)
-        self.heads, self.kv_heads, self.head_dim = nh, nkv, hd
+        super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        nkv, hd = cfg.num_kv_heads, cfg.head_dim
         self.past = cfg.sliding_window - 1
         self.k_state = spec.add((self.past, nkv, hd))
         self.v_state = spec.add((self.past, nkv, hd))

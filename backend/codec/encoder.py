@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import CodecConfig
-from .layers import LayerScale, apply_rope, rope_cos_sin
+from .layers import AttentionProjections, LayerScale, apply_rope, rope_cos_sin
 
 
 @dataclass(frozen=True)
@@ -138,17 +138,11 @@ class SEANet(nn.Module):
         return x
 
 
-class MimiAttention(nn.Module):
+class MimiAttention(AttentionProjections):
     """Causal MHA with RoPE (the reference's eager/SDPA path: no sliding window)."""
 
     def __init__(self, cfg: MimiEncoderConfig) -> None:
-        super().__init__()
-        h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(h, nh * hd, bias=False)
-        self.k_proj = nn.Linear(h, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(h, nkv * hd, bias=False)
-        self.o_proj = nn.Linear(nh * hd, h, bias=False)
-        self.heads, self.kv_heads, self.head_dim = nh, nkv, hd
+        super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:  # [B, T, h]
         b, t, _ = x.shape

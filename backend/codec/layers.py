@@ -113,6 +113,18 @@ class LayerScale(nn.Module):
         return self.scale * x
 
 
+class AttentionProjections(nn.Module):
+    """q/k/v/o projections of a bias-free multi-head attention (codec decoder and Mimi encoder)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+
+
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
                  ) -> tuple[Tensor, Tensor]:
     """Half-split RoPE tables for integer `positions` [B, T] -> cos, sin [B, T, head_dim] (fp32 math)."""
