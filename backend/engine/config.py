@@ -28,6 +28,10 @@ class EngineConfig:
     max_slots            sequences running at once (= state slots, = largest decode batch)
     max_queue            admitted-but-waiting sequences; one more is rejected with AdmissionRejected
     max_prompt_tokens    prefill rows of one prompt (and text tokens of one request) at most
+    max_prefill_tokens   prompt rows prefilled in one step (the sequences started in a step share one
+                         ragged forward): a sequence that would go past it waits for the next step,
+                         and so do the ones behind it (FIFO); the first of a step always starts, so a
+                         prompt longer than this still runs (alone in its step)
     max_text_tokens      trailing text rows one sequence may queue (incremental mode): the per-slot
                          device text queue has this many rows of width H
     max_frames           engine-wide cap on frames per sequence (SamplingParams.max_frames is clipped)
@@ -46,6 +50,7 @@ class EngineConfig:
     max_slots: int = 64
     max_queue: int = 256
     max_prompt_tokens: int = 2048
+    max_prefill_tokens: int = 4096
     max_text_tokens: int = 1024
     max_frames: int = 8192
     kv_policy: str = "on_demand"
@@ -65,6 +70,7 @@ class EngineConfig:
         need(self.max_slots >= 1, f"max_slots must be >= 1, got {self.max_slots}")
         need(self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}")
         need(self.max_prompt_tokens >= 1, f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        need(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         need(self.max_text_tokens >= 1, f"max_text_tokens must be >= 1, got {self.max_text_tokens}")
         need(self.max_frames >= 1, f"max_frames must be >= 1, got {self.max_frames}")
         need(self.kv_policy in KV_POLICIES, f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")

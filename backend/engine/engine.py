@@ -1,6 +1,7 @@
 """`Engine`: continuous batching of Qwen3-TTS sequences (contract in docs/ARCHITECTURE.md).
 
-Single-threaded. `step()` = start (prefill) the sequences the scheduler admits, then one batched
+Single-threaded. `step()` = start (prefill, all in one ragged forward) the sequences the scheduler
+admits (at most `max_prefill_tokens` prompt rows per step), then one batched
 decode step for every running sequence whose next text is known; it returns one StepOutput per
 sequence that made a frame or finished. Text can arrive in pieces (`append_text`, `end_text`):
 in incremental mode token T_{t+1} enters with frame t (spec b.4), so a sequence whose text ran out
@@ -18,7 +19,7 @@ import torch
 from .api import (AdmissionRejected, EngineError, InvalidRequest, SamplingParams, StepOutput,
                   UnknownSequence, VoiceSpec)
 from .config import EngineConfig
-from .model_runner import DecodeRow, ModelRunner, UniformSource
+from .model_runner import DecodeRow, ModelRunner, PrefillRow, UniformSource
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .text_stream import TextStream
@@ -161,10 +162,12 @@ class Engine:
         started, decode, victims = self.scheduler.schedule()
         for seq in victims:
             outputs.append(self._final_output(seq))
-        for seq in started:
-            pages = self.scheduler.kv.pages(seq.seq_id)
-            self.runner.start(seq.slot, seq.sampling, seq.prompt, pages, self._codec_context(seq))
-            seq.prompt = None
+        if started:  # one ragged prefill forward for all of them
+            self.runner.start_batch([
+                PrefillRow(seq.slot, seq.sampling, seq.prompt, self.scheduler.kv.pages(seq.seq_id),
+                           self._codec_context(seq)) for seq in started])
+            for seq in started:
+                seq.prompt = None
         for seq in decode:
             self._push_trailing(seq)
         decode = [s for s in decode if s.status is Status.RUNNING]

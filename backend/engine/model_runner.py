@@ -1,7 +1,10 @@
 """Device side of the engine: paged talker KV, slot state, prefill and the batched decode step.
 
-The runner makes no policy decision: the engine tells it which slot to prefill with which rows and
-which rows (slot, position, pages, frame index) to decode. One decode step, for rows [:bucket] of
+The runner makes no policy decision: the engine tells it which slots to prefill with which rows and
+which rows (slot, position, pages, frame index) to decode. The sequences started in one step are
+prefilled together (`start_batch`): one ragged talker forward over their prompts back to back (see
+`models.step.prefill_batch`), then one batched draw of their first c0s, its row count padded to the
+decode bucket like a decode step. One decode step, for rows [:bucket] of
 `GraphBuffers` (all state in place, no host sync, so it is one CUDA graph per bucket on CUDA):
 
     c1..c15 = code_predictor(past_hidden[slot], last_c0[slot])        uniforms(seed, t)[:, 1:]
@@ -36,6 +39,15 @@ UniformSource = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (seeds [
 
 
 @dataclass
+class PrefillRow:
+    slot: int
+    sampling: object                        # SamplingParams
+    prefill: torch.Tensor                   # prompt rows [L0, H]
+    pages: list[int]                        # the sequence's pages, in order
+    codec_context: np.ndarray | None = None  # [F, 16] frames primed into the codec stream
+
+
+@dataclass
 class DecodeRow:
     slot: int
     position: int      # KV position of the token this step writes (= prompt_len + frame)
@@ -57,6 +69,7 @@ class ModelRunner:
         self.kv = PagedKVCache(lc.num_layers, config.num_pages + 1, config.page_size, lc.num_kv_heads,
                                lc.head_dim, self.dtype, self.device)
         self.dummy_page, self.dummy_slot = config.num_pages, config.max_slots
+        assert codec is None or codec.scratch_slot == self.dummy_slot, "padding rows share one slot id"
         self.max_pages = config.pages_for(config.max_prompt_tokens + config.max_frames)
         self.state = SlotState.allocate(config.max_slots, tc.hidden_size, tc.vocab_size,
                                         config.max_text_tokens, self.dtype, self.device)
@@ -102,26 +115,57 @@ class ModelRunner:
         """Reset the slot, run the prompt `prefill` [L0, H] into its pages and sample its first c0.
 
         `codec_context` [F, 16]: frames fed to the slot's codec stream first, their audio dropped."""
-        st = self.state
-        st.load_sampling(slot, sampling)
-        self.slot_modes[slot] = (
-            row_mode(sampling.greedy, sampling.top_k, _f32(sampling.top_p)),
-            row_mode(sampling.cp_greedy, sampling.subtalker_top_k, _f32(sampling.subtalker_top_p)))
-        st.rep_mask[slot].zero_()
-        st.text_len[slot] = 0
-        sl = torch.tensor([slot], device=self.device)
+        self.start_batch([PrefillRow(slot, sampling, prefill, pages, codec_context)])
+
+    @torch.no_grad()
+    def start_batch(self, rows: list[PrefillRow]) -> None:
+        """`start` for several sequences (distinct slots) with one talker forward over all prompts.
+
+        A sequence's result does not depend on the others as far as the talker's GEMMs give a row the
+        same bits whatever the row count (true on the CPU test sizes; on CUDA and for large CPU
+        GEMMs only up to rounding); the sampling head is padded to the decode bucket for that."""
+        if not rows:
+            return
+        st, page_size = self.state, self.kv.page_size
+        for r in rows:
+            st.load_sampling(r.slot, r.sampling)
+            self.slot_modes[r.slot] = (
+                row_mode(r.sampling.greedy, r.sampling.top_k, _f32(r.sampling.top_p)),
+                row_mode(r.sampling.cp_greedy, r.sampling.subtalker_top_k, _f32(r.sampling.subtalker_top_p)))
+        n = len(rows)
+        sl = torch.tensor([r.slot for r in rows], device=self.device)
+        st.rep_mask[sl] = False
+        st.text_len[sl] = 0
         if self.codec is not None:
             self.codec.reset(sl)
-            if codec_context is not None and len(codec_context):
-                context = torch.as_tensor(codec_context, device=self.device).T[None]  # [1, 16, F]
-                self.codec.decode_chunk(sl, context)
-        num = prefill.shape[0]
-        pos = torch.arange(num, device=self.device)  # [L0]
-        page_ids = torch.tensor(pages, device=self.device)
-        slot_mapping = page_ids[pos // self.kv.page_size] * self.kv.page_size + pos % self.kv.page_size
-        c0, hidden = step.prefill(self.talker, self.kv, prefill.to(self.dtype), slot_mapping,
-                                  self._talker_params(sl, self.slot_modes[slot][0]), st.seed[sl],
-                                  self.uniform_source)
+            by_frames: dict[int, list[int]] = {}  # contexts of equal length primed in one call
+            for i, r in enumerate(rows):
+                if r.codec_context is not None and len(r.codec_context):
+                    by_frames.setdefault(len(r.codec_context), []).append(i)
+            for idx in by_frames.values():
+                context = torch.stack([torch.as_tensor(rows[i].codec_context, device=self.device).T
+                                       for i in idx])  # [G, 16, F]
+                # padded to the decode bucket on the dummy slot (= the codec's scratch slot), so a
+                # stream's bits do not depend on how many others are primed with it
+                pad = (self.config.bucket_for(len(idx)) or len(idx)) - len(idx)
+                slots = torch.cat((sl[idx], sl.new_full((pad,), self.dummy_slot)))
+                context = torch.cat((context, context.new_zeros((pad, *context.shape[1:]))))
+                self.codec.decode_chunk(slots, context)
+        lens = [r.prefill.shape[0] for r in rows]
+        slot_mapping = np.concatenate([
+            np.asarray(r.pages, dtype=np.int64)[np.arange(L) // page_size] * page_size + np.arange(L) % page_size
+            for r, L in zip(rows, lens)])
+        embeds = torch.cat([r.prefill.to(self.device, self.dtype) for r in rows])
+        # sampling head rows: the decode bucket, padding rows on the dummy slot (greedy)
+        bucket = self.config.bucket_for(n)
+        head = bucket if bucket is not None else n
+        head_sl = torch.cat((sl, sl.new_full((head - n,), self.dummy_slot)))
+        mode = sampling_mode(self.slot_modes[r.slot][0] for r in rows)
+        c0, hidden = step.prefill_batch(self.talker, self.kv, embeds, lens,
+                                        torch.from_numpy(slot_mapping).to(self.device),
+                                        self._talker_params(head_sl, mode), st.seed[head_sl],
+                                        self.uniform_source)
+        c0, hidden = c0[:n], hidden[:n]
         st.last_c0[sl] = c0
         st.past_hidden[sl] = hidden
         _mark_generated(st.rep_mask, sl, c0)

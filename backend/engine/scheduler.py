@@ -5,9 +5,11 @@ Policy, in the order `schedule()` applies it each step:
 1. Admission (`add`): a request whose prompt is longer than `max_prompt_tokens`, or whose prompt +
    `max_frames` tokens need more pages than the whole pool, can never run: AdmissionRejected at
    once. Otherwise it joins the FIFO wait queue; a full queue (`max_queue`) rejects.
-2. Start: waiting sequences are started in arrival order while a slot and pages are free. A sequence
+2. Start: waiting sequences are started in arrival order while a slot and pages are free and their
+   prompts fit the step's prefill budget (`max_prefill_tokens` rows, the first always fits). A sequence
    that cannot be prefilled yet (whole mode before end_text, incremental mode before its first token)
    is skipped, not waited on; one that does not fit stops admission (no overtaking by smaller ones).
+   The sequences started in one step are prefilled together, in one forward.
    Pages taken at start: 'reserve' policy = prompt + max_frames (promised, taken as used);
    'on_demand' = prompt + the first frame.
 3. Decode: every running sequence whose next trailing text is known steps; one whose text ran out
@@ -72,14 +74,18 @@ class Scheduler:
 
     def _start_waiting(self) -> list[Sequence]:
         started: list[Sequence] = []
+        tokens = 0
         for seq in list(self.waiting):
             if not seq.is_prefillable:
                 continue
+            if started and tokens + seq.prompt_len > self.config.max_prefill_tokens:
+                break
             if not self._try_start(seq):
                 break
             self.waiting.remove(seq)
             self.running.append(seq)
             started.append(seq)
+            tokens += seq.prompt_len
         return started
 
     def _try_start(self, seq: Sequence) -> bool:

@@ -1,8 +1,9 @@
 """Paged KV cache and the attention contexts a decoder forward runs under.
 
 One `AttentionContext` per forward call: layers hand it post-RoPE q/k/v and get the attention output.
-`PrefillContext` is causal over the new tokens of one sequence; `DecodeContext` attends one token per
-row over that row's pages. Both write K/V into the cache via `slot_mapping` (slot = page * page_size
+`PrefillContext` is causal over the new tokens of one or more sequences whose rows are concatenated
+(ragged / varlen: block-diagonal causal, each sequence sees only its own earlier rows);
+`DecodeContext` attends one token per row over that row's pages. Both write K/V into the cache via `slot_mapping` (slot = page * page_size
 + offset, -1 = padding row). K/V stores and paged decode attention go through `q3tts.kernels`, which
 dispatches to the Triton kernels on CUDA and to the torch references on CPU.
 """
@@ -62,16 +63,110 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(probs, values).transpose(0, 1)  # [N, NH, D]
 
 
-class PrefillContext(AttentionContext):
-    """Causal attention over the N new tokens of one sequence; K/V go to `slot_mapping [N]`."""
+# fp32 score bytes one padded attention batch may hold (`PrefillContext` on CUDA): sequences are
+# grouped so that group_size * max_len^2 * heads * 4 stays under it (a lone sequence always goes)
+PADDED_SCORE_BYTES = 256 << 20
 
-    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, scale: float):
+
+class PrefillContext(AttentionContext):
+    """Causal attention over the N new rows of one or more sequences; K/V go to `slot_mapping [N]`.
+
+    seq_lens (host ints, default: one sequence of N rows): the rows are the sequences' prompts back to
+    back, each at positions 0..L_i-1; rows past sum(seq_lens) are padding (slot -1, output 0).
+    Attention is block-diagonal causal. `padded` picks the implementation for several sequences:
+    False = `causal_attention` per sequence on slices of the one q/k/v (each sequence's arithmetic is
+    exactly its single-sequence prefill: the CPU default); True = one batched attention per group of
+    sequences padded to the group's longest (a few launches per layer whatever the count: the CUDA
+    default; equal to the loop up to floating-point rounding).
+    """
+
+    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, scale: float,
+                 seq_lens: list[int] | None = None, padded: bool | None = None):
         super().__init__(cache, slot_mapping)
         self.scale = scale
+        self.seq_lens = None if seq_lens is None else [int(n) for n in seq_lens]
+        self.padded = slot_mapping.device.type == "cuda" if padded is None else padded
+        self._groups: list[_PaddedGroup] | None = None  # built on first use, shared by all layers
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self._store(layer, k, v)
-        return causal_attention(q, k, v, self.scale)
+        lens = self.seq_lens
+        if lens is None or (len(lens) == 1 and lens[0] == q.shape[0]):
+            return causal_attention(q, k, v, self.scale)
+        if self.padded:
+            return self._attend_padded(q, k, v)
+        parts, start = [], 0
+        for n in lens:
+            parts.append(causal_attention(q[start:start + n], k[start:start + n], v[start:start + n],
+                                          self.scale))
+            start += n
+        if start < q.shape[0]:
+            parts.append(q.new_zeros((q.shape[0] - start, *q.shape[1:])))
+        return torch.cat(parts)
+
+    def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self._groups is None:
+            self._groups = _padded_groups(self.seq_lens, q.shape[1], q.device)
+        out = q.new_zeros(q.shape)
+        for g in self._groups:
+            res = padded_causal_attention(q, k, v, g.index, g.allowed, self.scale)  # [G*Lm, NH, D]
+            out.index_copy_(0, g.dst, res.index_select(0, g.src))
+        return out
+
+
+class _PaddedGroup:
+    """index [G, Lm] rows of the group's sequences (padding -> the sequence's first row);
+    allowed [G, 1, Lm, Lm] bool (causal within the sequence's length); src [n] positions in the
+    flattened [G*Lm] result of the real rows, dst [n] their rows in the concatenated batch."""
+
+    def __init__(self, starts: list[int], lens: list[int], device: torch.device):
+        lm = max(lens)
+        j = torch.arange(lm)
+        start_t, len_t = torch.tensor(starts), torch.tensor(lens)
+        valid = j[None, :] < len_t[:, None]  # [G, Lm]
+        self.index = torch.where(valid, start_t[:, None] + j[None, :], start_t[:, None]).to(device)
+        causal = j[None, :] <= j[:, None]  # [Lm(query), Lm(key)]
+        self.allowed = (causal[None] & valid[:, None, :])[:, None].to(device)
+        flat = torch.arange(len(lens) * lm).view(len(lens), lm)
+        self.src = flat[valid].to(device)
+        self.dst = (start_t[:, None] + j[None, :])[valid].to(device)
+
+
+def _padded_groups(lens: list[int], num_heads: int, device: torch.device) -> list[_PaddedGroup]:
+    """Consecutive sequences grouped under PADDED_SCORE_BYTES of fp32 scores per group."""
+    groups, starts, cur, cur_max, pos = [], [], [], 0, 0
+    for n in lens:
+        m = max(cur_max, n)
+        if cur and (len(cur) + 1) * m * m * num_heads * 4 > PADDED_SCORE_BYTES:
+            groups.append(_PaddedGroup(starts, cur, device))
+            starts, cur, m = [], [], n
+        starts.append(pos)
+        cur.append(n)
+        cur_max = m
+        pos += n
+    if cur:
+        groups.append(_PaddedGroup(starts, cur, device))
+    return groups
+
+
+def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                            allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """`causal_attention` of G sequences at once, each padded to Lm rows.
+
+    q [N, NH, D], k/v [N, KVH, D]; index [G, Lm] rows of each sequence; allowed [G, 1, Lm, Lm].
+    Returns [G*Lm, NH, D] (padding rows hold junk). Same math as `causal_attention` (fp32 softmax,
+    probabilities in the input dtype); masked keys get probability 0.
+    """
+    g, lm = index.shape
+    num_heads = q.shape[1]
+    group = num_heads // k.shape[1]
+    qb = q[index].transpose(1, 2)  # [G, NH, Lm, D]
+    keys = k[index].repeat_interleave(group, dim=2).transpose(1, 2)  # [G, NH, Lm, D]
+    values = v[index].repeat_interleave(group, dim=2).transpose(1, 2)  # [G, NH, Lm, D]
+    scores = torch.matmul(qb, keys.transpose(2, 3)) * scale  # [G, NH, Lm, Lm]
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values).transpose(1, 2).reshape(g * lm, num_heads, -1)
 
 
 class DecodeContext(AttentionContext):

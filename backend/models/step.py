@@ -1,6 +1,8 @@
 """Generation steps over explicit per-sequence state: the units an engine batches.
 
-`prefill` runs one sequence's prompt and draws its first c0. `decode_step` advances B sequences by one
+`prefill_batch` runs the prompts of several sequences as one ragged forward (rows back to back,
+positions restarting at 0, block-diagonal causal attention) and draws each one's first c0;
+`prefill` is its one-sequence case. `decode_step` advances B sequences by one
 frame each: code predictor (c1..c15 of frame t from `past_hidden` and c0[t]) -> talker step at the
 frame's position with input `next_input + text_row` -> c0[t+1]. The caller owns all bookkeeping:
 positions, pages, the c0 history mask, the text queue and stopping (c0 == EOS ends a sequence
@@ -68,12 +70,45 @@ def prefill(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, slot_mapp
 
     Returns c0[0] [1] int64 and past_hidden [1, H] (final-normed hidden of the last prompt row).
     """
-    positions = torch.arange(embeds.shape[0], device=embeds.device)
-    ctx = PrefillContext(cache, slot_mapping, talker.attn_scale)
-    hidden = talker(embeds, positions, ctx)[-1:]  # [1, H]
+    return prefill_batch(talker, cache, embeds, [embeds.shape[0]], slot_mapping, params, seeds,
+                         uniform_source)
+
+
+@torch.no_grad()
+def prefill_batch(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, seq_lens: list[int],
+                  slot_mapping: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor,
+                  uniform_source: UniformSource, padded_attention: bool | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts of B = len(seq_lens) sequences in one forward.
+
+    embeds [N, H]: the prompts back to back (sequence i = the next seq_lens[i] rows, at positions
+    0..L_i-1; rows past sum(seq_lens) are padding with slot -1). slot_mapping [N]: each row's KV slot
+    in its sequence's pages. params / seeds: R >= B rows; rows past B are padding rows of the
+    sampling head (so the caller can fix the head's row count: their hidden is 0, their draw junk).
+    padded_attention: see `PrefillContext` (None = per device).
+    Returns c0[0] [R] int64 and past_hidden [R, H] (final-normed hidden of each prompt's last row).
+    """
+    device = embeds.device
+    lens = [int(n) for n in seq_lens]
+    total, rows = sum(lens), seeds.shape[0]
+    assert len(lens) >= 1 and min(lens) >= 1 and total <= embeds.shape[0] and rows >= len(lens)
+    if len(lens) == 1 and total == embeds.shape[0]:
+        positions = torch.arange(total, device=device)
+    else:  # positions restart at 0 per sequence; padding rows at 0
+        pos = [torch.arange(n) for n in lens] + [torch.zeros(embeds.shape[0] - total, dtype=torch.int64)]
+        positions = torch.cat(pos).to(device)
+    ctx = PrefillContext(cache, slot_mapping, talker.attn_scale, lens, padded_attention)
+    out = talker(embeds, positions, ctx)  # [N, H]
+    if len(lens) == 1:
+        hidden = out[lens[0] - 1:lens[0]]  # [1, H]
+    else:
+        last = torch.tensor(lens).cumsum(0) - 1
+        hidden = out.index_select(0, last.to(device))  # [B, H]
+    if rows > len(lens):
+        hidden = torch.cat((hidden, hidden.new_zeros(rows - len(lens), hidden.shape[1])))
     vocab = talker.cfg.vocab_size
-    no_history = torch.zeros(1, vocab, dtype=torch.bool, device=embeds.device)
-    zero = torch.zeros(1, dtype=torch.int64, device=embeds.device)
+    no_history = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+    zero = torch.zeros(rows, dtype=torch.int64, device=device)
     u = uniform_source(seeds, zero)[:, 0]
     c0 = sample_talker(talker.logits(hidden), params, talker_rules(talker), no_history, zero, u)
     return c0, hidden
