@@ -36,6 +36,7 @@ class DecoderLayerConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
+    max_position_embeddings: int = 32768  # positions the RoPE tables cover
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str) -> DecoderLayerConfig:
@@ -50,6 +51,7 @@ class DecoderLayerConfig:
             head_dim=d.get("head_dim") or hidden // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(d.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(d.get("max_position_embeddings") or 32768),
         )
 
 

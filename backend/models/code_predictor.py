@@ -24,7 +24,8 @@ class CodePredictorModel(DecoderStack):
     """`talker.code_predictor.model`: decoder stack + 15 input tables of talker width."""
 
     def __init__(self, cfg: TalkerConfig):
-        super().__init__(cfg.code_predictor)
+        # one pass covers positions 0..num_code_groups-1 (past_hidden, c0, c1..c14)
+        super().__init__(cfg.code_predictor, max_positions=cfg.num_code_groups)
         self.codec_embedding = nn.ModuleList(
             nn.Embedding(cfg.codebook_size, cfg.hidden_size) for _ in range(cfg.num_code_groups - 1))
 

@@ -3,6 +3,26 @@
 Token-major, batch-free tensors: every forward takes `x [N, H]` rows (tokens of any sequences) with
 their `positions [N]`; the `AttentionContext` knows which rows belong to which sequence.
 Attribute names equal the released safetensors keys (`self_attn.q_proj`, `mlp.gate_proj`, ...).
+
+Launch-count layout of one layer (the decode step is launch-bound, perf/results/RESULTS.md), 11
+kernels besides attention's store + decode (was 25):
+  [input norm (+ residual add)] -> qkv GEMM -> q-norm, k-norm -> RoPE (q and k, in place)
+  -> attention -> o GEMM -> [post-attention norm + residual add] -> gate_up GEMM -> silu, mul
+  -> down GEMM
+RoPE reads cos/sin tables [max_positions, D] built once per (device, dtype) with the fp32 math of
+`rope_cos_sin` (row p of the table == rope_cos_sin at p, bit for bit), gathered by position in the
+kernel, instead of ~10 table kernels per forward and 5 eager ops per q/k.
+The residual stream is carried between layers as (x, residual) and added inside the next norm
+(`kernels.rms_norm(x, w, eps, residual)`): the add is done in the model dtype and rounded before the
+fp32 statistics, exactly the eager `h = x + residual; rms_norm(h)`.
+
+Fused projections: `fuse_()` concatenates q/k/v and gate/up once into non-persistent buffers
+(`qkv_weight`, `gate_up_weight`) and re-points the released parameters at row slices of them, so the
+state_dict keys/values are unchanged and no weight memory is duplicated. `.to()/.cuda()/.half()`
+keep that layout (see `_apply`); `load_state_dict` (copy) writes through the views. A forward finds
+unfused (or stale, e.g. after `load_state_dict(assign=True)`) weights by pointer check and fuses
+then, which is refused during CUDA graph capture: call `fuse_()` (Qwen3TTS.from_checkpoint does)
+before capturing.
 """
 
 from __future__ import annotations
@@ -13,20 +33,27 @@ from torch.nn import functional as F
 
 from q3tts.config import DecoderLayerConfig
 from q3tts import kernels
-from q3tts.kernels.reference import rotary_ref
 from q3tts.models.attention import AttentionContext
 
 
+def _refuse_in_capture(what: str) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what} inside CUDA graph capture: call fuse_() on the model "
+                           f"(after any .to()) before capturing")
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim; statistics in fp32, rounded to the input dtype before the weight."""
+    """RMSNorm over the last dim; statistics in fp32, rounded to the input dtype before the weight.
+
+    With `residual`, returns (rms_norm(x + residual), x + residual) (add in x.dtype)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
@@ -42,8 +69,92 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-class SelfAttention(nn.Module):
-    """GQA self-attention with QK-norm (RMSNorm over head_dim before RoPE), no biases."""
+def rope_tables(max_positions: int, head_dim: int, theta: float, dtype: torch.dtype,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[max_positions, D]` for positions 0..max_positions-1: row p equals
+    `rope_cos_sin(tensor([p]), ...)` (same fp32 math, elementwise)."""
+    return rope_cos_sin(torch.arange(max_positions, device=device), head_dim, theta, dtype)
+
+
+def _fuse_rows(owner: nn.Module, buffer_name: str, linears: list[nn.Linear]) -> None:
+    """Concatenate the weights of `linears` (rows) into `owner.<buffer_name>` (non-persistent) and
+    make each weight a row slice of it."""
+    with torch.no_grad():
+        fused = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
+        owner.register_buffer(buffer_name, fused, persistent=False)
+        _view_rows(fused, linears)
+
+
+def _view_rows(fused: torch.Tensor, linears: list[nn.Linear]) -> None:
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = fused[start:start + rows]
+        start += rows
+
+
+def _is_fused(fused: torch.Tensor | None, linears: list[nn.Linear]) -> bool:
+    """Whether every weight still is its row slice of `fused` (host-side pointer check)."""
+    if fused is None:
+        return False
+    ptr, step = fused.data_ptr(), fused.stride(0) * fused.element_size()
+    start = 0
+    for lin in linears:
+        w = lin.weight
+        if (w.data_ptr() != ptr + start * step or w.dtype != fused.dtype
+                or w.device != fused.device):
+            return False
+        start += w.shape[0]
+    return start == fused.shape[0]
+
+
+class _FusedRows(nn.Module):
+    """A module whose Linear children `_fused_names` run as one GEMM over `<_buffer>`."""
+
+    _buffer: str
+    _fused_names: tuple[str, ...]
+
+    def _linears(self) -> list[nn.Linear]:
+        return [getattr(self, name) for name in self._fused_names]
+
+    def fuse_(self) -> None:
+        if any(lin.weight.is_meta for lin in self._linears()):
+            return
+        _fuse_rows(self, self._buffer, self._linears())
+
+    def fused_weight(self) -> torch.Tensor:
+        """The concatenated weight, (re)built when missing or stale (never inside capture)."""
+        fused = getattr(self, self._buffer, None)
+        if not _is_fused(fused, self._linears()):
+            _refuse_in_capture(f"fusing {type(self).__name__} weights")
+            self.fuse_()
+            fused = getattr(self, self._buffer)
+        return fused
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # .to()/.cuda()/.half() converted the weights and the buffer separately: point the weights
+        # back at slices of the (identical) converted buffer so that they share memory again
+        fused = getattr(self, self._buffer, None)
+        if fused is not None:
+            linears = self._linears()
+            if (not fused.is_meta
+                    and all(lin.weight.dtype == fused.dtype and lin.weight.device == fused.device
+                            for lin in linears)
+                    and sum(lin.weight.shape[0] for lin in linears) == fused.shape[0]):
+                _view_rows(fused, linears)
+            else:
+                self._buffers[self._buffer] = None  # refused by the next forward's check
+        return self
+
+
+class SelfAttention(_FusedRows):
+    """GQA self-attention with QK-norm (RMSNorm over head_dim before RoPE), no biases.
+
+    q/k/v run as one GEMM over `qkv_weight` (rows q | k | v), split by views."""
+
+    _buffer = "qkv_weight"
+    _fused_names = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, cfg: DecoderLayerConfig, layer_idx: int):
         super().__init__()
@@ -57,33 +168,46 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self._split = (q_dim, kv_dim, kv_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        """x [N, H] at positions [N]; cos, sin: RoPE tables [max_pos, D] -> [N, H]."""
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))  # [N, NH, D]
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))  # [N, KVH, D]
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, KVH, D]
-        q, k = rotary_ref(q, cos, sin), rotary_ref(k, cos, sin)
+        q, k, v = F.linear(x, self.fused_weight()).split(self._split, dim=-1)  # views of [N, Q+2KV]
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))  # [N, NH, D] (new tensor)
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))  # [N, KVH, D] (new tensor)
+        v = v.view(n, self.num_kv_heads, self.head_dim)  # [N, KVH, D] view (row stride Q+2KV)
+        q, k = kernels.apply_rotary(q, k, positions, cos, sin, inplace=True)
         out = attn.attend(self.layer_idx, q, k, v)  # [N, NH, D]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+class MLP(_FusedRows):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up as one GEMM over `gate_up_weight`."""
+
+    _buffer = "gate_up_weight"
+    _fused_names = ("gate_proj", "up_proj")
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)
+        self._intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.fused_weight()).split(self._intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm Qwen3 layer: h = x + attn(norm(x)); y = h + mlp(norm(h))."""
+    """Pre-norm Qwen3 layer: h = x + attn(norm(x)); y = h + mlp(norm(h)).
+
+    Carries the residual stream: forward(x, residual) with residual None on the first layer (x is
+    the stream) returns (mlp_out, h) whose sum y the next norm forms (fused add + RMSNorm)."""
 
     def __init__(self, cfg: DecoderLayerConfig, layer_idx: int):
         super().__init__()
@@ -92,29 +216,74 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionContext) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed, residual = self.input_layernorm(x, residual)  # residual = x + residual
+        attn_out = self.self_attn(normed, positions, cos, sin, attn)
+        normed, residual = self.post_attention_layernorm(attn_out, residual)  # h = attn_out + x
+        return self.mlp(normed), residual
 
 
 class DecoderStack(nn.Module):
-    """`layers.{i}` + final `norm`; subclasses add their embedding tables under the same prefix."""
+    """`layers.{i}` + final `norm`; subclasses add their embedding tables under the same prefix.
 
-    def __init__(self, cfg: DecoderLayerConfig):
+    `max_positions`: size of the RoPE tables (positions 0..max_positions-1 may be asked for; on CUDA
+    a larger position reads past the table)."""
+
+    def __init__(self, cfg: DecoderLayerConfig, max_positions: int):
         super().__init__()
         self.cfg = cfg
+        self.max_positions = max_positions
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._rope: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def attn_scale(self) -> float:
         return self.cfg.head_dim ** -0.5
 
+    def rope(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos/sin tables [max_positions, D] in `dtype` on `device`, built once."""
+        key = (torch.device(device), dtype)
+        tables = self._rope.get(key)
+        if tables is None:
+            _refuse_in_capture("building RoPE tables")
+            tables = rope_tables(self.max_positions, self.cfg.head_dim, self.cfg.rope_theta,
+                                 dtype, key[0])
+            self._rope[key] = tables
+        return tables
+
+    def fuse_(self) -> DecoderStack:
+        """Fuse every layer's projections and build the RoPE tables for the weights' device and
+        dtype (idempotent; call after loading and before any CUDA graph capture)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_()
+            layer.mlp.fuse_()
+        w = self.norm.weight
+        if not w.is_meta:
+            self.rope(w.device, w.dtype)
+        return self
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # tables follow the weights: rebuilt from the fp32 math (never cast from another dtype)
+        had_tables = bool(self._rope)
+        self._rope = {}
+        if had_tables and not self.norm.weight.is_meta:
+            self.rope(self.norm.weight.device, self.norm.weight.dtype)
+        return self
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionContext) -> torch.Tensor:
         """x [N, H], positions [N] -> final-normed hidden [N, H]."""
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = self.rope(x.device, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, cos, sin, attn)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]

@@ -20,7 +20,7 @@ class TalkerModel(DecoderStack):
     """`talker.model`: decoder stack + codec and text embedding tables."""
 
     def __init__(self, cfg: TalkerConfig):
-        super().__init__(cfg.layers)
+        super().__init__(cfg.layers, max_positions=cfg.layers.max_position_embeddings)
         self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.text_embedding = nn.Embedding(cfg.text_vocab_size, cfg.text_hidden_size)
 
@@ -51,6 +51,13 @@ class Talker(nn.Module):
     @property
     def attn_scale(self) -> float:
         return self.model.attn_scale
+
+    def fuse_(self) -> Talker:
+        """Fused q/k/v and gate/up weights and RoPE tables of both stacks (see models/layers.py);
+        call after loading, before CUDA graph capture."""
+        self.model.fuse_()
+        self.code_predictor.model.fuse_()
+        return self
 
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         """P(ids): ids [N] -> [N, H]."""
