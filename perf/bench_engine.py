@@ -46,8 +46,9 @@ def fill(engine: Engine, batch: int, tag: str, greedy: bool = False, frames: int
     for i, sid in enumerate(ids):
         engine.add(sid, VoiceSpec(speaker=spk), SamplingParams(greedy=greedy, seed=i, max_frames=frames),
                    TEXT, True)
-    engine.step()  # prefill + first decode
-    assert engine.stats()["active"] == batch, engine.stats()
+    while engine.stats()["active"] < batch:  # prefill (max_prefill_tokens may split it) + decode
+        assert engine.stats()["queued"] > 0, engine.stats()
+        engine.step()
     return ids
 
 
