@@ -12,6 +12,7 @@ one batch (same padded bucket, greedy, bit-exact codes). Writes $OUT/engine_benc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from q3tts.engine.api import SamplingParams, VoiceSpec
+from q3tts.engine.api import SamplingParams, UnknownSequence, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 
@@ -54,7 +55,8 @@ def fill(engine: Engine, batch: int, tag: str, greedy: bool = False, frames: int
 
 def drain(engine: Engine, ids: list[str]) -> None:
     for sid in ids:
-        engine.abort(sid)
+        with contextlib.suppress(UnknownSequence):  # already finished (EOS or max_frames)
+            engine.abort(sid)
     while engine.has_work():
         engine.step()
 
@@ -65,7 +67,7 @@ def sync(device: str) -> None:
 
 
 def bench_batch(engine: Engine, batch: int, steps: int, device: str) -> dict:
-    ids = fill(engine, batch, f"b{batch}_", frames=steps + 4)
+    ids = fill(engine, batch, f"b{batch}_", frames=steps + 8)
     engine.step()  # warm
     replays0, decode0 = engine.stats()["graph_replays"], engine.stats()["decode_steps"]
     sync(device)
