@@ -34,6 +34,7 @@ def _decode_split_kernel(
     # sizes
     num_splits, scale_log2,
     # strides
+    stride_ctx,  # context_lens may be a strided column of the engine's row metadata
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -47,7 +48,7 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(context_lens_ptr + b)
+    ctx = tl.load(context_lens_ptr + b * stride_ctx)
     # this row's context spread evenly over the splits, in BLOCK_N-aligned chunks
     split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -165,6 +166,7 @@ def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, 
         q, k_cache, v_cache, block_tables, context_lens,
         part_acc, part_max, part_sum,
         splits, scale * _LOG2E,
+        context_lens.stride(0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -41,6 +41,7 @@ def _rotary_kernel(
     # pointers
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
     # strides
+    stride_pos,  # positions may be a strided column of the engine's row metadata
     stride_qn, stride_qh, stride_kn, stride_kh,
     stride_qon, stride_qoh, stride_kon, stride_koh,
     stride_cos, stride_sin,
@@ -50,7 +51,7 @@ def _rotary_kernel(
     ROUND: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + n).to(tl.int64)
+    pos = tl.load(pos_ptr + n * stride_pos).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
     cmask = cols < HALF
     c1 = tl.load(cos_ptr + pos * stride_cos + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -98,6 +99,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     with device_guard(q):
         _rotary_kernel[(n,)](
             q, k, q_out, k_out, positions, cos, sin,
+            positions.stride(0),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
             cos.stride(0), sin.stride(0),

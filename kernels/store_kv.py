@@ -20,6 +20,7 @@ def _store_kv_kernel(
     # sizes
     page_size,
     # strides
+    stride_slot,  # slot_mapping may be a strided column of the engine's row metadata
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kc_page, stride_kc_slot, stride_kc_head,
     stride_vc_page, stride_vc_slot, stride_vc_head,
@@ -28,7 +29,7 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + n).to(tl.int64)
+    slot = tl.load(slot_ptr + n * stride_slot).to(tl.int64)
     if slot >= 0:
         heads = tl.arange(0, BLOCK_H)
         cols = tl.arange(0, BLOCK_D)
@@ -72,6 +73,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         _store_kv_kernel[(n,)](
             k, v, k_cache, v_cache, slot_mapping,
             k_cache.shape[1],
+            slot_mapping.stride(0),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
