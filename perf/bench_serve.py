@@ -61,7 +61,7 @@ def check_result(r, max_frames: int) -> str | None:
 
 
 def run_level(args, n: int, mode: str, requests: int | None = None, max_frames: int | None = None) -> dict:
-    rows, lock = [], threading.Lock()
+    rows, lock, audios = [], threading.Lock(), []
     requests = args.requests if requests is None else requests
     max_frames = args.max_frames if max_frames is None else max_frames
 
@@ -95,6 +95,8 @@ def run_level(args, n: int, mode: str, requests: int | None = None, max_frames: 
                 continue
             bad = check_result(r, max_frames)
             with lock:
+                if mode == "greedy" and r.error is None:
+                    audios.append(r.audio)
                 rows.append({"ok": r.error is None, "error": r.error, "bad": bad, "ttfa": r.ttfa_s,
                              "audio_s": r.audio_s, "total_s": r.total_s, "underrun": _underruns(arrivals, t_send),
                              "frames": int(r.audio.size) // P.SAMPLES_PER_FRAME, "finish": r.finish_reason})
@@ -117,7 +119,19 @@ def run_level(args, n: int, mode: str, requests: int | None = None, max_frames: 
             "ttfa_p50_ms": _pct(ttfa, 50), "ttfa_p90_ms": _pct(ttfa, 90), "ttfa_p99_ms": _pct(ttfa, 99),
             "rtf_p50": _pct(rtf, 50), "audio_s": sum(r["audio_s"] for r in ok),
             "audio_s_per_s": sum(r["audio_s"] for r in ok) / wall,
-            "underrun_streams": sum(1 for r in ok if r["underrun"]), "wall_s": wall}
+            "underrun_streams": sum(1 for r in ok if r["underrun"]), "wall_s": wall,
+            **_agreement(audios)}
+
+
+def _agreement(audios: list) -> dict:
+    """Greedy streams all make the same request: how many equal the first bit for bit, and the largest
+    sample difference from it (batch composition may change bf16 rounding, never the content)."""
+    if not audios:
+        return {"same": None, "max_diff": None}
+    first = audios[0]
+    same = sum(1 for a in audios if a.shape == first.shape and np.array_equal(a, first))
+    diffs = [float(np.abs(a - first).max()) for a in audios if a.shape == first.shape and a.size]
+    return {"same": f"{same}/{len(audios)}", "max_diff": max(diffs, default=None)}
 
 
 def _underruns(arrivals, t_send) -> bool:
@@ -136,12 +150,13 @@ def _underruns(arrivals, t_send) -> bool:
 
 
 def table(rows) -> str:
-    lines = ["| mode | streams | requests | errors | bad | eos / frames min-max | TTFA p50 / p90 / p99 (ms) "
+    lines = ["| mode | streams | requests | errors | bad | greedy: same as first / max diff | eos / frames min-max | TTFA p50 / p90 / p99 (ms) "
              "| RTF p50 | audio-s/s | underrun streams | wall (s) |",
-             "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
+        agree = "-" if r["same"] is None else f"{r['same']} / {r['max_diff']:.2g}"
         lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {r['bad']} | "
-                     f"{r['eos']} / {r['frames_min']}-{r['frames_max']} | {r['ttfa_p50_ms']:.1f} / "
+                     f"{agree} | {r['eos']} / {r['frames_min']}-{r['frames_max']} | {r['ttfa_p50_ms']:.1f} / "
                      f"{r['ttfa_p90_ms']:.1f} / {r['ttfa_p99_ms']:.1f} | {r['rtf_p50']:.3f} | "
                      f"{r['audio_s_per_s']:.2f} | {r['underrun_streams']} | {r['wall_s']:.1f} |")
     return "\n".join(lines)

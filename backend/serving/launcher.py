@@ -126,7 +126,7 @@ class TritonServer:
                  ready_timeout_s: float = 300.0, exit_timeout_s: int = 10, log_verbose: int = 0,
                  extra_params: dict[str, str] | None = None, bind: str = "127.0.0.1"):
         self.model = str(Path(model).resolve()) if Path(model).exists() else model
-        self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="q3tts-serve-"))
+        self.run_dir = (Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="q3tts-serve-"))).resolve()
         self.gpus = detect_gpus() if gpus is None else list(gpus)
         self.dtype = dtype or ("bfloat16" if self.gpus else "float32")
         self.max_slots = max_slots or (64 if self.gpus else 8)
