@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-tool call on the H200: install the carried wheels, run the GPU tests and every benchmark,
+# One device-tool call on the H200 (build the carry first: bash perf/gpu_carry.sh): run the GPU tests and every benchmark,
 # leave tables and logs under $OUT. Usage (device tool, carry [".gpu"]): bash perf/gpu_session.sh [steps...]
 # steps: env kernels kbench codec engine serve (default: all but serve)
 set -uo pipefail

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Build what the device-tool calls carry to the H200 (Python 3.12, no network there), under the
+# gitignored .gpu/ and .whl/ (total < 64 MiB with the slim numpy wheel):
+#   .gpu/site/                 tritonclient 2.51 (pure python), python-rapidjson, soxr  -> PYTHONPATH
+#   .gpu/pytriton_slim.tgz     the nvidia-pytriton wheel's tritonserver + libs, 3.12 stub only
+#   .whl/numpy-1.26.4-cp312-cp312-slim.whl   numpy<2 for the Triton stub env (tests/f2py/distutils dropped)
+# Needs .venv (scripts/setup.sh) for the pytriton files. Usage: bash perf/gpu_carry.sh
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
+SITE_PACKAGES="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+TMP="$(mktemp -d)"; trap 'rm -rf "$TMP"' EXIT
+download() {  # cp312 manylinux wheels, no deps
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 -d "$TMP" "$@" 2>&1 | grep -v "^WARNING: Location" || true
+}
+mkdir -p .gpu/site .whl
+download tritonclient==2.51.0 python-rapidjson==1.20 soxr==0.5.0.post1 numpy==1.26.4
+(cd "$TMP" && unzip -qo tritonclient-*.whl 'tritonclient-2.51.0.data/purelib/tritonclient/*' \
+  && cp -r tritonclient-2.51.0.data/purelib/tritonclient "$ROOT/.gpu/site/")  # no perf_analyzer binary (39 MB)
+for w in "$TMP"/python_rapidjson-*.whl "$TMP"/soxr-*.whl; do unzip -qo "$w" -d .gpu/site; done
+mkdir -p "$TMP/np" && unzip -q "$TMP"/numpy-1.26.4-*.whl -d "$TMP/np"
+(cd "$TMP/np" && find numpy -type d \( -name tests -o -name f2py -o -name distutils \) -prune -exec rm -rf {} + \
+  && find numpy -name '*.pyi' -delete && rm -f numpy-1.26.4.dist-info/RECORD \
+  && zip -qr "$ROOT/.whl/numpy-1.26.4-cp312-cp312-slim.whl" numpy numpy.libs numpy-1.26.4.dist-info)
+(cd "$SITE_PACKAGES" && tar czf "$ROOT/.gpu/pytriton_slim.tgz" \
+  --exclude='python_backend_stubs/3.8' --exclude='python_backend_stubs/3.9' --exclude='python_backend_stubs/3.10' \
+  --exclude='python_backend_stubs/3.11' --exclude='python_backend_stubs/3.13' \
+  --exclude='libpython3-419a3a08.13.so.1.0' pytriton/tritonserver nvidia_pytriton.libs)
+du -sh .gpu/site .gpu/pytriton_slim.tgz .whl/numpy-1.26.4-cp312-cp312-slim.whl
