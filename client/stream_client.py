@@ -76,6 +76,101 @@ def start_inputs(text: str, speaker=None, language=None, instruct=None, ref_audi
     return inputs
 
 
+class _Session:
+    """One sequence on one gRPC stream: sends the pieces, folds the responses into a `Result`."""
+
+    def __init__(self, client, sid: int, voice: dict, params: dict) -> None:
+        self.client, self.sid, self.voice, self.params = client, sid, voice, params
+        self.fmt_name = P.AUDIO_FORMATS[params.get(P.PARAM_AUDIO_FORMAT, "float32")]
+        self.res = Result(sid, np.zeros(0, np.float32))
+        self.chunks: list[tuple[int, np.ndarray]] = []
+        self.t0: float | None = None
+        self.sent_end = threading.Event()
+        self.cancelled = False
+
+    def send(self, k: int, text: str, end: bool) -> None:
+        """Request k of the sequence (k == 0 carries START, the voice and the parameters)."""
+        first = k == 0
+        if first:
+            self.t0 = time.perf_counter()
+        inputs = start_inputs(text, **self.voice) if first else [_bytes_input(P.INPUT_TEXT, text)]
+        self.client.async_stream_infer(P.MODEL, inputs, request_id=f"{self.sid}-{k}", sequence_id=self.sid,
+                                       sequence_start=first, sequence_end=end,
+                                       parameters=self.params if first else None,
+                                       enable_empty_final_response=True)
+        self.res.requests += 1
+        if end:
+            self.sent_end.set()
+
+    def feed(self, pieces: Iterable[str]) -> None:
+        """Each piece as its own request as soon as it is produced, then an empty END."""
+        k = -1
+        for k, piece in enumerate(pieces):
+            self.send(k, piece, end=False)
+        if k < 0:  # no text at all: one START|END with empty text
+            self.send(0, "", end=True)
+        else:
+            self.send(k + 1, "", end=True)
+
+    def fold(self, t: float, result, on_chunk, cancel_after_chunks: int | None) -> None:
+        """Fold one data/final response into the result."""
+        res = self.res
+        audio = result.as_numpy(self.fmt_name)
+        if audio is not None and audio.size:
+            if res.ttfa_s is None:
+                res.ttfa_s = t - self.t0
+            first = result.as_numpy(P.OUTPUT_FIRST_FRAME)
+            self.chunks.append((int(first[0]) if first is not None else len(self.chunks), audio))
+            res.first_frames.append(self.chunks[-1][0])
+            res.chunk_frames.append(audio.size // P.SAMPLES_PER_FRAME)
+            res.chunks += 1
+            if on_chunk:
+                on_chunk(res, sum(len(a) for _, a in self.chunks))
+            if cancel_after_chunks is not None and res.chunks >= cancel_after_chunks:
+                self.cancelled = True
+                self.client.stop_stream(cancel_requests=True)
+                return
+        reason = result.as_numpy(P.OUTPUT_FINISH_REASON)
+        if reason is not None:
+            res.finish_reason = reason.reshape(-1)[0].decode()
+        err = result.as_numpy(P.OUTPUT_ERROR)
+        if err is not None:  # failed after audio had started (protocol.py)
+            res.error = res.error or err.reshape(-1)[0].decode()
+        sr = result.as_numpy(P.OUTPUT_SAMPLE_RATE)
+        if sr is not None:
+            res.sample_rate = int(sr[0])
+        final = result.get_response().parameters.get("triton_final_response")
+        if final is not None and final.bool_param:
+            res.finals += 1
+
+    def collect(self, events: queue.Queue, timeout_s: float, on_chunk, cancel_after_chunks) -> None:
+        """Consume responses until every request has its final (or an error, cancel, timeout)."""
+        res, deadline = self.res, time.monotonic() + timeout_s
+        while not (self.sent_end.is_set() and res.finals >= res.requests):
+            try:
+                t, result, error = events.get(timeout=max(0.01, min(0.5, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    res.error = f"timed out after {timeout_s:.0f} s"
+                    return
+                continue
+            if error is not None:
+                res.error = res.error or str(error)
+                res.finals += 1
+                if "CANCELLED" in str(error) or self.cancelled:
+                    return
+                continue
+            self.fold(t, result, on_chunk, cancel_after_chunks)
+            if self.cancelled:
+                return
+
+    def audio(self) -> np.ndarray:
+        """The chunks in FIRST_FRAME order, concatenated."""
+        self.chunks.sort(key=lambda c: c[0])
+        dtype = np.int16 if self.fmt_name == P.OUTPUT_AUDIO_INT16 else np.float32
+        return np.concatenate([a for _, a in self.chunks]).astype(dtype) if self.chunks else np.zeros(0, dtype)
+
+
 def synthesize(url: str, pieces: Iterable[str], voice: dict | None = None, params: dict | None = None,
                sequence_id: int | None = None, timeout_s: float = 300.0, on_chunk=None,
                cancel_after_chunks: int | None = None, client=None) -> Result:
@@ -84,106 +179,27 @@ def synthesize(url: str, pieces: Iterable[str], voice: dict | None = None, param
     `pieces` may be a generator (e.g. stdin lines): each piece is sent as soon as it is produced.
     `cancel_after_chunks` stops the stream with cancel_requests=True after that many audio chunks.
     """
-    sid = sequence_id or next(_seq_ids)
     params = {k: v for k, v in (params or {}).items() if v is not None}
-    fmt_name = P.AUDIO_FORMATS[params.get(P.PARAM_AUDIO_FORMAT, "float32")]
-    events: queue.Queue = queue.Queue()
     own = client is None
     client = client or grpcclient.InferenceServerClient(url)
+    session = _Session(client, sequence_id or next(_seq_ids), voice or {}, params)
+    events: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
-    res = Result(sid, np.zeros(0, np.float32))
-    chunks: list[tuple[int, np.ndarray]] = []
-    t0 = None
-    sent_end = threading.Event()
-    cancelled = False
-
-    def feed():
-        nonlocal t0
-        k = 0
-        for k, piece in enumerate(itertools.chain(pieces, [None])):
-            if piece is None:
-                break
-            inputs = start_inputs(piece, **(voice or {})) if k == 0 else [_bytes_input(P.INPUT_TEXT, piece)]
-            if k == 0:
-                t0 = time.perf_counter()
-            client.async_stream_infer(P.MODEL, inputs, request_id=f"{sid}-{k}", sequence_id=sid,
-                                      sequence_start=(k == 0), parameters=params if k == 0 else None,
-                                      enable_empty_final_response=True)
-            res.requests += 1
-        if res.requests == 0:  # no text at all: one START|END with empty text
-            t0 = time.perf_counter()
-            client.async_stream_infer(P.MODEL, start_inputs("", **(voice or {})), request_id=f"{sid}-0",
-                                      sequence_id=sid, sequence_start=True, sequence_end=True,
-                                      parameters=params, enable_empty_final_response=True)
-        else:
-            client.async_stream_infer(P.MODEL, [_bytes_input(P.INPUT_TEXT, "")], request_id=f"{sid}-end",
-                                      sequence_id=sid, sequence_end=True, enable_empty_final_response=True)
-        res.requests += 1
-        sent_end.set()
-
-    # NOTE: the common case (a list of text) is sent as ONE START|END request when it has one piece.
-    if isinstance(pieces, (list, tuple)) and len(pieces) <= 1:
-        t0 = time.perf_counter()
-        client.async_stream_infer(P.MODEL, start_inputs(pieces[0] if pieces else "", **(voice or {})),
-                                  request_id=f"{sid}-0", sequence_id=sid, sequence_start=True,
-                                  sequence_end=True, parameters=params, enable_empty_final_response=True)
-        res.requests = 1
-        sent_end.set()
-    else:
-        threading.Thread(target=feed, name="q3tts-client-feed", daemon=True).start()
-    deadline = time.monotonic() + timeout_s
     try:
-        while not (sent_end.is_set() and res.finals >= res.requests):
-            try:
-                t, result, error = events.get(timeout=max(0.01, min(0.5, deadline - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    res.error = f"timed out after {timeout_s:.0f} s"
-                    break
-                continue
-            if error is not None:
-                res.error = res.error or str(error)
-                res.finals += 1
-                if "CANCELLED" in str(error) or cancelled:
-                    break
-                continue
-            audio = result.as_numpy(fmt_name)
-            if audio is not None and audio.size:
-                if res.ttfa_s is None:
-                    res.ttfa_s = t - t0
-                first = result.as_numpy(P.OUTPUT_FIRST_FRAME)
-                chunks.append((int(first[0]) if first is not None else len(chunks), audio))
-                res.first_frames.append(chunks[-1][0])
-                res.chunk_frames.append(audio.size // P.SAMPLES_PER_FRAME)
-                res.chunks += 1
-                if on_chunk:
-                    on_chunk(res, sum(len(a) for _, a in chunks))
-                if cancel_after_chunks is not None and res.chunks >= cancel_after_chunks:
-                    cancelled = True
-                    client.stop_stream(cancel_requests=True)
-                    break
-            reason = result.as_numpy(P.OUTPUT_FINISH_REASON)
-            if reason is not None:
-                res.finish_reason = reason.reshape(-1)[0].decode()
-            err = result.as_numpy(P.OUTPUT_ERROR)
-            if err is not None:  # failed after audio had started (protocol.py)
-                res.error = res.error or err.reshape(-1)[0].decode()
-            sr = result.as_numpy(P.OUTPUT_SAMPLE_RATE)
-            if sr is not None:
-                res.sample_rate = int(sr[0])
-            p = result.get_response().parameters.get("triton_final_response")
-            if p is not None and p.bool_param:
-                res.finals += 1
-        res.total_s = time.perf_counter() - (t0 or time.perf_counter())
+        # NOTE: the common case (a list of text) is sent as ONE START|END request when it has one piece.
+        if isinstance(pieces, (list, tuple)) and len(pieces) <= 1:
+            session.send(0, pieces[0] if pieces else "", end=True)
+        else:
+            threading.Thread(target=session.feed, args=(pieces,), name="q3tts-client-feed", daemon=True).start()
+        session.collect(events, timeout_s, on_chunk, cancel_after_chunks)
+        session.res.total_s = time.perf_counter() - (session.t0 or time.perf_counter())
     finally:
-        if not cancelled:
+        if not session.cancelled:
             client.stop_stream()
         if own:
             client.close()
-    chunks.sort(key=lambda c: c[0])
-    dtype = np.int16 if fmt_name == P.OUTPUT_AUDIO_INT16 else np.float32
-    res.audio = np.concatenate([a for _, a in chunks]).astype(dtype) if chunks else np.zeros(0, dtype)
-    return res
+    session.res.audio = session.audio()
+    return session.res
 
 
 def _stdin_pieces():
