@@ -44,6 +44,11 @@ class Engine:
                                    dtype=dtype, device=config.device)
         self.checkpoint = ckpt
         self.model = Qwen3TTS.from_checkpoint(ckpt).to(device=config.device, dtype=dtype)
+        positions = self.model.talker.model.max_positions
+        if config.max_prompt_tokens + config.max_frames > positions:
+            # NOTE: the RoPE kernel reads its table without bounds checks: refuse configs that could overrun it
+            raise ValueError(f"max_prompt_tokens + max_frames = {config.max_prompt_tokens + config.max_frames} "
+                             f"exceeds the talker's {positions} positions")
         self.builder = PromptBuilder(self.model, ckpt.tokenizer)
         self.tts_eos_id = ckpt.config.tts_eos_id
         self.codec_eos_id = ckpt.config.talker.codec_eos_id

@@ -198,3 +198,12 @@ def test_page_exhaustion_aborts_newest(tiny_ckpt, speaker):
     out2 = run(eng2, reqs)
     assert out2["new"][2] == ("max_frames", None) and np.array_equal(out2["old"][0], out["old"][0])
     baseline(eng2)
+
+
+def test_config_beyond_the_talker_positions_is_refused(tiny_ckpt):
+    """Prompt + frames past the RoPE table would read out of bounds on the GPU: refused up front."""
+    positions = tiny_ckpt.config.raw["talker_config"]["max_position_embeddings"]
+    cfg = EngineConfig(device="cpu", dtype="float32", num_pages=8, max_slots=1,
+                       max_prompt_tokens=256, max_frames=positions, use_cuda_graphs=False)
+    with pytest.raises(ValueError, match="exceeds the talker's"):
+        Engine(tiny_ckpt, cfg, with_codec=False)
