@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from q3tts.engine.api import SamplingParams, UnknownSequence, VoiceSpec
@@ -109,26 +108,34 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=batches)
 
 
+def build_engine(args, frames: int) -> Engine:
+    """The benchmarked engine: slots for the largest batch, every power-of-two bucket up to it,
+    sequences of `frames` frames; sets `args.dtype` to the dtype it chose."""
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    max_b = max(args.batches)
+    buckets = tuple(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, *args.batches}))
+    buckets = tuple(b for b in buckets if b <= max(256, max_b))
+    cfg = EngineConfig(device=args.device, dtype=args.dtype, max_slots=max_b, max_queue=max_b,
+                       max_frames=frames + 16, max_prompt_tokens=256, max_text_tokens=256,
+                       kv_memory_fraction=0.5, graph_batch_sizes=buckets,
+                       num_pages=None if args.device.startswith("cuda") else 2 * max_b * (frames + 300) // 16,
+                       use_cuda_graphs=not args.no_cuda_graphs)
+    model = make_model(args)
+    t0 = time.perf_counter()
+    engine = Engine(model, cfg)
+    print(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.config.num_pages} KV pages, graphs "
+          f"{sorted(engine.runner.graphs.graphs) if engine.runner.graphs else 'off (eager)'}", flush=True)
+    return engine
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p, [1, 8, 32, 64, 128, 256])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--no-cuda-graphs", action="store_true")
     args = p.parse_args(argv)
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    max_b = max(args.batches)
-    buckets = tuple(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, *args.batches}))
-    buckets = tuple(b for b in buckets if b <= max(256, max_b))
-    cfg = EngineConfig(device=args.device, dtype=dtype, max_slots=max_b, max_queue=max_b,
-                       max_frames=args.steps + 16, max_prompt_tokens=256, max_text_tokens=256,
-                       kv_memory_fraction=0.5, graph_batch_sizes=buckets,
-                       num_pages=None if args.device.startswith("cuda") else 2 * max_b * (args.steps + 300) // 16,
-                       use_cuda_graphs=not args.no_cuda_graphs)
-    model = make_model(args)
-    t0 = time.perf_counter()
-    engine = Engine(model, cfg)
-    print(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.config.num_pages} KV pages, "
-          f"graphs {sorted(engine.runner.graphs.graphs) if engine.runner.graphs else 'off (eager)'}")
+    engine = build_engine(args, args.steps)
+    dtype = args.dtype
     rows = []
     for b in args.batches:
         r = bench_batch(engine, b, args.steps, args.device)
@@ -137,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['audio']:8.2f} audio-s/s  rows/step {r['rows']:.1f}  graph replays {r['replays']}/{r['decodes']} steps")
     graphs_on = engine.runner.graphs is not None
     one_launch = all(r["replays"] == r["decodes"] for r in rows) if graphs_on else None
-    same = graph_vs_eager(engine, min(8, max_b)) if graphs_on else None
+    same = graph_vs_eager(engine, min(8, max(args.batches))) if graphs_on else None
     print(f"one graph replay per decode step: {one_launch}; graph == eager (greedy, bit-exact): {same}")
     table = ["| batch | bucket | ms/step | frames/s | audio-s/s | RTF/stream | replays/steps |",
              "|---:|---:|---:|---:|---:|---:|---:|"]

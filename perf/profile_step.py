@@ -35,37 +35,14 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import add_model_arguments, drain, fill, make_model, sync  # noqa: E402
+from bench_engine import add_model_arguments, build_engine, drain, fill, sync  # noqa: E402
 
-from q3tts.engine.config import EngineConfig  # noqa: E402
 from q3tts.engine.cuda_graph import META_CTX, META_FRAME, META_POS, META_SLOT, META_SLOT_MAP  # noqa: E402
 from q3tts.engine.engine import Engine  # noqa: E402
 from q3tts.models import step as model_step  # noqa: E402
 from q3tts.models.attention import DecodeContext  # noqa: E402
 from q3tts.sampling import (FULL, TOPK, SubtalkerSampler, sample_talker, sampling_mode,  # noqa: E402
                             warp_and_draw)
-
-
-# --------------------------------------------------------------------------- engine (as bench_engine)
-
-def build_engine(args) -> Engine:
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    args.dtype = dtype
-    max_b = max(args.batches)
-    buckets = tuple(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, *args.batches}))
-    buckets = tuple(b for b in buckets if b <= max(256, max_b))
-    frames = args.frames
-    cfg = EngineConfig(device=args.device, dtype=dtype, max_slots=max_b, max_queue=max_b,
-                       max_frames=frames + 16, max_prompt_tokens=256, max_text_tokens=256,
-                       kv_memory_fraction=0.5, graph_batch_sizes=buckets,
-                       num_pages=None if args.device.startswith("cuda") else 2 * max_b * (frames + 300) // 16,
-                       use_cuda_graphs=not args.no_cuda_graphs)
-    model = make_model(args)
-    t0 = time.perf_counter()
-    engine = Engine(model, cfg)
-    print(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.config.num_pages} KV pages, graphs "
-          f"{sorted(engine.runner.graphs.graphs) if engine.runner.graphs else 'off (eager)'}", flush=True)
-    return engine
 
 
 # --------------------------------------------------------------------------- timing
@@ -356,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cuda-graphs", action="store_true")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
-    engine = build_engine(args)
+    engine = build_engine(args, args.frames)
     timer = Timer(engine.runner.device, args.iters, args.eager_iters or max(3, args.iters // 5))
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     md = [f"# Decode step profile ({args.scale} 1.7B CustomVoice, {args.dtype}, {dev})", "",
