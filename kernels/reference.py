@@ -16,6 +16,19 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * normed.to(x.dtype)
 
 
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables for integer `positions` [...] -> cos, sin [..., head_dim] (cat(freqs, freqs) layout).
+
+    inv_freq and the angles in fp32 exactly as the official rotary embeddings, then cast to `dtype`
+    (talker, code predictor and codec all use this)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+    inv_freq = 1.0 / (theta ** (exponents / head_dim))  # [D/2]
+    freqs = positions.float()[..., None] * inv_freq  # [..., D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [..., D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

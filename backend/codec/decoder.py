@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from q3tts.kernels.reference import rope_cos_sin
+
 from ..config import CodecConfig, CodecDecoderConfig
 from .layers import (AttentionProjections, CausalConv1d, CausalTransConv1d, LayerScale, RMSNorm, SnakeBeta, StateSpec, States,
-                     apply_rope, rope_cos_sin, sliding_window_attention)
+                     apply_rope, sliding_window_attention)
 
 
 class Codebook(nn.Module):

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from q3tts.kernels.reference import rope_cos_sin
+
 from ..config import CodecConfig
-from .layers import AttentionProjections, LayerScale, apply_rope, rope_cos_sin
+from .layers import AttentionProjections, LayerScale, apply_rope
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from q3tts.kernels.reference import rms_norm_ref, rotate_half
+
 
 class StateSpec:
     """Collects the per-stream state shapes of a model while it is being built."""
@@ -97,9 +99,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 class LayerScale(nn.Module):
@@ -125,22 +125,9 @@ class AttentionProjections(nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
-                 ) -> tuple[Tensor, Tensor]:
-    """Half-split RoPE tables for integer `positions` [B, T] -> cos, sin [B, T, head_dim] (fp32 math)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.int64).float() / head_dim))
-    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate `x` [B, T, H, D] by cos/sin [B, T, D] (rotate-half convention)."""
-    cos, sin = cos[:, :, None], sin[:, :, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
 
 
 def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,

@@ -33,6 +33,7 @@ from torch.nn import functional as F
 
 from q3tts.config import DecoderLayerConfig
 from q3tts import kernels
+from q3tts.kernels.reference import rope_cos_sin
 from q3tts.models.attention import AttentionContext
 
 
@@ -54,19 +55,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables for `positions [N]` -> cos, sin `[N, D]` (cat(freqs, freqs) layout).
-
-    inv_freq and the angles in fp32 exactly as the official rotary embedding, then cast to `dtype`.
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
-    inv_freq = 1.0 / (theta ** (exponents / head_dim))  # [D/2]
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def rope_tables(max_positions: int, head_dim: int, theta: float, dtype: torch.dtype,
