@@ -24,13 +24,14 @@ def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
     return audio.mean(axis=1).astype(np.float32), int(sr)
 
 
-def write_wav(path: str | Path, pcm: np.ndarray | Tensor, sr: int = SAMPLE_RATE) -> None:
-    """Write float mono samples [n] in [-1, 1] as 16-bit PCM wav."""
+def write_wav(path: str | Path, pcm: np.ndarray | Tensor, sr: int = SAMPLE_RATE,
+              subtype: str = "PCM_16") -> None:
+    """Write float mono samples [n] in [-1, 1] as a wav (16-bit PCM; subtype="FLOAT" keeps them exact)."""
     import soundfile as sf  # lazy, see read_wav
 
     if isinstance(pcm, Tensor):
         pcm = pcm.detach().float().cpu().numpy()
-    sf.write(str(path), np.asarray(pcm, dtype=np.float32).reshape(-1), sr, subtype="PCM_16")
+    sf.write(str(path), np.asarray(pcm, dtype=np.float32).reshape(-1), sr, subtype=subtype)
 
 
 def resample(audio: np.ndarray, sr_in: int, sr_out: int = SAMPLE_RATE) -> np.ndarray:

@@ -150,10 +150,10 @@ def _write(req: BatchRequest, res: BatchResult, sample_rate: int) -> None:
         req.codes_out.parent.mkdir(parents=True, exist_ok=True)
         np.save(req.codes_out, res.codes.astype(np.int64))
     if req.out is not None and res.pcm.size:
-        import soundfile as sf
+        from q3tts.audio import write_wav  # noqa: PLC0415  (soundfile only when a wav is asked for)
 
         req.out.parent.mkdir(parents=True, exist_ok=True)
-        sf.write(str(req.out), res.pcm, sample_rate, subtype="FLOAT")
+        write_wav(req.out, res.pcm, sample_rate, subtype="FLOAT")
 
 
 # --- CLI helpers (the lead wires these into `q3tts synth --requests FILE.jsonl`) ------------------
