@@ -124,14 +124,23 @@ def run_level(args, n: int, mode: str, requests: int | None = None, max_frames: 
 
 
 def _agreement(audios: list) -> dict:
-    """Greedy streams all make the same request: how many equal the first bit for bit, and the largest
-    sample difference from it (batch composition may change bf16 rounding, never the content)."""
+    """Greedy streams all make the same request: how many equal the first bit for bit, the largest sample
+    difference from it and the worst SNR against it (batch composition may change bf16 rounding: that keeps
+    the SNR tens of dB up; a stream whose codes went another way sits near 0 dB)."""
     if not audios:
-        return {"same": None, "max_diff": None}
+        return {"same": None, "max_diff": None, "min_snr_db": None}
     first = audios[0]
-    same = sum(1 for a in audios if a.shape == first.shape and np.array_equal(a, first))
-    diffs = [float(np.abs(a - first).max()) for a in audios if a.shape == first.shape and a.size]
-    return {"same": f"{same}/{len(audios)}", "max_diff": max(diffs, default=None)}
+    alike = [a for a in audios if a.shape == first.shape and a.size]
+    same = sum(1 for a in alike if np.array_equal(a, first))
+    diffs = [float(np.abs(a - first).max()) for a in alike]
+    return {"same": f"{same}/{len(audios)}", "max_diff": max(diffs, default=None),
+            "min_snr_db": min((_snr_db(first, a) for a in alike), default=None)}
+
+
+def _snr_db(ref: np.ndarray, other: np.ndarray) -> float:
+    """10·log10(Σref² / Σ(other−ref)²); inf when they are equal."""
+    noise = float(np.sum((other.astype(np.float64) - ref) ** 2))
+    return float("inf") if noise == 0.0 else 10.0 * np.log10(float(np.sum(ref.astype(np.float64) ** 2)) / noise)
 
 
 def _underruns(arrivals, t_send) -> bool:
@@ -150,11 +159,11 @@ def _underruns(arrivals, t_send) -> bool:
 
 
 def table(rows) -> str:
-    lines = ["| mode | streams | requests | errors | bad | greedy: same as first / max diff | eos / frames min-max | TTFA p50 / p90 / p99 (ms) "
+    lines = ["| mode | streams | requests | errors | bad | greedy: same as first / max diff / min SNR dB | eos / frames min-max | TTFA p50 / p90 / p99 (ms) "
              "| RTF p50 | audio-s/s | underrun streams | wall (s) |",
              "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        agree = "-" if r["same"] is None else f"{r['same']} / {r['max_diff']:.2g}"
+        agree = "-" if r["same"] is None else f"{r['same']} / {r['max_diff']:.2g} / {r['min_snr_db']:.1f}"
         lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {r['bad']} | "
                      f"{agree} | {r['eos']} / {r['frames_min']}-{r['frames_max']} | {r['ttfa_p50_ms']:.1f} / "
                      f"{r['ttfa_p90_ms']:.1f} / {r['ttfa_p99_ms']:.1f} | {r['rtf_p50']:.3f} | "
