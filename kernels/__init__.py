@@ -15,9 +15,11 @@ import torch
 from . import reference
 
 try:
+    from . import conv1d as _cv
     from . import paged_attention as _pa
     from . import rmsnorm as _rn
     from . import rotary as _rt
+    from . import snake as _sn
     from . import store_kv as _kv
     from .autotune import warmup as _warmup
 
@@ -25,8 +27,8 @@ try:
 except ImportError:  # CPU-only install without triton: the references serve every call
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "apply_rotary", "paged_decode_attention", "rms_norm", "store_kv",
-           "use_triton", "warmup"]
+__all__ = ["HAS_TRITON", "apply_rotary", "causal_conv1d", "paged_decode_attention", "rms_norm",
+           "snake_beta", "store_kv", "use_triton", "warmup"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -82,6 +84,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return _pa.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     return reference.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens,
                                                 scale)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Valid conv1d of x [B, C_in, L] (history included), weight [C_out, C_in, K], bias [C_out] or None
+    -> [B, C_out, L - (K-1)·dilation] (+ residual). See kernels/conv1d.py."""
+    if use_triton(x):
+        return _cv.causal_conv1d(x, weight, bias, dilation, residual)
+    return reference.causal_conv1d_ref(x, weight, bias, dilation, residual)
+
+
+def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """SnakeBeta of x [B, C, T] with log-parameters alpha, beta [C]. See kernels/snake.py."""
+    if use_triton(x):
+        return _sn.snake_beta(x, alpha, beta)
+    return reference.snake_beta_ref(x, alpha, beta)
 
 
 def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, hidden_sizes, page_size: int,

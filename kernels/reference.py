@@ -93,3 +93,18 @@ def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
     pos = positions.long()
     cos_t, sin_t = cos[pos], sin[pos]  # [N, D]
     return rotary_ref(q, cos_t, sin_t).to(q.dtype), rotary_ref(k, cos_t, sin_t).to(k.dtype)
+
+
+def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Valid conv1d of x [B, C_in, L] (causal history included) with weight [C_out, C_in, K] and bias
+    [C_out] -> [B, C_out, L - (K-1)·dilation], plus residual (that shape) when given."""
+    out = torch.nn.functional.conv1d(x, weight, bias, dilation=dilation)
+    return out if residual is None else residual + out
+
+
+def snake_beta_ref(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """SnakeBeta `x + sin(x·e^α)² / (e^β + 1e-9)` of x [B, C, T], log-parameters alpha, beta [C]."""
+    alpha = torch.exp(alpha[None, :, None])
+    beta = torch.exp(beta[None, :, None])
+    return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)

@@ -192,7 +192,7 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv1d(spec, dim, dim, 1)
 
     def forward(self, x: Tensor, states: States) -> Tensor:
-        return x + self.conv2(self.act2(self.conv1(self.act1(x), states)), states)
+        return self.conv2(self.act2(self.conv1(self.act1(x), states)), states, residual=x)
 
 
 class DecoderBlock(nn.Module):

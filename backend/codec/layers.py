@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from q3tts import kernels
 from q3tts.kernels.reference import rms_norm_ref, rotate_half
 
 
@@ -44,12 +45,15 @@ class CausalConv1d(nn.Module):
         self.history = (kernel - 1) * dilation
         self.state = spec.add((c_in, self.history)) if self.history else -1
 
-    def forward(self, x: Tensor, states: States) -> Tensor:  # [B, C, T] -> [B, C', T]
-        if self.history == 0:
-            return self.conv(x)
-        full = torch.cat([states[self.state], x], dim=-1)  # [B, C, hist + T]
-        states[self.state] = full[..., -self.history:]
-        return self.conv(full)
+    def forward(self, x: Tensor, states: States, residual: Tensor | None = None) -> Tensor:
+        """[B, C, T] -> [B, C', T] (+ residual [B, C', T], fused into the conv when it is a kernel)."""
+        if self.history:
+            x = torch.cat([states[self.state], x], dim=-1)  # [B, C, hist + T]
+            states[self.state] = x[..., -self.history:]
+        if self.conv.groups == 1:
+            return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual)
+        out = self.conv(x)
+        return out if residual is None else residual + out
 
 
 class CausalTransConv1d(nn.Module):
@@ -85,9 +89,7 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: Tensor) -> Tensor:  # [B, C, T]
-        alpha = torch.exp(self.alpha[None, :, None])
-        beta = torch.exp(self.beta[None, :, None])
-        return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+        return kernels.snake_beta(x, self.alpha, self.beta)
 
 
 class RMSNorm(nn.Module):
