@@ -8,6 +8,7 @@ Call `warmup(...)` once before CUDA-graph capture so that nothing compiles or tu
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -21,6 +22,7 @@ try:
     from . import rotary as _rt
     from . import snake as _sn
     from . import store_kv as _kv
+    from .autotune import tuning as _tuning
     from .autotune import warmup as _warmup
 
     HAS_TRITON = True
@@ -28,7 +30,7 @@ except ImportError:  # CPU-only install without triton: the references serve eve
     HAS_TRITON = False
 
 __all__ = ["HAS_TRITON", "apply_rotary", "causal_conv1d", "paged_decode_attention", "rms_norm",
-           "snake_beta", "store_kv", "use_triton", "warmup"]
+           "conv_kernel_weight", "snake_beta", "store_kv", "tuning", "use_triton", "warmup"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -87,12 +89,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, weight_oik: torch.Tensor | None = None) -> torch.Tensor:
     """Valid conv1d of x [B, C_in, L] (history included), weight [C_out, C_in, K], bias [C_out] or None
-    -> [B, C_out, L - (K-1)·dilation] (+ residual). See kernels/conv1d.py."""
+    -> [B, C_out, L - (K-1)·dilation] (+ residual); weight_oik: `conv_kernel_weight(weight)`, optional.
+    See kernels/conv1d.py."""
     if use_triton(x):
-        return _cv.causal_conv1d(x, weight, bias, dilation, residual)
+        return _cv.causal_conv1d(x, weight, bias, dilation, residual, weight_oik)
     return reference.causal_conv1d_ref(x, weight, bias, dilation, residual)
+
+
+def conv_kernel_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The conv kernel's weight layout (input channels fastest) for `causal_conv1d(weight_oik=...)`."""
+    return weight.detach().permute(2, 0, 1).contiguous().permute(1, 2, 0)
+
+
+def tuning():
+    """Context in which shape-specialised kernel choices are timed (wrap CUDA-graph warm-ups in it)."""
+    if not HAS_TRITON:
+        return contextlib.nullcontext()
+    return _tuning()
 
 
 def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:

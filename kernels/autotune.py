@@ -53,6 +53,28 @@ def pick(key: tuple, candidates: Sequence[Any], launch: Callable[[Any], None],
     return _BEST[key]
 
 
+_TUNING = [0]  # depth of open `tuning()` blocks
+
+
+@contextlib.contextmanager
+def tuning():
+    """Within this block `choose` tunes shapes it has not seen (CUDA-graph warm-up); outside, an
+    unseen shape takes the default without timing anything (full decodes, reference priming)."""
+    _TUNING[0] += 1
+    try:
+        yield
+    finally:
+        _TUNING[0] -= 1
+
+
+def choose(key: tuple, candidates: Sequence[Any], launch: Callable[[Any], None], device: torch.device,
+           default: Any) -> Any:
+    """`pick` for a shape-specialised key inside `tuning()` (or when already tuned), else `default`."""
+    if key in _BEST or (_TUNING[0] and _can_tune(device)):
+        return pick(key, candidates, launch, device)
+    return default
+
+
 def tuned_configs() -> dict[tuple, Any]:
     """A copy of the tuned table (for logs and the bench report)."""
     return dict(_BEST)

@@ -5,9 +5,13 @@ out[b, o, t] = bias[o] + Σ_{k, i} w[o, i, k] · x[b, i, t + k·dilation] (+ res
 `x` already holds the causal history in front of the new samples (the streaming layer concatenates
 its state), so T_out = L - (K - 1)·dilation and nothing is padded here. Products accumulate in fp32
 over all taps and input channels and are rounded once, where cuDNN (the torch reference) rounds the
-conv before the residual add. Why a kernel: for the codec's narrow, long layers (96/192 channels over
-1920/640 samples per frame) cuDNN picks a non-tensor-core implicit GEMM that takes ~1 ms per conv at
-batch 64 on the H200.
+conv before the residual add.
+
+Why a kernel: cuDNN's heuristics pick a non-tensor-core implicit GEMM for some of the codec's layer and
+batch shapes (~1 ms per conv at batch 64 on the H200, 10x its neighbours), and the pointwise (K=1)
+convs are 2-3x faster here. cuDNN is still faster for most K=7 shapes, so on CUDA `causal_conv1d`
+times both once per shape inside `autotune.tuning()` (the CUDA-graph warm-up of each batch bucket)
+and keeps the faster; untuned CUDA shapes run cuDNN; elsewhere (the interpreter) the kernel runs.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import triton
 import triton.language as tl
 
 from ._cast import cast, dot
-from .autotune import device_guard
+from .reference import causal_conv1d_ref
+from .autotune import choose, device_guard
 
 
 @triton.jit
@@ -34,10 +39,10 @@ def _conv1d_kernel(
     t_ok, o_ok = t < t_out, o < c_out
     x_row = x_ptr + b * stride_xb
     acc = tl.zeros((BLOCK_O, BLOCK_T), dtype=tl.float32)
-    for i0 in range(0, c_in, BLOCK_I):
-        i = i0 + tl.arange(0, BLOCK_I)
-        i_ok = i < c_in
-        for k in tl.static_range(K):
+    for k in tl.static_range(K):  # the inner (runtime) loop is the one the pipeliner stages
+        for i0 in range(0, c_in, BLOCK_I):
+            i = i0 + tl.arange(0, BLOCK_I)
+            i_ok = i < c_in
             w = tl.load(w_ptr + o[:, None] * stride_wo + i[None, :] * stride_wi + k * stride_wk,
                         mask=o_ok[:, None] & i_ok[None, :], other=0.0)  # [BLOCK_O, BLOCK_I]
             x = tl.load(x_row + i[:, None] * stride_xc + (t + k * DILATION)[None, :],
@@ -62,10 +67,15 @@ def _blocks(c_in: int, c_out: int, t_out: int) -> tuple[int, int, int]:
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, weight_oik: torch.Tensor | None = None,
+                  impl: str | None = None) -> torch.Tensor:
     """Valid (unpadded) conv1d of x [B, C_in, L] (history included) with weight [C_out, C_in, K],
     bias [C_out] or None -> [B, C_out, L - (K-1)·dilation] in x.dtype, plus residual (same shape as the
-    output) when given. The time dim of x, residual and the output must be contiguous."""
+    output) when given. The time dim of x, residual and the output must be contiguous.
+
+    weight_oik: optional copy of `weight` stored input-channel-fastest (`q3tts.kernels.conv_kernel_weight`), read
+    coalesced by the kernel; cuDNN keeps using `weight`. On CUDA: the faster of kernel and cuDNN for
+    shapes tuned in `autotune.tuning()`, cuDNN for the rest. impl="triton" | "cudnn" forces one."""
     bsz, c_in, length = x.shape
     c_out, w_in, k = weight.shape
     t_out = length - (k - 1) * dilation
@@ -73,10 +83,28 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert t_out >= 1, f"input length {length} < receptive field {(k - 1) * dilation + 1}"
     assert x.stride(-1) == 1, "x's time dim must be contiguous"
     assert weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype), "one dtype for x, weight, bias"
-    out = torch.empty(bsz, c_out, t_out, dtype=x.dtype, device=x.device)
     if residual is not None:
-        assert residual.shape == out.shape and residual.stride(-1) == 1, \
-            f"residual {tuple(residual.shape)} != output {tuple(out.shape)} or not contiguous in time"
+        assert residual.shape == (bsz, c_out, t_out) and residual.stride(-1) == 1, \
+            f"residual {tuple(residual.shape)} != output {(bsz, c_out, t_out)} or not contiguous in time"
+    w_kernel = weight if weight_oik is None else weight_oik
+
+    def launch(impl: str) -> torch.Tensor:
+        if impl == "cudnn":
+            return causal_conv1d_ref(x, weight, bias, dilation, residual)
+        return _launch(x, w_kernel, bias, dilation, residual, t_out)
+
+    key = ("conv1d", tuple(x.shape), tuple(weight.shape), dilation, x.dtype, bias is not None,
+           residual is not None)
+    if impl is not None or not x.is_cuda:
+        return launch(impl or "triton")
+    return launch(choose(key, ("triton", "cudnn"), launch, x.device, default="cudnn"))
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int,
+            residual: torch.Tensor | None, t_out: int) -> torch.Tensor:
+    bsz, c_in, _ = x.shape
+    c_out, _, k = weight.shape
+    out = torch.empty(bsz, c_out, t_out, dtype=x.dtype, device=x.device)
     block_o, block_i, block_t = _blocks(c_in, c_out, t_out)
     r = residual if residual is not None else out
     grid = (triton.cdiv(t_out, block_t), triton.cdiv(c_out, block_o), bsz)
@@ -89,6 +117,6 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             K=k, DILATION=dilation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_T=block_t,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=4, num_stages=3,
+            num_warps=4, num_stages=2,
         )
     return out

@@ -15,18 +15,20 @@ from .autotune import device_guard
 
 
 @triton.jit
-def _snake_kernel(x_ptr, alpha_ptr, beta_ptr, out_ptr, channels, length, stride_xb, stride_xc,
-                  BLOCK_T: tl.constexpr):
-    row = tl.program_id(0)  # b * channels + c (grid dim 0: up to 2^31 rows)
-    c = row % channels
-    x_row = (row // channels).to(tl.int64) * stride_xb + c * stride_xc
+def _snake_kernel(x_ptr, alpha_ptr, beta_ptr, out_ptr, n_rows, channels, length, stride_xb, stride_xc,
+                  BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # b * channels + c
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask = t < length
-    x = tl.load(x_ptr + x_row + t, mask=mask, other=0.0).to(tl.float32)
-    alpha = tl.exp(tl.load(alpha_ptr + c).to(tl.float32))
-    inv_beta = 1.0 / (tl.exp(tl.load(beta_ptr + c).to(tl.float32)) + 1e-9)
-    s = tl.sin(x * alpha)
-    tl.store(out_ptr + row.to(tl.int64) * length + t, cast(x + inv_beta * s * s, out_ptr.dtype.element_ty),
+    row_ok = rows < n_rows
+    c = rows % channels
+    x_rows = (rows // channels).to(tl.int64) * stride_xb + c * stride_xc
+    mask = row_ok[:, None] & (t < length)[None, :]
+    x = tl.load(x_ptr + x_rows[:, None] + t[None, :], mask=mask, other=0.0).to(tl.float32)
+    alpha = tl.exp(tl.load(alpha_ptr + c, mask=row_ok, other=0.0).to(tl.float32))
+    inv_beta = 1.0 / (tl.exp(tl.load(beta_ptr + c, mask=row_ok, other=0.0).to(tl.float32)) + 1e-9)
+    s = tl.sin(x * alpha[:, None])
+    out = x + inv_beta[:, None] * s * s
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * length + t[None, :], cast(out, out_ptr.dtype.element_ty),
              mask=mask)
 
 
@@ -36,10 +38,12 @@ def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torc
     assert alpha.shape == (channels,) and beta.shape == (channels,), "alpha/beta must be [C]"
     assert x.stride(-1) == 1, "x's time dim must be contiguous"
     out = torch.empty(bsz, channels, length, dtype=x.dtype, device=x.device)
-    block_t = min(1024, max(16, triton.next_power_of_2(length)))
-    grid = (bsz * channels, triton.cdiv(length, block_t))
+    n_rows = bsz * channels
+    block_t = triton.next_power_of_2(min(length, 1024))  # short rows (early stages): many per program
+    block_r = max(1, 1024 // block_t)
+    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(length, block_t))
     if out.numel():
         with device_guard(x):
-            _snake_kernel[grid](x, alpha, beta, out, channels, length, x.stride(0), x.stride(1),
-                                BLOCK_T=block_t, num_warps=4 if block_t >= 512 else 1)
+            _snake_kernel[grid](x, alpha, beta, out, n_rows, channels, length, x.stride(0), x.stride(1),
+                                BLOCK_R=block_r, BLOCK_T=block_t, num_warps=4)
     return out

@@ -44,6 +44,8 @@ class CausalConv1d(nn.Module):
         self.conv = nn.Conv1d(c_in, c_out, kernel, dilation=dilation, groups=groups)
         self.history = (kernel - 1) * dilation
         self.state = spec.add((c_in, self.history)) if self.history else -1
+        self._oik: Tensor | None = None
+        self._oik_key: tuple | None = None
 
     def forward(self, x: Tensor, states: States, residual: Tensor | None = None) -> Tensor:
         """[B, C, T] -> [B, C', T] (+ residual [B, C', T], fused into the conv when it is a kernel)."""
@@ -51,9 +53,18 @@ class CausalConv1d(nn.Module):
             x = torch.cat([states[self.state], x], dim=-1)  # [B, C, hist + T]
             states[self.state] = x[..., -self.history:]
         if self.conv.groups == 1:
-            return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual)
+            w_oik = self._kernel_weight() if kernels.use_triton(x) else None
+            return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual, w_oik)
         out = self.conv(x)
         return out if residual is None else residual + out
+
+    def _kernel_weight(self) -> Tensor:
+        """The weight in the conv kernel's layout, rebuilt when the weight changes (load, .to())."""
+        w = self.conv.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._oik_key != key:
+            self._oik, self._oik_key = kernels.conv_kernel_weight(w), key
+        return self._oik
 
 
 class CausalTransConv1d(nn.Module):

@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from q3tts import kernels
+
 META_SLOT, META_POS, META_SLOT_MAP, META_CTX, META_FRAME, META_PAGES = range(6)
 META_COLS = META_PAGES  # block table columns follow
 
@@ -60,8 +62,8 @@ class GraphRunner:
         for bs in sorted(self.batch_sizes, reverse=True):
             self.fill_padding(0, bs)
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.step_fn(bs)  # warm-up: lazy buffers, kernel tuning, allocator
+            with torch.cuda.stream(stream), kernels.tuning():
+                self.step_fn(bs)  # warm-up: lazy buffers, kernel tuning (this bucket's shapes), allocator
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

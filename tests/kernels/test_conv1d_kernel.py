@@ -31,9 +31,10 @@ def _inputs(case, dtype, residual: bool):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_conv1d_matches_reference(dtype, case, residual):
     x, w, b, d, r = _inputs(case, dtype, residual)
-    out = conv1d.causal_conv1d(x, w, b, d, r)
+    out = conv1d.causal_conv1d(x, w, b, d, r, impl="triton")
     out_pt = causal_conv1d_ref(x, w, b, d, r)
-    out_ref = causal_conv1d_ref(x.float(), w.float(), b.float(), d, None if r is None else r.float())
+    # float64: on the GPU cuDNN runs fp32 convs in TF32, which is no reference for an fp32 kernel
+    out_ref = causal_conv1d_ref(x.double(), w.double(), b.double(), d, None if r is None else r.double())
     assert out.shape == out_pt.shape and out.dtype == dtype
     assert_close_3way(out, out_pt, out_ref, dtype, f"conv1d {dtype} {case}")
 
@@ -46,8 +47,20 @@ def test_conv1d_strided_views_and_no_bias():
     w = torch.randn(16, 16, 7, generator=gen).to(DEVICE) / 10
     r_wide = torch.randn(2, 16, 30, generator=gen).to(DEVICE)
     r = r_wide[:, :, 4:24]  # [2, 16, 20]
-    out = conv1d.causal_conv1d(x, w, None, 1, r)
-    torch.testing.assert_close(out, causal_conv1d_ref(x, w, None, 1, r), atol=1e-5, rtol=1e-5)
+    out = conv1d.causal_conv1d(x, w, None, 1, r, impl="triton")
+    want = causal_conv1d_ref(x.double(), w.double(), None, 1, r.double()).float()
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_conv1d_kernel_weight_layout_gives_the_same_result():
+    """weight_oik (input channels fastest, the layout the codec caches) reads the same weights."""
+    import q3tts.kernels as K
+
+    x, w, b, d, r = _inputs((2, 24, 20, 7, 3, 9), torch.float32, True)
+    oik = K.conv_kernel_weight(w)
+    assert oik.shape == w.shape and oik.stride(1) == 1
+    torch.testing.assert_close(conv1d.causal_conv1d(x, w, b, d, r, weight_oik=oik, impl="triton"),
+                               conv1d.causal_conv1d(x, w, b, d, r, impl="triton"), atol=1e-6, rtol=1e-6)
 
 
 def test_conv1d_rejects_what_it_cannot_do():

@@ -119,3 +119,21 @@ def test_real_shape_attention_accuracy(ctx):
                                        D ** -0.5)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=1e-2)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
+def test_conv1d_choice_is_tuned_only_inside_tuning():
+    """Shapes seen inside `tuning()` get a timed kernel-vs-cuDNN choice (cached); others run cuDNN."""
+    from q3tts.kernels.autotune import tuned_configs
+    from q3tts.kernels.conv1d import causal_conv1d
+
+    w = torch.randn(96, 96, 7, device="cuda", dtype=BF16) / 25
+    x_tuned = torch.randn(3, 96, 1926, device="cuda", dtype=BF16)
+    x_plain = torch.randn(5, 96, 1926, device="cuda", dtype=BF16)
+    with K.tuning():
+        got = causal_conv1d(x_tuned, w, None)
+    outside = causal_conv1d(x_plain, w, None)
+    keys = [k for k in tuned_configs() if k[0] == "conv1d"]
+    assert any(k[1] == (3, 96, 1926) for k in keys) and not any(k[1] == (5, 96, 1926) for k in keys)
+    assert torch.equal(outside, R.causal_conv1d_ref(x_plain, w, None))
+    torch.testing.assert_close(got.float(), R.causal_conv1d_ref(x_tuned.double(), w.double(), None).float(),
+                               atol=2e-2, rtol=2e-2)

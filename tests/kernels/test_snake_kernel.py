@@ -11,7 +11,7 @@ from q3tts.kernels.reference import snake_beta_ref
 snake = kernel_module("snake")
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 7), (1, 5, 1920), (3, 4, 33)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(2, 3, 7), (1, 5, 1920), (3, 4, 33), (2, 40, 4), (1, 3, 2000)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_snake_matches_reference(dtype, shape):
     gen = torch.Generator().manual_seed(shape[-1])
