@@ -2,6 +2,7 @@
 
     python perf/bench_codec.py                      # H200: real-size random codec (scale full)
     OUT=/some/dir python perf/bench_codec.py        # also writes $OUT/codec_bench.md
+    python perf/bench_codec.py --kernels            # convs / SnakeBeta through q3tts.kernels
     python perf/bench_codec.py --scale tiny --batches 1,4 --frames 30   # CPU smoke run
 
 Quality: SNR (dB) of the bf16 frame-by-frame streaming decode against the fp32 full decode of the
@@ -32,19 +33,19 @@ def _snr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.double().pow(2).sum() / noise.clamp(min=1e-30)))
 
 
-def _stream(decoder: CodecDecoder, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _stream(decoder: CodecDecoder, codes: torch.Tensor, dtype: torch.dtype, use_kernels: bool = False) -> torch.Tensor:
     """Frame-by-frame decode of codes [1, 16, T] -> pcm [T·1920] (float32)."""
-    stream = StreamingDecoder(decoder, 1, dtype, codes.device)
+    stream = StreamingDecoder(decoder, 1, dtype, codes.device, use_kernels=use_kernels)
     slots = torch.zeros(1, dtype=torch.int64, device=codes.device)
     frames = [stream.decode_frame(slots, codes[:, :, t]) for t in range(codes.shape[-1])]
     return torch.cat(frames, dim=1)[0].float()
 
 
-def quality(cfg, weights, frames: int, device: str) -> dict[str, float]:
+def quality(cfg, weights, frames: int, device: str, use_kernels: bool = False) -> dict[str, float]:
     codes = torch.randint(0, cfg.decoder.codebook_size, (1, 16, frames), device=device)
     full = CodecDecoder.from_weights(cfg, weights, torch.float32, device).decode(codes)[0]
-    fp32 = _stream(CodecDecoder.from_weights(cfg, weights, torch.float32, device), codes, torch.float32)
-    bf16 = _stream(CodecDecoder.from_weights(cfg, weights, torch.float32, device), codes, torch.bfloat16)
+    fp32 = _stream(CodecDecoder.from_weights(cfg, weights, torch.float32, device), codes, torch.float32, use_kernels)
+    bf16 = _stream(CodecDecoder.from_weights(cfg, weights, torch.float32, device), codes, torch.bfloat16, use_kernels)
     return {"snr_bf16_db": _snr_db(full, bf16), "fp32_max_err": float((fp32 - full).abs().max())}
 
 
@@ -78,9 +79,10 @@ def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
     return graph.replay
 
 
-def latency(decoder: CodecDecoder, batch: int, iters: int, device: str, use_graph: bool) -> dict[str, float]:
+def latency(decoder: CodecDecoder, batch: int, iters: int, device: str, use_graph: bool,
+            use_kernels: bool = False) -> dict[str, float]:
     cuda = device.startswith("cuda")
-    stream = StreamingDecoder(decoder, batch, torch.bfloat16, device)
+    stream = StreamingDecoder(decoder, batch, torch.bfloat16, device, use_kernels=use_kernels)
     slots = torch.arange(batch, device=device)
     codes = torch.randint(0, decoder.config.codebook_size, (batch, 16), device=device)
     stream.reset(slots)
@@ -94,8 +96,8 @@ def latency(decoder: CodecDecoder, batch: int, iters: int, device: str, use_grap
     return row
 
 
-def _table(scale: str, device: str, q: dict[str, float], rows: dict[int, dict[str, float]]) -> str:
-    lines = [f"# Codec bench ({scale} codec, {device})", "",
+def _table(scale: str, device: str, q: dict[str, float], rows: dict[int, dict[str, float]], kernels_on: bool) -> str:
+    lines = [f"# Codec bench ({scale} codec, {device}, convs/SnakeBeta: {'q3tts.kernels' if kernels_on else 'torch'})", "",
              f"- bf16 streaming vs fp32 full decode: SNR {q['snr_bf16_db']:.1f} dB",
              f"- fp32 streaming vs fp32 full decode: max |err| {q['fp32_max_err']:.2e}", "",
              "| batch | eager ms/call | graph ms/call | µs per stream-frame | RTF (audio s / s) |",
@@ -116,16 +118,17 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--no-graph", action="store_true", help="skip CUDA-graph timing")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--kernels", action="store_true", help="convs and SnakeBeta through q3tts.kernels")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         cfg, weights = read_speech_tokenizer(write_speech_tokenizer(tmp, args.scale, seed=0))
-    q = quality(cfg, weights, args.frames, args.device)
+    q = quality(cfg, weights, args.frames, args.device, args.kernels)
     decoder = CodecDecoder.from_weights(cfg, weights, torch.bfloat16, args.device)
-    rows = {b: latency(decoder, b, args.iters, args.device, not args.no_graph)
+    rows = {b: latency(decoder, b, args.iters, args.device, not args.no_graph, args.kernels)
             for b in map(int, args.batches.split(","))}
-    report = _table(args.scale, args.device, q, rows)
+    report = _table(args.scale, args.device, q, rows, args.kernels)
     print(report)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "codec_bench.md"), "w") as f:

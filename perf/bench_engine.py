@@ -106,6 +106,7 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--batches", type=int, nargs="+", default=batches)
+    p.add_argument("--codec-kernels", action="store_true", help="EngineConfig.codec_kernels (Triton conv/SnakeBeta)")
 
 
 def build_engine(args, frames: int) -> Engine:
@@ -119,7 +120,7 @@ def build_engine(args, frames: int) -> Engine:
                        max_frames=frames + 16, max_prompt_tokens=256, max_text_tokens=256,
                        kv_memory_fraction=0.5, graph_batch_sizes=buckets,
                        num_pages=None if args.device.startswith("cuda") else 2 * max_b * (frames + 300) // 16,
-                       use_cuda_graphs=not args.no_cuda_graphs)
+                       use_cuda_graphs=not args.no_cuda_graphs, codec_kernels=args.codec_kernels)
     model = make_model(args)
     t0 = time.perf_counter()
     engine = Engine(model, cfg)
@@ -152,10 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         table.append(f"| {r['batch']} | {r['bucket']} | {r['ms']:.2f} | {r['fps']:.1f} | {r['audio']:.2f} | "
                      f"{r['ms'] / 80:.4f} | {r['replays']}/{r['decodes']} |")
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    md = (f"# Engine decode step ({args.scale} 1.7B CustomVoice, {dtype}, {dev})\n\n" + "\n".join(table)
+    codec = ", codec kernels" if args.codec_kernels else ""
+    md = (f"# Engine decode step ({args.scale} 1.7B CustomVoice, {dtype}, {dev}{codec})\n\n" + "\n".join(table)
           + f"\n\none graph replay per decode step: {one_launch}; graph == eager: {same}\n")
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "engine_bench.md").write_text(md)
+        name = "engine_bench_codec_kernels.md" if args.codec_kernels else "engine_bench.md"
+        Path(os.environ["OUT"], name).write_text(md)
     print(md)
     return 0 if (one_launch in (True, None) and same in (True, None)) else 1
 

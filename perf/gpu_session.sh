@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-tool call on the H200 (build the carry first: bash perf/gpu_carry.sh): run the GPU tests and every benchmark,
 # leave tables and logs under $OUT. Usage (device tool, carry [".gpu"]): bash perf/gpu_session.sh [steps...]
-# steps: env kernels kbench codec engine serve (default: all but serve)
+# steps: env kernels kbench codec engine engine_ck serve (default: all but engine_ck and serve)
+# (engine_ck: the engine bench with EngineConfig.codec_kernels)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -15,9 +16,11 @@ for s in "${steps[@]}"; do case $s in
   env) run env bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; git log -1 --format=%H' ;;
   kernels) run kernels_test python3 -m pytest -q tests/kernels -p no:cacheprovider ;;
   kbench) run kernels_bench python3 perf/bench_kernels.py ;;
-  codec) run codec_bench python3 perf/bench_codec.py --scale full ;;
+  codec) run codec_bench python3 perf/bench_codec.py --scale full
+         run codec_bench_kernels python3 perf/bench_codec.py --scale full --kernels ;;
   engine) run engine_test python3 -m pytest -q -x tests/engine -m gpu -p no:cacheprovider
           run engine_bench python3 perf/bench_engine.py ;;
+  engine_ck) run engine_bench_codec_kernels python3 perf/bench_engine.py --codec-kernels ;;
   serve) run serve_bench bash perf/gpu_serve.sh ;;
   *) echo "unknown step $s" ;;
 esac; done

@@ -243,6 +243,12 @@ class CodecDecoder(nn.Module):
         model.load_state_dict(own, strict=True)
         return model.to(device=device, dtype=dtype).eval()
 
+    def use_kernels(self, on: bool) -> None:
+        """Route the convs and SnakeBeta activations through `q3tts.kernels` (on) or torch (off)."""
+        for m in self.modules():
+            if isinstance(m, (CausalConv1d, SnakeBeta)):
+                m.use_kernels = on
+
     def zero_states(self, batch: int) -> States:
         """Fresh per-stream state (all zeros = causal zero padding, frame counter 0) for `batch` streams."""
         p = next(self.parameters())

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from q3tts import kernels
-from q3tts.kernels.reference import rms_norm_ref, rotate_half
+from q3tts.kernels.reference import rms_norm_ref, rotate_half, snake_beta_ref
 
 
 class StateSpec:
@@ -36,7 +36,11 @@ States = list[Tensor]  # one tensor per StateSpec entry, each [B, ...]; updated 
 
 
 class CausalConv1d(nn.Module):
-    """Conv1d with left zero padding `(k-1)·d` (stride 1), streamed with a history of its input."""
+    """Conv1d with left zero padding `(k-1)·d` (stride 1), streamed with a history of its input.
+
+    `use_kernels` (set by `CodecDecoder.use_kernels`): groups-1 convs go through `kernels.causal_conv1d`."""
+
+    use_kernels = False
 
     def __init__(self, spec: StateSpec, c_in: int, c_out: int, kernel: int, dilation: int = 1,
                  groups: int = 1) -> None:
@@ -52,7 +56,7 @@ class CausalConv1d(nn.Module):
         if self.history:
             x = torch.cat([states[self.state], x], dim=-1)  # [B, C, hist + T]
             states[self.state] = x[..., -self.history:]
-        if self.conv.groups == 1:
+        if self.use_kernels and self.conv.groups == 1:
             w_oik = self._kernel_weight() if kernels.use_triton(x) else None
             return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual, w_oik)
         out = self.conv(x)
@@ -92,7 +96,10 @@ class CausalTransConv1d(nn.Module):
 
 
 class SnakeBeta(nn.Module):
-    """`x + sin(x·e^α)² / (e^β + 1e-9)`, α and β per channel (log-parameterised)."""
+    """`x + sin(x·e^α)² / (e^β + 1e-9)`, α and β per channel (log-parameterised); one fused kernel
+    (`kernels.snake_beta`) when `use_kernels` is set, the torch reference otherwise."""
+
+    use_kernels = False
 
     def __init__(self, channels: int) -> None:
         super().__init__()
@@ -100,7 +107,9 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: Tensor) -> Tensor:  # [B, C, T]
-        return kernels.snake_beta(x, self.alpha, self.beta)
+        if self.use_kernels:
+            return kernels.snake_beta(x, self.alpha, self.beta)
+        return snake_beta_ref(x, self.alpha, self.beta)
 
 
 class RMSNorm(nn.Module):

@@ -42,6 +42,11 @@ class EngineConfig:
     graph_batch_sizes    decode batch buckets captured as CUDA graphs (padded up to the next bucket)
     dtype, device        model dtype and torch device
     use_cuda_graphs      capture/replay the decode step on CUDA (ignored on CPU: eager there)
+    codec_kernels        run the codec's convs and SnakeBeta through q3tts.kernels (Triton conv timed
+                         against cuDNN per shape in the graph warm-up, fused SnakeBeta). Off by default:
+                         on the H200 it made the decode step 20-25% faster at batch 64-128, but served
+                         greedy TTFA p50 at 16 streams rose from ~123 to ~198 ms in an A/B (4 runs each),
+                         cause not yet found (perf/results/RESULTS.md)
     """
 
     page_size: int = 16
@@ -58,6 +63,7 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str = "cuda"
     use_cuda_graphs: bool = True
+    codec_kernels: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:

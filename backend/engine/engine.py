@@ -74,7 +74,7 @@ class Engine:
         from q3tts.codec.streaming import StreamingDecoder
 
         decoder = CodecDecoder.from_weights(ckpt.codec_config, ckpt.codec_weights)
-        return StreamingDecoder(decoder, config.max_slots, dtype, config.device)
+        return StreamingDecoder(decoder, config.max_slots, dtype, config.device, use_kernels=config.codec_kernels)
 
     @staticmethod
     def _bytes_per_page(ckpt, dtype: torch.dtype, page_size: int) -> int:

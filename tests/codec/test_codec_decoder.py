@@ -144,8 +144,11 @@ def test_frame_by_frame_through_triton_kernels_matches_reference(codec, codes, r
     """The CUDA path's conv1d / SnakeBeta kernels (run by the interpreter) in the streaming decoder."""
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
     frames = 3  # every conv history (pre-conv k3 included) is filled from real frames; interpreter is slow
-    stream = StreamingDecoder(codec.decoder, max_streams=3)
+    stream = StreamingDecoder(codec.decoder, max_streams=3, use_kernels=True)
     slots = torch.tensor([2, 0])
     stream.reset(slots)
-    pcm = torch.cat([stream.decode_frame(slots, codes[:2, :, t]) for t in range(frames)], dim=1)
+    try:
+        pcm = torch.cat([stream.decode_frame(slots, codes[:2, :, t]) for t in range(frames)], dim=1)
+    finally:
+        stream.decoder.use_kernels(False)  # the session's codec fixture is shared
     assert _max_err(pcm, ref_pcm[:2, : frames * SPF]) <= TOL
