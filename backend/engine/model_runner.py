@@ -127,8 +127,8 @@ class ModelRunner:
         if not rows:
             return
         st, page_size = self.state, self.kv.page_size
+        st.load_sampling([r.slot for r in rows], [r.sampling for r in rows])
         for r in rows:
-            st.load_sampling(r.slot, r.sampling)
             self.slot_modes[r.slot] = (
                 row_mode(r.sampling.greedy, r.sampling.top_k, _f32(r.sampling.top_p)),
                 row_mode(r.sampling.cp_greedy, r.sampling.subtalker_top_k, _f32(r.sampling.subtalker_top_p)))

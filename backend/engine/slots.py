@@ -53,54 +53,88 @@ class SlotPool:
                                f"held({len(self.owner)}) != range({self.num_slots})")
 
 
+_FLOAT_PARAMS = ("temperature", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_p")
+_INT_PARAMS = ("top_k", "subtalker_top_k", "seed")
+_BOOL_PARAMS = ("greedy", "cp_greedy")
+
+
 @dataclass
 class SlotState:
-    """Device state of all slots (+1 dummy row). S = num_slots + 1, H = talker hidden, Q = text queue."""
+    """Device state of all slots (+1 dummy row). S = num_slots + 1, H = talker hidden, Q = text queue.
+
+    The per-slot sampling parameters are column views of three packed tensors (float32, int64, bool),
+    so starting a batch of sequences writes them with three host-to-device copies (`load_sampling`)."""
 
     last_c0: torch.Tensor      # [S] int64, c0 sampled at the previous talker step
     past_hidden: torch.Tensor  # [S, H] model dtype, final-norm talker hidden that c0 was sampled from
     rep_mask: torch.Tensor     # [S, V] bool, c0 ids generated so far (repetition penalty)
     text_queue: torch.Tensor   # [S, Q, H] model dtype, trailing text rows (frame t adds row t)
     text_len: torch.Tensor     # [S] int64, valid rows of text_queue (past them: E_pad)
-    seed: torch.Tensor         # [S] int64, uniform stream of the sequence
-    # per-slot sampling parameters ([S] each): talker and code predictor
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    repetition_penalty: torch.Tensor
-    greedy: torch.Tensor
-    sub_temperature: torch.Tensor
-    sub_top_k: torch.Tensor
-    sub_top_p: torch.Tensor
-    sub_greedy: torch.Tensor
+    params_f: torch.Tensor     # [S, 5] float32, columns = _FLOAT_PARAMS
+    params_i: torch.Tensor     # [S, 3] int64, columns = _INT_PARAMS
+    params_b: torch.Tensor     # [S, 2] bool, columns = _BOOL_PARAMS
+
+    # [S] views, talker then code predictor
+    @property
+    def temperature(self) -> torch.Tensor:
+        return self.params_f[:, 0]
+
+    @property
+    def top_p(self) -> torch.Tensor:
+        return self.params_f[:, 1]
+
+    @property
+    def repetition_penalty(self) -> torch.Tensor:
+        return self.params_f[:, 2]
+
+    @property
+    def sub_temperature(self) -> torch.Tensor:
+        return self.params_f[:, 3]
+
+    @property
+    def sub_top_p(self) -> torch.Tensor:
+        return self.params_f[:, 4]
+
+    @property
+    def top_k(self) -> torch.Tensor:
+        return self.params_i[:, 0]
+
+    @property
+    def sub_top_k(self) -> torch.Tensor:
+        return self.params_i[:, 1]
+
+    @property
+    def seed(self) -> torch.Tensor:  # uniform stream of the sequence
+        return self.params_i[:, 2]
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self.params_b[:, 0]
+
+    @property
+    def sub_greedy(self) -> torch.Tensor:
+        return self.params_b[:, 1]
 
     @classmethod
     def allocate(cls, num_slots: int, hidden: int, vocab: int, queue: int,
                  dtype: torch.dtype, device: torch.device | str) -> SlotState:
         s = num_slots + 1
         i64 = dict(dtype=torch.int64, device=device)
-        f32 = dict(dtype=torch.float32, device=device)
-        b = dict(dtype=torch.bool, device=device)
+        params_f = torch.ones(s, len(_FLOAT_PARAMS), dtype=torch.float32, device=device)
         return cls(
             last_c0=torch.zeros(s, **i64), past_hidden=torch.zeros(s, hidden, dtype=dtype, device=device),
-            rep_mask=torch.zeros(s, vocab, **b),
+            rep_mask=torch.zeros(s, vocab, dtype=torch.bool, device=device),
             text_queue=torch.zeros(s, queue, hidden, dtype=dtype, device=device),
-            text_len=torch.zeros(s, **i64), seed=torch.zeros(s, **i64),
-            temperature=torch.ones(s, **f32), top_k=torch.zeros(s, **i64), top_p=torch.ones(s, **f32),
-            repetition_penalty=torch.ones(s, **f32), greedy=torch.ones(s, **b),
-            sub_temperature=torch.ones(s, **f32), sub_top_k=torch.zeros(s, **i64),
-            sub_top_p=torch.ones(s, **f32), sub_greedy=torch.ones(s, **b),
+            text_len=torch.zeros(s, **i64), params_f=params_f,
+            params_i=torch.zeros(s, len(_INT_PARAMS), **i64),
+            params_b=torch.ones(s, len(_BOOL_PARAMS), dtype=torch.bool, device=device),
         )
 
-    def load_sampling(self, slot: int, p) -> None:
-        """Write SamplingParams `p` into the slot's parameter rows."""
-        self.temperature[slot] = p.temperature
-        self.top_k[slot] = p.top_k
-        self.top_p[slot] = p.top_p
-        self.repetition_penalty[slot] = p.repetition_penalty
-        self.greedy[slot] = p.greedy
-        self.sub_temperature[slot] = p.subtalker_temperature
-        self.sub_top_k[slot] = p.subtalker_top_k
-        self.sub_top_p[slot] = p.subtalker_top_p
-        self.sub_greedy[slot] = p.cp_greedy
-        self.seed[slot] = p.seed
+    def load_sampling(self, slots: list[int], params: list) -> None:
+        """Write SamplingParams `params[j]` into the parameter rows of `slots[j]` (three copies in all)."""
+        idx = torch.tensor(slots, dtype=torch.int64).to(self.params_f.device)
+        for packed, names, dt in ((self.params_f, _FLOAT_PARAMS, torch.float32),
+                                  (self.params_i, _INT_PARAMS, torch.int64),
+                                  (self.params_b, _BOOL_PARAMS, torch.bool)):
+            rows = torch.tensor([[getattr(p, n) for n in names] for p in params], dtype=dt)  # [n, k] host
+            packed.index_copy_(0, idx, rows.to(packed.device))

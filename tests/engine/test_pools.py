@@ -1,17 +1,18 @@
-"""CPU unit tests (no checkpoint): EngineConfig, KVPool, SlotPool, Scheduler, TextStream."""
+"""CPU unit tests (no checkpoint): EngineConfig, KVPool, SlotPool, SlotState, Scheduler, TextStream."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+import torch
 
 from q3tts.engine.api import AdmissionRejected, SamplingParams, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.kv_pool import KVPool, OutOfPages
 from q3tts.engine.scheduler import Scheduler
 from q3tts.engine.sequence import Sequence, Status
-from q3tts.engine.slots import SlotPool
+from q3tts.engine.slots import SlotPool, SlotState
 
 
 def cfg(**kw) -> EngineConfig:
@@ -213,3 +214,22 @@ def test_text_stream_matches_whole_tokenization(tiny_tokenizer, text, seed):
     for ch in text:
         got += stream.append(ch)
     assert got + stream.end() == whole
+
+
+def test_load_sampling_writes_only_the_given_slots():
+    """A batch of SamplingParams lands in its slots' rows of every parameter view; others keep theirs."""
+    st = SlotState.allocate(4, hidden=8, vocab=16, queue=2, dtype=torch.float32, device="cpu")
+    before = {n: getattr(st, n).clone() for n in ("temperature", "top_k", "seed", "greedy", "sub_greedy")}
+    a = SamplingParams(greedy=False, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.2,
+                       subtalker_greedy=True, subtalker_temperature=0.5, subtalker_top_k=7,
+                       subtalker_top_p=0.9, seed=2**40 + 3)
+    b = SamplingParams(greedy=True, seed=5)
+    st.load_sampling([3, 1], [a, b])
+    row = lambda s: (st.temperature[s].item(), st.top_k[s].item(), st.top_p[s].item(),  # noqa: E731
+                     st.repetition_penalty[s].item(), st.greedy[s].item(), st.sub_temperature[s].item(),
+                     st.sub_top_k[s].item(), st.sub_top_p[s].item(), st.sub_greedy[s].item(), st.seed[s].item())
+    assert row(3) == pytest.approx((0.7, 20, 0.8, 1.2, False, 0.5, 7, 0.9, True, 2**40 + 3))
+    assert row(1) == pytest.approx((b.temperature, b.top_k, b.top_p, b.repetition_penalty, True,
+                                    b.subtalker_temperature, b.subtalker_top_k, b.subtalker_top_p, True, 5))
+    for name, old in before.items():  # slots 0, 2 and the dummy row 4 untouched
+        assert torch.equal(getattr(st, name)[[0, 2, 4]], old[[0, 2, 4]]), name
