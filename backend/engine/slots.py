@@ -58,6 +58,11 @@ _INT_PARAMS = ("top_k", "subtalker_top_k", "seed")
 _BOOL_PARAMS = ("greedy", "cp_greedy")
 
 
+def _column(packed: str, index: int) -> property:
+    """Read-only attribute: column `index` of the packed tensor `packed`, a [S] view (writes go through)."""
+    return property(lambda self: getattr(self, packed)[:, index])
+
+
 @dataclass
 class SlotState:
     """Device state of all slots (+1 dummy row). S = num_slots + 1, H = talker hidden, Q = text queue.
@@ -74,46 +79,17 @@ class SlotState:
     params_i: torch.Tensor     # [S, 3] int64, columns = _INT_PARAMS
     params_b: torch.Tensor     # [S, 2] bool, columns = _BOOL_PARAMS
 
-    # [S] views, talker then code predictor
-    @property
-    def temperature(self) -> torch.Tensor:
-        return self.params_f[:, 0]
-
-    @property
-    def top_p(self) -> torch.Tensor:
-        return self.params_f[:, 1]
-
-    @property
-    def repetition_penalty(self) -> torch.Tensor:
-        return self.params_f[:, 2]
-
-    @property
-    def sub_temperature(self) -> torch.Tensor:
-        return self.params_f[:, 3]
-
-    @property
-    def sub_top_p(self) -> torch.Tensor:
-        return self.params_f[:, 4]
-
-    @property
-    def top_k(self) -> torch.Tensor:
-        return self.params_i[:, 0]
-
-    @property
-    def sub_top_k(self) -> torch.Tensor:
-        return self.params_i[:, 1]
-
-    @property
-    def seed(self) -> torch.Tensor:  # uniform stream of the sequence
-        return self.params_i[:, 2]
-
-    @property
-    def greedy(self) -> torch.Tensor:
-        return self.params_b[:, 0]
-
-    @property
-    def sub_greedy(self) -> torch.Tensor:
-        return self.params_b[:, 1]
+    # [S] column views, talker then code predictor
+    temperature = _column("params_f", 0)
+    top_p = _column("params_f", 1)
+    repetition_penalty = _column("params_f", 2)
+    sub_temperature = _column("params_f", 3)
+    sub_top_p = _column("params_f", 4)
+    top_k = _column("params_i", 0)
+    sub_top_k = _column("params_i", 1)
+    seed = _column("params_i", 2)  # uniform stream of the sequence
+    greedy = _column("params_b", 0)
+    sub_greedy = _column("params_b", 1)
 
     @classmethod
     def allocate(cls, num_slots: int, hidden: int, vocab: int, queue: int,
