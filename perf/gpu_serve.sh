@@ -27,6 +27,7 @@
 #   TRITON_TGZ=<repo>/.gpu/pytriton_slim.tgz   CLIENT_SITE=<repo>/.gpu/site (set empty for none)
 #   STUB_PY=<base interpreter of PY>   NUMPY_WHL=<repo>/.whl/numpy-1.*-cp<XY>-*.whl   STUB_ENV=$WORK/stubenv
 #   INSTALL=auto (pip install -e . when PY's q3tts is not this tree) | 0 | 1    OUT (optional)
+#   POOL=""               EngineConfig overrides for `q3tts serve --pool`, e.g. codec_kernels=true
 #
 # CPU simulation (Python 3.11 venv, a 3.11 slim tarball made from the venv's wheel, the cp311 numpy wheel):
 #   PY=.venv/bin/python DEVICE=cpu Q3TTS_GPU_SERVE_SCALE=tiny SIZE=0.6b CONCURRENCY=1,2 MAX_FRAMES=12 \
@@ -259,7 +260,7 @@ log "checkpoint: $(du -sh "$CKPT" | cut -f1)"
 log "starting q3tts serve (readiness timeout ${READY_TIMEOUT_S} s; log $SERVER_DIR/server.log)"
 rm -f "$SERVE_OUT"
 "$PY" -m q3tts.cli serve --model "$CKPT" --gpus "$GPUS" --dtype "$DTYPE" --max-slots "$MAX_SLOTS" \
-  --run-dir "$SERVER_DIR" --ready-timeout-s "$READY_TIMEOUT_S" >"$SERVE_OUT" 2>&1 &
+  --pool "${POOL:-}" --run-dir "$SERVER_DIR" --ready-timeout-s "$READY_TIMEOUT_S" >"$SERVE_OUT" 2>&1 &
 SERVE_PID=$!
 echo "$SERVE_PID" >"$PIDS_FILE"
 DEADLINE=$((SECONDS + READY_TIMEOUT_S + 30))
@@ -281,7 +282,7 @@ if [ "$DEVICE" = gpu ]; then
 fi
 
 # --- (4) bench ----------------------------------------------------------------------------------------
-TITLE="Qwen3-TTS serve bench: tritonserver 2.51 python backend, $DEVICE ($( [ "$DEVICE" = gpu ] && nvidia-smi --query-gpu=name --format=csv,noheader -i "${GPUS%%,*}" 2>/dev/null | head -1 || echo cpu)), CustomVoice $SIZE $SCALE random weights, $DTYPE, max_slots $MAX_SLOTS, gRPC streaming, $REQUESTS utterances/stream, max_frames $MAX_FRAMES ($(awk "BEGIN {print $MAX_FRAMES * 0.08}") s), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+TITLE="Qwen3-TTS serve bench: tritonserver 2.51 python backend, $DEVICE ($( [ "$DEVICE" = gpu ] && nvidia-smi --query-gpu=name --format=csv,noheader -i "${GPUS%%,*}" 2>/dev/null | head -1 || echo cpu)), CustomVoice $SIZE $SCALE random weights, $DTYPE, max_slots $MAX_SLOTS${POOL:+, $POOL}, gRPC streaming, $REQUESTS utterances/stream, max_frames $MAX_FRAMES ($(awk "BEGIN {print $MAX_FRAMES * 0.08}") s), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 log "bench: concurrency $CONCURRENCY, modes $MODES"
 LEFT=$((TOTAL_BUDGET_S - (SECONDS - T0) - 40))  # 40 s for the stop
 if [ "$LEFT" -lt "$BENCH_TIMEOUT_S" ]; then

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# A/B of the served model on one GPU machine: perf/gpu_serve.sh with POOL=$A and POOL=$B, interleaved
+# ROUNDS times (A, B, A, B, ...) so that machine drift hits both sides alike; prints each run's table
+# rows and leaves every run's files under $OUT/<side><round>/. Same carry as gpu_serve.sh.
+#   A="" B="codec_kernels=true" ROUNDS=2 CONCURRENCY=16 MODES=greedy,sampled bash perf/gpu_serve_ab.sh
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${OUT:-/tmp/out}"
+A="${A:-}" B="${B:-codec_kernels=true}" ROUNDS="${ROUNDS:-2}"
+export CONCURRENCY="${CONCURRENCY:-16}" MODES="${MODES:-greedy,sampled}"
+export WARMUP="${WARMUP:-${CONCURRENCY##*,}}"
+for round in $(seq 1 "$ROUNDS"); do
+  for side in A B; do
+    pool="${!side}"; dir="$OUT/$side$round"; mkdir -p "$dir"
+    echo "== $side$round: POOL='$pool'"
+    POOL="$pool" OUT="$dir" bash "$ROOT/perf/gpu_serve.sh" 2>&1 | grep -E '^\| (greedy|sampled) |FAILED'
+  done
+done
