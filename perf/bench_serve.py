@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from q3tts.client import protocol as P
+from q3tts.client.metrics import breakdown, scrape
 from q3tts.client.stream_client import synthesize
 
 TEXT = ("Streaming speech synthesis should start talking almost at once and keep up with the listener, "
@@ -123,6 +124,19 @@ def run_level(args, n: int, mode: str, requests: int | None = None, max_frames: 
             **_agreement(audios)}
 
 
+METRICS_SETTLE_S = 1.0  # the model sends its counters at its housekeeping tick (0.2 s)
+
+
+def measured_level(args, n: int, mode: str) -> dict:
+    """run_level plus, with --metrics-url, the server's step-phase means over that level."""
+    if not args.metrics_url:
+        return {**run_level(args, n, mode), **breakdown({}, {}), "server": False}
+    before = scrape(args.metrics_url)
+    row = run_level(args, n, mode)
+    time.sleep(METRICS_SETTLE_S)
+    return {**row, **breakdown(before, scrape(args.metrics_url)), "server": True}
+
+
 def _agreement(audios: list) -> dict:
     """Greedy streams all make the same request: how many equal the first bit for bit, the largest sample
     difference from it and the worst SNR against it (batch composition may change bf16 rounding: that keeps
@@ -159,16 +173,24 @@ def _underruns(arrivals, t_send) -> bool:
 
 
 def table(rows) -> str:
+    server = any(r.get("server") for r in rows)
     lines = ["| mode | streams | requests | errors | bad | greedy: same as first / max diff / min SNR dB | eos / frames min-max | TTFA p50 / p90 / p99 (ms) "
-             "| RTF p50 | audio-s/s | underrun streams | wall (s) |",
-             "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|"]
+             "| RTF p50 | audio-s/s | underrun streams | wall (s) |" + (" server: queue wait / prefill (seqs) / decode step ms |" if server else ""),
+             "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|" + ("---|" if server else "")]
     for r in rows:
         agree = "-" if r["same"] is None else f"{r['same']} / {r['max_diff']:.2g} / {r['min_snr_db']:.1f}"
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {r['bad']} | "
-                     f"{agree} | {r['eos']} / {r['frames_min']}-{r['frames_max']} | {r['ttfa_p50_ms']:.1f} / "
-                     f"{r['ttfa_p90_ms']:.1f} / {r['ttfa_p99_ms']:.1f} | {r['rtf_p50']:.3f} | "
-                     f"{r['audio_s_per_s']:.2f} | {r['underrun_streams']} | {r['wall_s']:.1f} |")
+        line = (f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {r['bad']} | "
+                f"{agree} | {r['eos']} / {r['frames_min']}-{r['frames_max']} | {r['ttfa_p50_ms']:.1f} / "
+                f"{r['ttfa_p90_ms']:.1f} / {r['ttfa_p99_ms']:.1f} | {r['rtf_p50']:.3f} | "
+                f"{r['audio_s_per_s']:.2f} | {r['underrun_streams']} | {r['wall_s']:.1f} |")
+        if server:
+            line += f" {_ms(r['queue_wait_ms'])} / {_ms(r['prefill_ms'])} ({_ms(r['seqs_per_prefill'])}) / {_ms(r['decode_ms'])} |"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", default=None, help="also write the markdown table here")
     ap.add_argument("--title", default=None, help="a line written above the table in --md")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--metrics-url", default=None,
+                    help="Triton metrics endpoint (http://host:8002/metrics): adds the server-side TTFA breakdown")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
@@ -204,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mode in modes:
         for n in levels:
-            rows.append(run_level(args, n, mode))
+            rows.append(measured_level(args, n, mode))
             r = rows[-1]
             print(f"{mode} x{n}: {r['requests']} utterances in {r['wall_s']:.1f} s, TTFA p50 {r['ttfa_p50_ms']:.1f} ms "
                   f"p90 {r['ttfa_p90_ms']:.1f} ms, {r['audio_s_per_s']:.2f} audio-s/s, RTF p50 {r['rtf_p50']:.3f}, "

@@ -269,10 +269,10 @@ until grep -q '"grpc_port"' "$SERVE_OUT" 2>/dev/null; do
   if [ "$SECONDS" -ge "$DEADLINE" ]; then die "tritonserver not ready after $((READY_TIMEOUT_S + 30)) s (a wrong libpython or numpy makes the load hang)"; fi
   sleep 0.5
 done
-read -r GRPC_PORT TS_PID < <("$PY" -c 'import json, sys
+read -r GRPC_PORT METRICS_PORT TS_PID < <("$PY" -c 'import json, sys
 for line in open(sys.argv[1]):
     if line.startswith("{") and "grpc_port" in line:
-        d = json.loads(line); print(d["grpc_port"], d["pid"]); break' "$SERVE_OUT") \
+        d = json.loads(line); print(d["grpc_port"], d["metrics_port"], d["pid"]); break' "$SERVE_OUT") \
   || die "cannot read the ports from $SERVE_OUT"
 echo "$SERVE_PID $TS_PID" >"$PIDS_FILE"
 log "ready: grpc 127.0.0.1:$GRPC_PORT (tritonserver pid $TS_PID)"
@@ -292,7 +292,8 @@ fi
 BENCH_RC=0
 run_child timeout "$BENCH_TIMEOUT_S" "$PY" perf/bench_serve.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$CONCURRENCY" \
   --modes "$MODES" --requests "$REQUESTS" --max-frames "$MAX_FRAMES" --warmup "$WARMUP" --timeout-s 120 \
-  --check --md "$MD" --json "$WORK/serve_bench.json" --title "$TITLE" || BENCH_RC=$?
+  --check --md "$MD" --json "$WORK/serve_bench.json" --title "$TITLE" \
+  --metrics-url "http://127.0.0.1:$METRICS_PORT/metrics" || BENCH_RC=$?
 if [ "$DEVICE" = gpu ]; then
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader || true
 fi

@@ -10,6 +10,7 @@ before `end_text` waits in its slot until more arrives; after `end_text` it gets
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Hashable
 
@@ -23,6 +24,7 @@ from .model_runner import DecodeRow, ModelRunner, PrefillRow, UniformSource
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .text_stream import TextStream
+from .timing import PhaseClock, StepTimes
 
 EMBED_ROWS = 16  # text rows are embedded in groups of >= 16 so their bits do not depend on the count
 
@@ -65,6 +67,8 @@ class Engine:
         self._streams: dict[Hashable, TextStream] = {}
         self._whole_text: dict[Hashable, str] = {}
         self.num_steps = 0
+        self.clock = PhaseClock(self.runner.device)
+        self.times = StepTimes()
 
     # --- construction helpers ---------------------------------------------------------------------
 
@@ -167,17 +171,26 @@ class Engine:
         started, decode, victims = self.scheduler.schedule()
         for seq in victims:
             outputs.append(self._final_output(seq))
+        t_prefill = self.clock.stamp() if started else None
         if started:  # one ragged prefill forward for all of them
+            now = time.monotonic()
             self.runner.start_batch([
                 PrefillRow(seq.slot, seq.sampling, seq.prompt, self.scheduler.kv.pages(seq.seq_id),
                            self._codec_context(seq)) for seq in started])
             for seq in started:
                 seq.prompt = None
+                self.times.queue_wait_seconds += now - seq.ready_at
         for seq in decode:
             self._push_trailing(seq)
         decode = [s for s in decode if s.status is Status.RUNNING]
+        t_decode = self.clock.stamp() if started or decode else None
         if decode:
             outputs += self._decode(decode)
+            self.times.decode_seconds += self.clock.seconds(t_decode, self.clock.stamp())
+        if started:  # complete already when a decode followed (its host copy waited for it)
+            self.times.prefill_seconds += self.clock.seconds(t_prefill, t_decode)
+            self.times.prefill_steps += 1
+            self.times.prefilled_sequences += len(started)
         outputs += self._outbox
         self._outbox = []
         for out in outputs:
@@ -214,7 +227,7 @@ class Engine:
                     kv_pages_total=sch.kv.num_pages, slots_used=sch.slots.num_used,
                     slots_total=sch.slots.num_slots, steps=self.num_steps,
                     decode_steps=self.runner.num_decode_steps,
-                    graph_replays=self.runner.num_graph_replays)
+                    graph_replays=self.runner.num_graph_replays, **self.times.as_stats())
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -254,6 +267,7 @@ class Engine:
         seq.prompt_len = prompt.prefill.shape[0]
         self.scheduler.check_fits(seq)
         seq.prompt_ready = True
+        seq.ready_at = time.monotonic()
 
     def _extend_trailing(self, seq: Sequence) -> None:
         """trailing ids = the ref/text ids the prompt did not take, then tts_eos once the text ended

@@ -32,6 +32,7 @@ class Sequence:
     text_ids: list[int] = field(default_factory=list)  # committed text ids T0, T1, ...
     text_done: bool = False
     prompt_ready: bool = False     # the prefill input can be built (set by the engine)
+    ready_at: float = 0.0          # time.monotonic() when prompt_ready was set (queue-wait metric)
     trailing_ids: list[int] = field(default_factory=list)  # trailing text ids known so far
     num_queued_text: int = 0       # trailing ids already copied into the slot's text queue
     arrival: int = field(default_factory=lambda: next(_arrivals))

@@ -14,6 +14,13 @@ engine thread's periodic tick (each update is an IPC round trip, so never per fr
 | q3tts_kv_pages_used / q3tts_kv_pages_total | gauge | KV cache pages |
 | q3tts_slots_used / q3tts_slots_total | gauge | engine state slots |
 | q3tts_rejected_requests_total | counter | requests refused (bad input, admission, unknown sequence) |
+| q3tts_prefill_seconds_total / q3tts_prefill_steps_total | counter | time in / number of prefill forwards |
+| q3tts_prefilled_sequences_total | counter | sequences those forwards started |
+| q3tts_decode_seconds_total / q3tts_decode_steps_total | counter | time in / number of batched decode steps |
+| q3tts_queue_wait_seconds_total | counter | complete prompt -> started, summed over started sequences |
+
+The step counters are GPU time on a GPU (CUDA events), wall time on CPU; with the TTFA histogram they split
+time to first audio into queue wait, prefill and the first decode step.
 """
 
 from __future__ import annotations
@@ -27,6 +34,16 @@ GAUGES = {  # metric name -> Engine.stats() key (None = set by the serving layer
     "q3tts_kv_pages_total": "kv_pages_total",
     "q3tts_slots_used": "slots_used",
     "q3tts_slots_total": "slots_total",
+}
+
+
+COUNTERS = {  # metric name -> cumulative Engine.stats() key (sent to Triton as increments at each tick)
+    "q3tts_prefill_seconds_total": "prefill_seconds",
+    "q3tts_prefill_steps_total": "prefill_steps",
+    "q3tts_prefilled_sequences_total": "prefilled_sequences",
+    "q3tts_decode_seconds_total": "decode_seconds",
+    "q3tts_decode_steps_total": "decode_steps",
+    "q3tts_queue_wait_seconds_total": "queue_wait_seconds",
 }
 
 
@@ -48,6 +65,8 @@ class ServingMetrics:
                                "requests refused (bad input, admission, unknown sequence)").Metric(labels=labels)
         self.gauges = {name: family(name, pb.MetricFamily.GAUGE, name.replace("_", " ")).Metric(labels=labels)
                        for name in GAUGES}
+        self.counters = {name: family(name, pb.MetricFamily.COUNTER, name.replace("_", " ")).Metric(labels=labels)
+                         for name in COUNTERS}
         self._last: dict[str, float] = {}
 
     def update(self, stats: dict, open_sessions: int) -> None:
@@ -56,7 +75,13 @@ class ServingMetrics:
             if self._last.get(name) != value:
                 self.gauges[name].set(value)
                 self._last[name] = value
+        for name, key in COUNTERS.items():
+            total = float(stats.get(key, 0))
+            if total > self._last.get(name, 0.0):
+                self.counters[name].increment(total - self._last.get(name, 0.0))
+                self._last[name] = total
 
     def finalize(self) -> None:
         self.gauges.clear()
+        self.counters.clear()
         self._families.clear()

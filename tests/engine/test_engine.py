@@ -207,3 +207,16 @@ def test_config_beyond_the_talker_positions_is_refused(tiny_ckpt):
                        max_prompt_tokens=256, max_frames=positions, use_cuda_graphs=False)
     with pytest.raises(ValueError, match="exceeds the talker's"):
         Engine(tiny_ckpt, cfg, with_codec=False)
+
+
+def test_step_phase_times_are_counted(tiny_ckpt, speaker):
+    """stats(): prefill forwards and the sequences they started, decode time, queue wait (one slot: the
+    second sequence waits for the first to finish)."""
+    engine = make_engine(tiny_ckpt, max_slots=1)
+    out = run(engine, [req("a", speaker, greedy=True, max_frames=3), req("b", speaker, greedy=True, max_frames=3)])
+    s = engine.stats()
+    assert s["prefill_steps"] == 2 and s["prefilled_sequences"] == 2
+    assert s["decode_steps"] == sum(len(codes) for codes, _, _ in out.values()) == 6
+    assert s["prefill_seconds"] > 0 and s["decode_seconds"] > 0
+    # b had its prompt at step 0 and started after a's three decode steps
+    assert s["queue_wait_seconds"] >= 0.25 * s["decode_seconds"]

@@ -3,14 +3,13 @@ the real engine; stopped by PID; its log is printed for every failed test."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
+from q3tts.client.metrics import scrape
 from q3tts.serving.launcher import TritonServer
 
 IDLE_S = 3.0
@@ -52,13 +51,7 @@ def print_log_on_failure(request):
 
 def read_metrics(srv) -> dict[str, float]:
     """q3tts_* gauges and counters of the metrics endpoint, summed over labels."""
-    text = urllib.request.urlopen(srv.metrics_url, timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(q3tts_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
-    return out
+    return scrape(srv.metrics_url)
 
 
 def wait_metrics(srv, predicate, timeout_s=15.0) -> dict[str, float]:

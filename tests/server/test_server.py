@@ -61,6 +61,7 @@ def test_multi_request_sequence_with_streamed_text(server):
 
 
 def test_eight_concurrent_sequences(server):
+    before = read_metrics(server)
     results = [None] * 8
 
     def one(i):
@@ -77,6 +78,13 @@ def test_eight_concurrent_sequences(server):
         assert r.audio.dtype == np.int16 and r.audio.size > 0 and r.finals == 1
     assert len({r.sequence_id for r in results}) == 8
     assert baseline_ok(wait_metrics(server, baseline_ok))
+    # the step-phase counters (TTFA breakdown) moved by this test's work
+    started = before.get("q3tts_prefilled_sequences_total", 0) + 8
+    after = wait_metrics(server, lambda m: m.get("q3tts_prefilled_sequences_total", 0) >= started)
+    assert after["q3tts_prefilled_sequences_total"] >= started
+    for name in ("q3tts_prefill_steps_total", "q3tts_prefill_seconds_total", "q3tts_decode_steps_total",
+                 "q3tts_decode_seconds_total"):
+        assert after[name] > before.get(name, 0), name
 
 
 def test_cancel_mid_stream_frees_pages_and_slots(server):

@@ -260,3 +260,14 @@ def test_ack_pieces_answers_each_piece_at_once_and_streams_on_end(core_factory):
     wait_finals([last])
     assert first.sender.sent == [(None, 1)] and mid.sender.sent == [(None, 1)]
     assert np.concatenate(last.sender.audio)[::FRAME].tolist() == [1, 2, 3, 4, 5]
+
+
+def test_step_counters_are_sent_as_increments():
+    """Engine.stats() totals reach Triton's counters as the increments since the last tick, never negative."""
+    metrics = triton_model.ServingMetrics(triton_model.pb_utils, {"model": "t", "version": "1"})
+    metrics.update({"prefill_seconds": 0.5, "prefill_steps": 2, "decode_steps": 10}, open_sessions=0)
+    metrics.update({"prefill_seconds": 0.75, "prefill_steps": 2, "decode_steps": 13}, open_sessions=0)
+    c = metrics.counters
+    assert c["q3tts_prefill_seconds_total"].value == pytest.approx(0.75)
+    assert c["q3tts_prefill_steps_total"].value == 2 and c["q3tts_decode_steps_total"].value == 13
+    assert c["q3tts_queue_wait_seconds_total"].value == 0

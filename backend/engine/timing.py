@@ -1,0 +1,51 @@
+"""Phase timing of engine steps without extra host syncs.
+
+On CUDA a stamp is a recorded event and a duration is GPU time between two stamps, read once the later
+one has completed (the decode step's own device-to-host copy has already waited for it); on CPU a
+stamp is the wall clock. `StepTimes` keeps the running totals that `Engine.stats()` reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+class PhaseClock:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def stamp(self):
+        """A point in the device's stream of work (CUDA event) or in wall time (CPU)."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        """Time from stamp `start` to stamp `end` (waits for `end` on CUDA)."""
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+@dataclass
+class StepTimes:
+    """Running totals: time in prefill forwards (with the step's trailing-text copies) and the sequences
+    they started, time in decode steps (the batched step and its device-to-host copies; their count is
+    the engine's `decode_steps`), and the time sequences waited between having a complete prompt and
+    being started (slots, pages, the per-step prefill budget)."""
+
+    prefill_seconds: float = 0.0
+    prefill_steps: int = 0
+    prefilled_sequences: int = 0
+    decode_seconds: float = 0.0
+    queue_wait_seconds: float = 0.0
+
+    def as_stats(self) -> dict[str, float]:
+        return dataclasses.asdict(self)

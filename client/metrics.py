@@ -1,0 +1,41 @@
+"""Read the server's q3tts_* metrics from Triton's Prometheus endpoint, and the TTFA breakdown they give.
+
+`scrape(url)` sums every q3tts_* series over its labels (both models, every instance); `breakdown(before,
+after)` turns two scrapes into per-event means: how long a sequence with a complete prompt waited for a
+slot, how long a prefill forward took and how many sequences it started, how long a decode step took.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+_LINE = re.compile(r"^(q3tts_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$")
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """{metric name: value summed over labels} of the q3tts_* series at `url` (…:8002/metrics)."""
+    text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Means over the work between two scrapes (None where nothing of that kind happened):
+    queue_wait_ms per started sequence, prefill_ms per prefill forward, seqs_per_prefill, decode_ms per step."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    def ratio(num: float, den: float, scale: float = 1.0) -> float | None:
+        return num * scale / den if den > 0 else None
+
+    started, prefills, decodes = (delta("q3tts_prefilled_sequences_total"), delta("q3tts_prefill_steps_total"),
+                                  delta("q3tts_decode_steps_total"))
+    return {"queue_wait_ms": ratio(delta("q3tts_queue_wait_seconds_total"), started, 1e3),
+            "prefill_ms": ratio(delta("q3tts_prefill_seconds_total"), prefills, 1e3),
+            "seqs_per_prefill": ratio(started, prefills),
+            "decode_ms": ratio(delta("q3tts_decode_seconds_total"), decodes, 1e3)}
