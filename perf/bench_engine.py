@@ -6,7 +6,10 @@ H200 (the default): python3 perf/bench_engine.py
 CPU check:          python3 perf/bench_engine.py --scale tiny --device cpu --batches 1 2 --steps 3
 
 Also checks: one graph replay per decode step (replay counter vs steps), and graph replay == eager on
-one batch (same padded bucket, greedy, bit-exact codes). Writes $OUT/engine_bench.md when OUT is set.
+one batch (same padded bucket, greedy, bit-exact codes). Then the anatomy of time to first audio inside
+the engine: n sequences (--arrivals) arrive on an idle engine; the step that prefills them and makes their
+first frame, as host time and the device time of its prefill and decode. Writes $OUT/engine_bench.md
+when OUT is set.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -84,6 +88,33 @@ def bench_batch(engine: Engine, batch: int, steps: int, device: str) -> dict:
                 audio=fps * 0.08, replays=replays, decodes=decodes, rows=made / steps)
 
 
+def first_step(engine: Engine, n: int, device: str, repeats: int = 3) -> dict:
+    """TTFA anatomy on an idle engine: `n` sequences arrive at once; the step that prefills them and makes
+    their first frame, split into host time and the GPU time of its prefill and decode (engine stats).
+    Medians over `repeats` arrivals."""
+    spk = sorted(engine.checkpoint.config.talker.speaker_ids)[0]
+    samples = []
+    for r in range(repeats):
+        ids = [f"first{n}_{r}_{i}" for i in range(n)]
+        s0 = engine.stats()
+        sync(device)
+        t0 = time.perf_counter()
+        for i, sid in enumerate(ids):
+            engine.add(sid, VoiceSpec(speaker=spk), SamplingParams(seed=i, max_frames=4), TEXT, True)
+        t1 = time.perf_counter()
+        outs = engine.step()
+        sync(device)
+        t2 = time.perf_counter()
+        s1 = engine.stats()
+        assert sum(o.codes.shape[0] for o in outs) == n, "all arrivals prefilled and decoded in one step"
+        samples.append(dict(add=t1 - t0, step=t2 - t1, prefill=s1["prefill_seconds"] - s0["prefill_seconds"],
+                            decode=s1["decode_seconds"] - s0["decode_seconds"]))
+        drain(engine, ids)
+    med = {k: 1e3 * statistics.median(x[k] for x in samples) for k in samples[0]}
+    return dict(n=n, add_ms=med["add"], step_ms=med["step"], prefill_ms=med["prefill"], decode_ms=med["decode"],
+                host_ms=med["step"] - med["prefill"] - med["decode"])
+
+
 def graph_vs_eager(engine: Engine, batch: int, steps: int = 4) -> bool:
     """Run the same greedy batch with graph replay and with the eager step body; compare codes."""
     runner = engine.runner
@@ -134,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     add_model_arguments(p, [1, 8, 32, 64, 128, 256])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--arrivals", type=int, nargs="+", default=[1, 4, 16],
+                   help="sequences arriving at once, for the first-step (TTFA anatomy) table")
     args = p.parse_args(argv)
     engine = build_engine(args, args.steps)
     dtype = args.dtype
@@ -147,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     one_launch = all(r["replays"] == r["decodes"] for r in rows) if graphs_on else None
     same = graph_vs_eager(engine, min(8, max(args.batches))) if graphs_on else None
     print(f"one graph replay per decode step: {one_launch}; graph == eager (greedy, bit-exact): {same}")
+    first = [first_step(engine, n, args.device) for n in args.arrivals if n <= engine.config.max_slots]
     table = ["| batch | bucket | ms/step | frames/s | audio-s/s | RTF/stream | replays/steps |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -155,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     codec = ", codec kernels" if args.codec_kernels else ""
     md = (f"# Engine decode step ({args.scale} 1.7B CustomVoice, {dtype}, {dev}{codec})\n\n" + "\n".join(table)
-          + f"\n\none graph replay per decode step: {one_launch}; graph == eager: {same}\n")
+          + f"\n\none graph replay per decode step: {one_launch}; graph == eager: {same}\n\n"
+          + "First step after n arrivals on an idle engine (prefill + first frame; medians of 3; device times from"
+          " the engine's CUDA events (wall clock on CPU), host = step wall − both):\n\n"
+          + "| arrivals | add() ms | step ms | prefill device ms | decode device ms | host ms |\n|---:|---:|---:|---:|---:|---:|\n"
+          + "".join(f"| {f['n']} | {f['add_ms']:.2f} | {f['step_ms']:.2f} | {f['prefill_ms']:.2f} | "
+                    f"{f['decode_ms']:.2f} | {f['host_ms']:.2f} |\n" for f in first))
     if os.environ.get("OUT"):
         name = "engine_bench_codec_kernels.md" if args.codec_kernels else "engine_bench.md"
         Path(os.environ["OUT"], name).write_text(md)
