@@ -15,11 +15,11 @@ audio produced per second of decoding: B · 80 ms / time per call.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from collections.abc import Callable
 
+from report import emit
 import torch
 
 from q3tts import kernels
@@ -128,11 +128,8 @@ def main() -> None:
     decoder = CodecDecoder.from_weights(cfg, weights, torch.bfloat16, args.device)
     rows = {b: latency(decoder, b, args.iters, args.device, not args.no_graph, args.kernels)
             for b in map(int, args.batches.split(","))}
-    report = _table(args.scale, args.device, q, rows, args.kernels)
-    print(report)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "codec_bench.md"), "w") as f:
-            f.write(report)
+    emit(_table(args.scale, args.device, q, rows, args.kernels),
+         "codec_bench_kernels.md" if args.kernels else "codec_bench.md")
 
 
 if __name__ == "__main__":

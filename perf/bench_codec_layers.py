@@ -11,9 +11,9 @@ algorithm (they drove `EngineConfig.codec_kernels`).
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 
+from report import emit
 import torch
 
 from bench_codec import _graphed, _time_ms
@@ -78,10 +78,7 @@ def main() -> None:
             lines.append(f"| {ch}×{t} | {bsz} | {us_per_call(lambda: R.snake_beta_ref(x, m.alpha, m.beta)):.1f} | "
                          f"{us_per_call(lambda: snake_beta(x, m.alpha, m.beta)):.1f} |")
     report = f"# Codec layers, one streamed frame ({args.scale} codec, {torch.cuda.get_device_name()})\n\n" + "\n".join(lines) + "\n"
-    print(report)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "codec_layers.md"), "w") as f:
-            f.write(report)
+    emit(report, "codec_layers.md")
 
 
 if __name__ == "__main__":

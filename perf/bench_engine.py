@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from report import emit
 import torch
 
 from q3tts.engine.api import SamplingParams, UnknownSequence, VoiceSpec
@@ -195,10 +195,7 @@ def main(argv: list[str] | None = None) -> int:
           + "| arrivals | add() ms | step ms | prefill device ms | decode device ms | host ms |\n|---:|---:|---:|---:|---:|---:|\n"
           + "".join(f"| {f['n']} | {f['add_ms']:.2f} | {f['step_ms']:.2f} | {f['prefill_ms']:.2f} | "
                     f"{f['decode_ms']:.2f} | {f['host_ms']:.2f} |\n" for f in first))
-    if os.environ.get("OUT"):
-        name = "engine_bench_codec_kernels.md" if args.codec_kernels else "engine_bench.md"
-        Path(os.environ["OUT"], name).write_text(md)
-    print(md)
+    emit(md, "engine_bench_codec_kernels.md" if args.codec_kernels else "engine_bench.md")
     return 0 if (one_launch in (True, None) and same in (True, None)) else 1
 
 

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from report import emit
 import torch
 
 GPU = torch.cuda.is_available()
@@ -208,12 +209,7 @@ def main() -> None:
     report = table.markdown(header)
     tuned = "\n".join(f"- `{key}` -> {cfg}" for key, cfg in tuned_configs().items())
     report += f"\nTuned configs:\n{tuned or '- (none: not on CUDA or Q3TTS_TUNE=0)'}\n"
-    print(report)
-    if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], "kernels_bench.md")
-        with open(path, "w") as fh:
-            fh.write(report)
-        print(f"wrote {path}")
+    emit(report, "kernels_bench.md")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Writes $OUT/diagnose_graph.md when OUT is set.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import save  # noqa: E402
 from bench_engine import drain, fill  # noqa: E402
 
 from q3tts.engine.config import EngineConfig  # noqa: E402
@@ -196,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     single_step(engine, args.batch)
     components(engine, args.batch)
     say(f"\nverdict: {verdict}")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "diagnose_graph.md").write_text("\n".join(LINES) + "\n")
+    save("\n".join(LINES) + "\n", "diagnose_graph.md")
     return 0 if verdict["test"] else 1
 
 

@@ -25,7 +25,6 @@ CPU check:          python3 perf/profile_step.py --scale tiny --device cpu --bat
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit  # noqa: E402
 from bench_engine import add_model_arguments, build_engine, drain, fill, sync  # noqa: E402
 
 from q3tts.engine.cuda_graph import META_CTX, META_FRAME, META_POS, META_SLOT, META_SLOT_MAP  # noqa: E402
@@ -388,9 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"B={b}: done in {time.perf_counter() - t0:.1f} s", flush=True)
     md.append(f"total wall {time.perf_counter() - t_start:.1f} s")
     text = "\n".join(md) + "\n"
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "profile_step.md").write_text(text)
-    print(text)
+    emit(text, "profile_step.md")
     return 0 if ok else 1
 
 
