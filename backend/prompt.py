@@ -99,6 +99,13 @@ class PromptBuilder:
             lang_id = self.tcfg.language_ids[dialect]
         return lang_id
 
+    def validate(self, voice: VoiceSpec) -> None:
+        """Raise InvalidRequest for a voice that `build` would refuse (speaker, language, instruct,
+        clone inputs, text mode), without computing any embedding."""
+        self.text_mode(voice)
+        self._check_voice(voice)
+        self._language_id(voice)
+
     def _check_voice(self, voice: VoiceSpec) -> None:
         variant = self.config.variant
         if variant == "custom_voice":

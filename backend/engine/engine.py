@@ -105,8 +105,8 @@ class Engine:
         if voice.ref_audio is not None and (voice.xvector is None or
                                             (voice.ref_codes is None and not voice.xvector_only)):
             voice = self._encode_ref_audio(voice)
+        self.builder.validate(voice)  # raises InvalidRequest
         mode = self.builder.text_mode(voice)
-        self.builder.build("a", voice)  # validates the voice (raises InvalidRequest)
         seq = Sequence(seq_id, voice, sampling, text_mode=mode,
                        max_frames=min(sampling.max_frames, self.config.max_frames))
         if mode == "incremental":

@@ -91,6 +91,9 @@ def test_base_modes(builders):
     ("base06", VoiceSpec(xvector=np.zeros(48), xvector_only=True, instruct="x"), "instruct"),
 ])
 def test_invalid_voices(builders, name, voice, match):
+    """`validate` (what Engine.add runs) refuses exactly what `build` refuses, with the same message."""
+    with pytest.raises(InvalidRequest, match=match):
+        builders[name].validate(voice)
     with pytest.raises(InvalidRequest, match=match):
         builders[name].build(TEXT, voice)
 
