@@ -32,10 +32,13 @@ class StreamingDecoder:
         self.pool = decoder.spec.zeros(max_streams + 1, dtype, device)  # [slots + 1, ...] each
 
     @torch.no_grad()
-    def reset(self, slots: Tensor) -> None:
-        """Start fresh streams in `slots` [B] (int64, on the pool's device)."""
-        for state in self.pool:
-            state.index_fill_(0, slots, 0)
+    def reset(self, slots: Tensor | list[int]) -> None:
+        """Start fresh streams in `slots` (a list of ids, or an int64 tensor: read on the host).
+
+        One multi-tensor zeroing over every (state, slot) row: a few launches, not one per state tensor
+        (this runs on the time-to-first-audio path of every admitted batch)."""
+        ids = slots.tolist() if isinstance(slots, Tensor) else list(slots)
+        torch._foreach_zero_([state[i] for state in self.pool for i in ids])
 
     @torch.no_grad()
     def decode_chunk(self, slots: Tensor, codes: Tensor) -> Tensor:

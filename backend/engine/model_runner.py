@@ -137,7 +137,7 @@ class ModelRunner:
         st.rep_mask[sl] = False
         st.text_len[sl] = 0
         if self.codec is not None:
-            self.codec.reset(sl)
+            self.codec.reset([r.slot for r in rows])
             by_frames: dict[int, list[int]] = {}  # contexts of equal length primed in one call
             for i, r in enumerate(rows):
                 if r.codec_context is not None and len(r.codec_context):

@@ -152,3 +152,13 @@ def test_frame_by_frame_through_triton_kernels_matches_reference(codec, codes, r
     finally:
         stream.decoder.use_kernels(False)  # the session's codec fixture is shared
     assert _max_err(pcm, ref_pcm[:2, : frames * SPF]) <= TOL
+
+
+def test_reset_zeroes_exactly_the_given_slots(codec):
+    stream = StreamingDecoder(codec.decoder, max_streams=3)
+    for state in stream.pool:
+        state.fill_(1)
+    stream.reset([2, 0])
+    stream.reset(torch.tensor([3]))  # tensor form: the scratch slot
+    for state in stream.pool:
+        assert not state[[0, 2, 3]].any() and bool((state[1] == 1).all())
