@@ -38,7 +38,11 @@ class StreamingDecoder:
         One multi-tensor zeroing over every (state, slot) row: a few launches, not one per state tensor
         (this runs on the time-to-first-audio path of every admitted batch)."""
         ids = slots.tolist() if isinstance(slots, Tensor) else list(slots)
-        torch._foreach_zero_([state[i] for state in self.pool for i in ids])
+        rows: dict[torch.dtype, list[Tensor]] = {}  # the fused path needs one dtype per call
+        for state in self.pool:
+            rows.setdefault(state.dtype, []).extend(state[i] for i in ids)
+        for group in rows.values():
+            torch._foreach_zero_(group)
 
     @torch.no_grad()
     def decode_chunk(self, slots: Tensor, codes: Tensor) -> Tensor:
