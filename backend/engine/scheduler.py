@@ -66,11 +66,15 @@ class Scheduler:
     # --- per step ---------------------------------------------------------------------------------
 
     def schedule(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
-        """Returns (newly started = to prefill, to decode this step, aborted for lack of pages)."""
-        started = self._start_waiting()
+        """Returns (newly started = to prefill, to decode this step, aborted for lack of pages).
+
+        Running sequences take the pages they need first; waiting ones start on what is left (their
+        open lease already covers their first decode step), so a sequence is never started and then
+        aborted for pages in the same step."""
         decode = [s for s in self.running if s.is_decodable]
         decode, victims = self._grow(decode)  # 'reserve': draws on the promise, never aborts
-        return started, decode, victims
+        started = self._start_waiting()
+        return started, decode + [s for s in started if s.is_decodable], victims
 
     def _start_waiting(self) -> list[Sequence]:
         started: list[Sequence] = []

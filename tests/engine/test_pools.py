@@ -175,6 +175,26 @@ def test_on_demand_exhaustion_aborts_newest():
     assert sch.kv.num_free == 6
 
 
+
+def test_running_sequences_grow_before_new_ones_start():
+    """A step where a running sequence needs a new page and a waiting one could take the last free page:
+    the running one gets it and the newcomer waits (it is never started and aborted in the same step)."""
+    sch = Scheduler(cfg(num_pages=2))
+    a = seq("a", prompt_len=2, max_frames=6)  # 2 + 6 tokens: fits the 2 pages of 4
+    sch.add(a)
+    sch.schedule()  # a: prompt 2 + 1 token in page 0
+    a.num_frames = 2  # the next step needs token 5: a second page
+    b = seq("b", prompt_len=2, max_frames=6)
+    sch.add(b)
+    started, decode, victims = sch.schedule()
+    assert (started, decode, victims) == ([], [a], [])
+    assert b.status is Status.WAITING and sch.kv.num_free == 0
+    sch.check_integrity()
+    sch.finish(a, "max_frames")
+    started, decode, victims = sch.schedule()
+    assert started == [b] and decode == [b] and not victims
+    sch.check_integrity()
+
 # --- incremental tokenization ---------------------------------------------------------------------
 
 TEXTS = ["Hello world, this is a test of the speech system.",
