@@ -1,7 +1,9 @@
 """Launch configs, the config cache and `warmup()`: compile and tune every kernel before capture.
 
-Keys are shape classes (head_dim, page size, GQA group, dtypes), never batch or sequence length,
+`pick` keys are shape classes (head_dim, page size, GQA group, dtypes), never batch or sequence length,
 so a CUDA-graph sweep over batch sizes compiles nothing new once `warmup()` has run (rule 11).
+`choose` keys are whole shapes (the codec conv: kernel vs cuDNN per batch bucket) and are tuned only
+inside `tuning()`, i.e. in each bucket's graph warm-up; an untuned shape takes its default.
 Tuning runs only on CUDA, outside graph capture, and only for idempotent launches; elsewhere the
 first (heuristic) candidate is used. `Q3TTS_TUNE=0` disables tuning.
 """

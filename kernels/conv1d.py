@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ._cast import cast, dot
-from .reference import causal_conv1d_ref
 from .autotune import choose, device_guard
+from .reference import causal_conv1d_ref
 
 
 @triton.jit
@@ -86,6 +86,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if residual is not None:
         assert residual.shape == (bsz, c_out, t_out) and residual.stride(-1) == 1, \
             f"residual {tuple(residual.shape)} != output {(bsz, c_out, t_out)} or not contiguous in time"
+    if weight_oik is not None:
+        assert weight_oik.shape == weight.shape and weight_oik.dtype == weight.dtype and \
+            weight_oik.device == weight.device, "weight_oik must be a copy of weight (same shape, dtype, device)"
     w_kernel = weight if weight_oik is None else weight_oik
 
     def launch(impl: str) -> torch.Tensor:
@@ -94,10 +97,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return _launch(x, w_kernel, bias, dilation, residual, t_out)
 
     key = ("conv1d", tuple(x.shape), tuple(weight.shape), dilation, x.dtype, bias is not None,
-           residual is not None)
-    if impl is not None or not x.is_cuda:
-        return launch(impl or "triton")
-    return launch(choose(key, ("triton", "cudnn"), launch, x.device, default="cudnn"))
+           residual is not None, weight_oik is not None)
+    with device_guard(x):  # the tuning launches too: x may sit on another GPU than the current one
+        if impl is not None or not x.is_cuda:
+            return launch(impl or "triton")
+        return launch(choose(key, ("triton", "cudnn"), launch, x.device, default="cudnn"))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int,
@@ -108,15 +112,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, di
     block_o, block_i, block_t = _blocks(c_in, c_out, t_out)
     r = residual if residual is not None else out
     grid = (triton.cdiv(t_out, block_t), triton.cdiv(c_out, block_o), bsz)
-    with device_guard(x):
-        _conv1d_kernel[grid](
-            x, weight, bias if bias is not None else weight, r, out,
-            c_in, c_out, t_out,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
-            r.stride(0), r.stride(1), out.stride(0), out.stride(1),
-            K=k, DILATION=dilation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-            BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_T=block_t,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=4, num_stages=2,
-        )
+    _conv1d_kernel[grid](
+        x, weight, bias if bias is not None else weight, r, out,
+        c_in, c_out, t_out,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
+        r.stride(0), r.stride(1), out.stride(0), out.stride(1),
+        K=k, DILATION=dilation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_T=block_t,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
     return out

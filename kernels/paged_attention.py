@@ -217,11 +217,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if bsz == 0:
         return out
     args = (q, k_cache, v_cache, block_tables, context_lens, scale, out)
-    if q.is_cuda:
-        key = ("paged_decode", head_dim, page_size, num_heads // num_kv, q.dtype, k_cache.dtype)
-        cfg = pick(key, _CANDIDATES, lambda c: _launch(c, *args), q.device)
-    else:
-        cfg = _INTERPRET_CONFIG
-    with device_guard(q):
+    with device_guard(q):  # the tuning launches too: q may sit on another GPU than the current one
+        if q.is_cuda:
+            key = ("paged_decode", head_dim, page_size, num_heads // num_kv, q.dtype, k_cache.dtype)
+            cfg = pick(key, _CANDIDATES, lambda c: _launch(c, *args), q.device)
+        else:
+            cfg = _INTERPRET_CONFIG
         _launch(cfg, *args)
     return out

@@ -61,13 +61,14 @@ def main() -> None:
         cfg, weights = read_speech_tokenizer(write_speech_tokenizer(tmp, args.scale, seed=0))
     decoder = CodecDecoder.from_weights(cfg, weights, torch.bfloat16, "cuda")
     convs, snakes = frame_layers(decoder)
+    decoder.use_kernels(True)  # the convs' weights in the kernel layout, as the engine runs them
     lines = ["| conv c_in→c_out k d L | batch | cuDNN µs | kernel µs | max abs diff |", "|---|---:|---:|---:|---:|"]
     for (c_in, c_out, k, d, length), m in sorted(convs.items()):
         w, b = m.conv.weight, m.conv.bias
         for bsz in args.batches:
             x = torch.randn(bsz, c_in, length, device="cuda", dtype=torch.bfloat16)
             torch_us = us_per_call(lambda: R.causal_conv1d_ref(x, w, b, d))
-            kernel_us = us_per_call(lambda: causal_conv1d(x, w, b, d, impl="triton"))
+            kernel_us = us_per_call(lambda: causal_conv1d(x, w, b, d, impl="triton", weight_oik=m.weight_oik))
             ref = R.causal_conv1d_ref(x.float(), w.float(), b.float(), d)
             diff = (causal_conv1d(x, w, b, d, impl="triton").float() - ref).abs().max().item()
             lines.append(f"| {c_in}→{c_out} k{k} d{d} L{length} | {bsz} | {torch_us:.1f} | {kernel_us:.1f} | {diff:.3g} |")

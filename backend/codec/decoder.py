@@ -244,9 +244,12 @@ class CodecDecoder(nn.Module):
         return model.to(device=device, dtype=dtype).eval()
 
     def use_kernels(self, on: bool) -> None:
-        """Route the convs and SnakeBeta activations through `q3tts.kernels` (on) or torch (off)."""
+        """Route the convs and SnakeBeta activations through `q3tts.kernels` (on) or torch (off).
+        Call after the decoder's last `.to()` (the convs copy their weights into the kernel layout)."""
         for m in self.modules():
-            if isinstance(m, (CausalConv1d, SnakeBeta)):
+            if isinstance(m, CausalConv1d):
+                m.set_use_kernels(on)
+            elif isinstance(m, SnakeBeta):
                 m.use_kernels = on
 
     def zero_states(self, batch: int) -> States:

@@ -38,7 +38,8 @@ States = list[Tensor]  # one tensor per StateSpec entry, each [B, ...]; updated 
 class CausalConv1d(nn.Module):
     """Conv1d with left zero padding `(k-1)·d` (stride 1), streamed with a history of its input.
 
-    `use_kernels` (set by `CodecDecoder.use_kernels`): groups-1 convs go through `kernels.causal_conv1d`."""
+    `use_kernels` (`set_use_kernels`, from `CodecDecoder.use_kernels`): groups-1 convs go through
+    `kernels.causal_conv1d`."""
 
     use_kernels = False
 
@@ -48,8 +49,7 @@ class CausalConv1d(nn.Module):
         self.conv = nn.Conv1d(c_in, c_out, kernel, dilation=dilation, groups=groups)
         self.history = (kernel - 1) * dilation
         self.state = spec.add((c_in, self.history)) if self.history else -1
-        self._oik: Tensor | None = None
-        self._oik_key: tuple | None = None
+        self.weight_oik: Tensor | None = None  # the conv kernel's weight layout, set by use_kernels
 
     def forward(self, x: Tensor, states: States, residual: Tensor | None = None) -> Tensor:
         """[B, C, T] -> [B, C', T] (+ residual [B, C', T], fused into the conv when it is a kernel)."""
@@ -57,18 +57,16 @@ class CausalConv1d(nn.Module):
             x = torch.cat([states[self.state], x], dim=-1)  # [B, C, hist + T]
             states[self.state] = x[..., -self.history:]
         if self.use_kernels and self.conv.groups == 1:
-            w_oik = self._kernel_weight() if kernels.use_triton(x) else None
-            return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual, w_oik)
+            return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual,
+                                         self.weight_oik)
         out = self.conv(x)
         return out if residual is None else residual + out
 
-    def _kernel_weight(self) -> Tensor:
-        """The weight in the conv kernel's layout, rebuilt when the weight changes (load, .to())."""
-        w = self.conv.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
-        if self._oik_key != key:
-            self._oik, self._oik_key = kernels.conv_kernel_weight(w), key
-        return self._oik
+    def set_use_kernels(self, on: bool) -> None:
+        """Route this conv through `kernels.causal_conv1d` (groups 1 only) with a copy of the weight in the
+        kernel's layout, made now from the current weight: call after the module's last `.to()`."""
+        self.use_kernels = on
+        self.weight_oik = kernels.conv_kernel_weight(self.conv.weight) if on and self.conv.groups == 1 else None
 
 
 class CausalTransConv1d(nn.Module):
