@@ -73,7 +73,7 @@ PARAM_TEXT_MODE = "text_mode"  # whole | incremental (default: the variant's ref
 PARAM_XVECTOR_ONLY = "xvector_only"
 PARAM_AUDIO_FORMAT = "audio_format"  # float32 | int16
 PARAM_CHUNK_SCHEDULE = "chunk_schedule"  # "1,2,4,8": frames per response, the last entry repeats
-PARAM_ABORT = "abort"  # any request: true = drop the sequence now (its open request ends CANCELLED)
+PARAM_ABORT = "abort"  # any request: true = drop the sequence now (its open request ends with FINISH_REASON aborted)
 PARAM_ACK_PIECES = "ack_pieces"  # true: non-END requests end at once, audio streams on END (perf_analyzer)
 SAMPLING_PARAMS = {
     "greedy": bool,

@@ -194,8 +194,8 @@ def synthesize(url: str, pieces: Iterable[str], voice: dict | None = None, param
         session.collect(events, timeout_s, on_chunk, cancel_after_chunks)
         session.res.total_s = time.perf_counter() - (session.t0 or time.perf_counter())
     finally:
-        if not session.cancelled:
-            client.stop_stream()
+        if not session.cancelled:  # gave up (timeout, error): cancel what is in flight instead of waiting on it
+            client.stop_stream(cancel_requests=session.res.error is not None)
         if own:
             client.close()
     session.res.audio = session.audio()
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-frames", type=int, default=None)
     ap.add_argument("--audio-format", default=None, choices=sorted(P.AUDIO_FORMATS))
     ap.add_argument("--chunk-schedule", default=None, help="frames per response, e.g. 1,2,4,8")
-    ap.add_argument("--out", default="out.wav", help="WAV to write (with --concurrency: one per stream, _i suffix)")
+    ap.add_argument("--out", default="out.wav", help="WAV to write (not with --concurrency: the load check keeps no audio)")
     ap.add_argument("--concurrency", type=int, default=1, help="N concurrent sequences of the same text")
     ap.add_argument("--timeout-s", type=float, default=600.0)
     args = ap.parse_args(argv)
@@ -277,7 +277,10 @@ def _load_check(args, voice, params) -> int:
     t0 = time.perf_counter()
 
     def one(i):
-        results[i] = synthesize(args.url, [text], voice, params, timeout_s=args.timeout_s)
+        try:
+            results[i] = synthesize(args.url, [text], voice, params, timeout_s=args.timeout_s)
+        except Exception as e:  # noqa: BLE001 - one failed stream is counted, not a crash of the check
+            results[i] = Result(-1, np.zeros(0, np.float32), error=f"client: {type(e).__name__}: {e}")
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(args.concurrency)]
     for t in threads:

@@ -33,7 +33,7 @@ from q3tts.serving import runtime
 REPO_TEMPLATE = Path(os.environ.get("Q3TTS_MODEL_REPOSITORY")
                      or Path(__file__).resolve().parents[2] / "model_repository")
 TEMPLATE_NAME = "config.pbtxt.tmpl"
-OPEN_SEQUENCES_GLOB = "open_sequences.*.json"  # written by the model (triton_model.SessionTable)
+OPEN_SEQUENCES_GLOB = "open_sequences.*.json"  # written by the model (ServingCore._write_open_sequences)
 
 
 def free_ports(n: int) -> list[int]:

@@ -93,7 +93,10 @@ def parse_options(inputs: dict[str, np.ndarray], params: dict[str, Any], default
             raise BadRequest(f"input {P.INPUT_REF_AUDIO} must be non-empty finite float32 samples")
     sr = 24000
     if P.INPUT_REF_SAMPLE_RATE in inputs:
-        sr = int(np.asarray(inputs[P.INPUT_REF_SAMPLE_RATE]).reshape(-1)[0])
+        rate = np.asarray(inputs[P.INPUT_REF_SAMPLE_RATE]).reshape(-1)
+        if rate.size != 1:
+            raise BadRequest(f"input {P.INPUT_REF_SAMPLE_RATE} must hold one value, got {rate.size}")
+        sr = int(rate[0])
         if not 8000 <= sr <= 192000:
             raise BadRequest(f"input {P.INPUT_REF_SAMPLE_RATE} must be in 8000..192000, got {sr}")
     voice = VoiceSpec(

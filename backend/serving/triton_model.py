@@ -143,10 +143,11 @@ class ServingCore:
         now = time.monotonic()
         try:
             piece = parse_request(request, self.default_schedule)
-        except BadRequest as e:
+        except Exception as e:  # noqa: BLE001 - whatever the parser could not read gets one clear error
+            msg = str(e) if isinstance(e, BadRequest) else f"could not read the request: {type(e).__name__}: {e}"
             flags = int(request.flags())
             key = request.correlation_id()
-            self.commands.put(("bad", key, reply, str(e), bool(flags & FLAG_START), bool(flags & FLAG_END), now))
+            self.commands.put(("bad", key, reply, msg, bool(flags & FLAG_START), bool(flags & FLAG_END), now))
             return
         self.commands.put(("piece", piece, reply, now))
 
@@ -537,6 +538,14 @@ class OneShotModel:
         import asyncio
 
         sender = request.get_response_sender()
+        final_sent = False
+
+        def send_final(response=None) -> None:  # exactly once, whatever fails after it
+            nonlocal final_sent
+            if not final_sent:
+                final_sent = True
+                sender.send(response, flags=FINAL)
+
         try:
             raw = request.parameters()
             params = json.loads(raw) if isinstance(raw, str) and raw else {}
@@ -558,21 +567,24 @@ class OneShotModel:
                     error = resp.error()
                     continue
                 tensors = resp.output_tensors()
-                if tensors and sender.is_cancelled():  # client gone: stop the engine work too
+                if not tensors:
+                    continue
+                try:
+                    gone = sender.is_cancelled()
+                    if not gone:
+                        sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
+                except Exception as e:  # the client's stream broke mid-send: same as a cancel
+                    log("warn", f"oneshot: sending to the client failed ({e})")
+                    gone = True
+                if gone:  # client gone: stop the engine work too
                     cancelled = True
                     await loop.run_in_executor(None, self._abort_inner, cid)
-                    log("info", f"oneshot: client cancelled, sequence {cid} aborted")
-                elif tensors:
-                    sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
-            if error is not None:
-                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
-            else:
-                sender.send(flags=FINAL)  # still needed after a cancel
+                    log("info", f"oneshot: client gone, sequence {cid} aborted")
+            send_final(pb_utils.InferenceResponse(error=error) if error is not None else None)
             log("info", f"oneshot: relay {cid} done")
         except Exception as e:
             log("error", f"oneshot relay failed: {traceback.format_exc()}")
-            sender.send(pb_utils.InferenceResponse(error=triton_error("INTERNAL", f"oneshot relay: {e}")),
-                        flags=FINAL)
+            send_final(pb_utils.InferenceResponse(error=triton_error("INTERNAL", f"oneshot relay: {e}")))
 
     def _abort_inner(self, cid: int) -> None:
         """Drop the relayed sequence in the sequence model (a START|END request with abort=true)."""

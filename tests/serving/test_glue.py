@@ -122,6 +122,11 @@ def test_multi_request_sequence_supersedes_in_order(core_factory):
     assert np.concatenate(reqs[2].sender.audio)[::FRAME].tolist() == [1, 2, 3, 4, 5]
 
 
+def _unreadable_parameters(req: FakeRequest) -> FakeRequest:
+    req._params = "{not json"  # anything the parser trips over, not only its own BadRequest
+    return req
+
+
 @pytest.mark.parametrize("req, needle", [
     (FakeRequest(3, None, start=True, end=True), "input TEXT is required"),
     (FakeRequest(3, "x", start=True, end=True, params={"bogus": 1}), "unknown request parameter 'bogus'"),
@@ -130,6 +135,8 @@ def test_multi_request_sequence_supersedes_in_order(core_factory):
     (FakeRequest(3, "x", start=True, end=True, SPEAKER="nobody"), "unknown speaker 'nobody'"),
     (FakeRequest(3, "x", SPEAKER="ryan"), "can only be set on the START request"),
     (FakeRequest(3, "x"), "has no open session"),
+    (FakeRequest(3, "x", start=True, end=True, REF_SAMPLE_RATE=np.zeros(0, np.int32)), "must hold one value"),
+    (_unreadable_parameters(FakeRequest(3, "x", start=True, end=True)), "could not read the request"),
 ])
 def test_bad_input_gets_exactly_one_clear_error(core_factory, req, needle):
     core, engine = core_factory()
@@ -271,3 +278,51 @@ def test_step_counters_are_sent_as_increments():
     assert c["q3tts_prefill_seconds_total"].value == pytest.approx(0.75)
     assert c["q3tts_prefill_steps_total"].value == 2 and c["q3tts_decode_steps_total"].value == 13
     assert c["q3tts_queue_wait_seconds_total"].value == 0
+
+
+class _InnerResponse:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def has_error(self):
+        return False
+
+    def output_tensors(self):
+        return self.tensors
+
+
+def test_oneshot_relay_client_gone_mid_stream(monkeypatch):
+    """The client's stream breaks while audio is relayed: the relay aborts the inner sequence, still drains
+    the inner stream to its end (an undrained BLS iterator blocks unloading) and sends one FINAL."""
+    import asyncio
+
+    from tests.serving.conftest import Tensor
+
+    chunks = [_InnerResponse([Tensor("AUDIO", np.zeros(4, np.float32))]) for _ in range(3)]
+    inner = iter(chunks + [_InnerResponse([])])
+
+    class FakeInner:
+        def __init__(self, **kwargs):
+            pass
+
+        async def async_exec(self, decoupled):
+            return inner
+
+    monkeypatch.setattr(triton_model.pb_utils, "InferenceRequest", FakeInner, raising=False)
+    model = triton_model.OneShotModel()
+    model.initialize({"model_config": "{}"})
+    aborted = []
+    monkeypatch.setattr(model, "_abort_inner", aborted.append)
+    request = FakeRequest(0, text="hi", start=True, end=True)
+    sends = []
+
+    def send(response=None, flags=0):
+        if response is not None and response.tensors and sends:
+            raise RuntimeError("stream closed by the client")
+        sends.append((response, flags))
+
+    request.sender.send = send
+    asyncio.run(model._relay(request))
+    assert next(inner, None) is None  # drained
+    assert len(aborted) == 1
+    assert [f for _, f in sends].count(triton_model.FINAL) == 1 and sends[-1][1] == triton_model.FINAL
