@@ -117,7 +117,7 @@ class Engine:
             self._feed(seq, text, text_done)
             self._estimate_prompt(seq)
             self.scheduler.add(seq)
-        except EngineError:
+        except BaseException:  # refused or failed: nothing of the sequence stays behind
             self._drop_text(seq_id)
             raise
 

@@ -220,3 +220,18 @@ def test_step_phase_times_are_counted(tiny_ckpt, speaker):
     assert s["prefill_seconds"] > 0 and s["decode_seconds"] > 0
     # b had its prompt at step 0 and started after a's three decode steps
     assert s["queue_wait_seconds"] >= 0.25 * s["decode_seconds"]
+
+
+def test_failed_add_leaves_no_text_behind(tiny_ckpt, speaker, monkeypatch):
+    """Whatever add() fails on (not only EngineError), the sequence's text buffers are dropped."""
+    engine = make_engine(tiny_ckpt)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tokenizer exploded")
+
+    monkeypatch.setattr(engine.builder, "build", broken)
+    for mode in ("whole", "incremental"):
+        with pytest.raises(RuntimeError, match="exploded"):
+            engine.add(f"x-{mode}", VoiceSpec(speaker=speaker, text_mode=mode), SamplingParams(), TEXT, True)
+    assert engine._streams == {} and engine._whole_text == {}
+    baseline(engine)
