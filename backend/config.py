@@ -146,7 +146,7 @@ class ModelConfig:
     @property
     def drops_instruct(self) -> bool:
         """The reference ignores `instruct` on 0.6B models (`WRAP:799`)."""
-        return self.size in "0b6"
+        return self.size == "0b6"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:

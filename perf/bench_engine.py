@@ -122,10 +122,12 @@ def graph_vs_eager(engine: Engine, batch: int, steps: int = 4) -> bool:
     for use_graph in (True, False):
         saved = runner.graphs
         runner.graphs = saved if use_graph else None
-        ids = fill(engine, batch, f"cmp{int(use_graph)}_", greedy=True, frames=steps + 4)
-        frames = [sorted((o.seq_id[5:], o.codes.tobytes()) for o in engine.step()) for _ in range(steps)]
-        drain(engine, ids)
-        runner.graphs = saved
+        try:
+            ids = fill(engine, batch, f"cmp{int(use_graph)}_", greedy=True, frames=steps + 4)
+            frames = [sorted((o.seq_id[5:], o.codes.tobytes()) for o in engine.step()) for _ in range(steps)]
+            drain(engine, ids)
+        finally:
+            runner.graphs = saved
         results.append(frames)
     return results[0] == results[1]
 

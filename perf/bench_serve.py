@@ -178,19 +178,20 @@ def table(rows) -> str:
              "| RTF p50 | audio-s/s | underrun streams | wall (s) |" + (" server: queue wait / prefill (seqs) / decode step ms |" if server else ""),
              "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|" + ("---|" if server else "")]
     for r in rows:
-        agree = "-" if r["same"] is None else f"{r['same']} / {r['max_diff']:.2g} / {r['min_snr_db']:.1f}"
+        agree = "-" if r["same"] is None else f"{r['same']} / {_num(r['max_diff'], '.2g')} / {_num(r['min_snr_db'], '.1f')}"
         line = (f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {r['bad']} | "
                 f"{agree} | {r['eos']} / {r['frames_min']}-{r['frames_max']} | {r['ttfa_p50_ms']:.1f} / "
                 f"{r['ttfa_p90_ms']:.1f} / {r['ttfa_p99_ms']:.1f} | {r['rtf_p50']:.3f} | "
                 f"{r['audio_s_per_s']:.2f} | {r['underrun_streams']} | {r['wall_s']:.1f} |")
         if server:
-            line += f" {_ms(r['queue_wait_ms'])} / {_ms(r['prefill_ms'])} ({_ms(r['seqs_per_prefill'])}) / {_ms(r['decode_ms'])} |"
+            line += f" {_num(r['queue_wait_ms'], '.1f')} / {_num(r['prefill_ms'], '.1f')} ({_num(r['seqs_per_prefill'], '.1f')}) / {_num(r['decode_ms'], '.1f')} |"
         lines.append(line)
     return "\n".join(lines)
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
+def _num(v: float | None, fmt: str) -> str:
+    """`v` formatted, or "-" where there was nothing to measure (e.g. no audio to compare)."""
+    return "-" if v is None else format(v, fmt)
 
 
 def main(argv: list[str] | None = None) -> int:

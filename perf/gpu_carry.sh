@@ -12,7 +12,7 @@ TMP="$(mktemp -d)"; trap 'rm -rf "$TMP"' EXIT
 download() {  # cp312 manylinux wheels, no deps
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux1_x86_64 -d "$TMP" "$@" 2>&1 | grep -v "^WARNING: Location" || true
+    --platform manylinux1_x86_64 -d "$TMP" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
 }
 mkdir -p .gpu/site .whl
 download tritonclient==2.51.0 python-rapidjson==1.20 soxr==0.5.0.post1 numpy==1.26.4

@@ -6,13 +6,15 @@
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-/tmp/out}"
-A="${A:-}" B="${B:-codec_kernels=true}" ROUNDS="${ROUNDS:-2}"
+A="${A-}" B="${B-codec_kernels=true}" ROUNDS="${ROUNDS:-2}"  # B="" gives an A/A run
 export CONCURRENCY="${CONCURRENCY:-16}" MODES="${MODES:-greedy,sampled}"
-export WARMUP="${WARMUP:-${CONCURRENCY##*,}}"
+failed=0
 for round in $(seq 1 "$ROUNDS"); do
   for side in A B; do
     pool="${!side}"; dir="$OUT/$side$round"; mkdir -p "$dir"
     echo "== $side$round: POOL='$pool'"
-    POOL="$pool" OUT="$dir" bash "$ROOT/perf/gpu_serve.sh" 2>&1 | grep -E '^\| (greedy|sampled) |FAILED'
+    POOL="$pool" OUT="$dir" bash "$ROOT/perf/gpu_serve.sh" >"$dir/gpu_serve.log" 2>&1 || { failed=1; echo "FAILED: see $dir/gpu_serve.log"; }
+    grep -E '^\| (greedy|sampled) ' "$dir/gpu_serve.log"
   done
 done
+exit "$failed"

@@ -10,8 +10,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
 export PYTHONPATH="$ROOT/.gpu/site${PYTHONPATH:+:$PYTHONPATH}"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(env kernels kbench codec engine)
+failed=0
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
-  "$@" 2>&1 | tee "$OUT/$name.log" | tail -40; echo "=== $name: rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s"; }
+  "$@" 2>&1 | tee "$OUT/$name.log" | tail -40; local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"; [ "$rc" -eq 0 ] || failed=1; }
 for s in "${steps[@]}"; do case $s in
   env) run env bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; git log -1 --format=%H' ;;
   kernels) run kernels_test python3 -m pytest -q tests/kernels -p no:cacheprovider ;;
@@ -23,5 +25,6 @@ for s in "${steps[@]}"; do case $s in
   codec_layers) run codec_layers python3 perf/bench_codec_layers.py ;;
   engine_ck) run engine_bench_codec_kernels python3 perf/bench_engine.py --codec-kernels ;;
   serve) run serve_bench bash perf/gpu_serve.sh ;;
-  *) echo "unknown step $s" ;;
+  *) echo "unknown step $s"; failed=1 ;;
 esac; done
+exit "$failed"

@@ -41,6 +41,7 @@ if [ -z "${GRPC_URL:-}" ]; then
     kill -0 "$SERVE_PID" 2>/dev/null || { cat "$OUT/serve.out" >&2; exit 1; }
     sleep 0.5
   done
+  grep -q '"grpc_port"' "$OUT/serve.out" || { echo "q3tts serve not ready after 600 s" >&2; cat "$OUT/serve.out" >&2; exit 1; }
   GRPC_URL="127.0.0.1:$(grep '"grpc_port"' "$OUT/serve.out" | "$PY" -c 'import json,sys;print(json.loads(sys.stdin.readline())["grpc_port"])')"
 fi
 
