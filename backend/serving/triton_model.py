@@ -206,15 +206,15 @@ class ServingCore:
                         log("error", f"routing output of {out.seq_id} failed: {traceback.format_exc()}")
                         s = self.by_engine_id.get(out.seq_id)
                         if s is not None:
-                            self._drop(s.key, "INTERNAL", f"internal error: {type(e).__name__}: {e}")
+                            self._drop(s.key, "INTERNAL", f"internal error: {type(e).__name__}: {e}",
+                                       why="it failed with an internal error")
 
     def _apply(self, cmd) -> None:
         kind = cmd[0]
         if kind == "piece":
             _, piece, reply, now = cmd
             if piece.abort:  # the open request ends normally, with FINISH_REASON "aborted"
-                self._drop(piece.key, None, "aborted by an abort request")
-                self.closed[piece.key] = ("it was aborted", now)
+                self._drop(piece.key, None, "aborted by an abort request", why="it was aborted")
                 if piece.end:
                     self.triton_open.pop(piece.key, None)
                 reply.finish()
@@ -226,8 +226,8 @@ class ServingCore:
             _, key, reply, msg, start, end, now = cmd
             self._reject(reply, "INVALID_ARG", msg)
             if start:  # Triton opened the sequence: later requests get a clear error, not "unknown"
-                self._drop(key, "CANCELLED", "a new START request with invalid input replaced it")
-                self.closed[key] = (f"its START request was invalid: {msg}", now)
+                self._drop(key, "CANCELLED", "a new START request with invalid input replaced it",
+                           why=f"its START request was invalid: {msg}")
                 self.triton_open[key] = now
             if end:
                 self._drop(key, "CANCELLED", f"its END request was invalid: {msg}")
@@ -237,8 +237,7 @@ class ServingCore:
             _, key, reply = cmd
             s = self.sessions.get(key)
             if s is not None and s.reply is reply and not reply.done:
-                self._drop(key, "CANCELLED", "the request was cancelled")
-                self.closed[key] = ("it was cancelled", time.monotonic())
+                self._drop(key, "CANCELLED", "the request was cancelled", why="it was cancelled")
 
     def _reject(self, reply: Reply, code: str, msg: str) -> None:
         if self.metrics:
@@ -382,9 +381,12 @@ class ServingCore:
         s.chunks_sent += 1
         s.buffer, s.buffered_frames = [], 0
 
-    def _drop(self, key, code: str | None, msg: str) -> None:
+    def _drop(self, key, code: str | None, msg: str, why: str | None = None) -> None:
         """Abort a live session in the engine (pages/slot freed at its next step) and fail its open request
-        (code None: end it normally with FINISH_REASON "aborted")."""
+        (code None: end it normally with FINISH_REASON "aborted"). `why`: what later requests of the
+        sequence are told (recorded even when no session is live)."""
+        if why is not None:
+            self.closed[key] = (why, time.monotonic())
         s = self.sessions.get(key)
         if s is None:
             return
@@ -409,20 +411,18 @@ class ServingCore:
 
     def _close_all(self, code: str, msg: str) -> None:
         for key in list(self.sessions):
-            self._drop(key, code, msg)
+            self._drop(key, code, msg, why=f"it was closed: {msg}")
 
     def _tick(self, now: float) -> None:
         limit = self.idle_s + IDLE_MARGIN_S
         for s in list(self.sessions.values()):
             if not s.ended and now - s.last_request > limit:  # Triton expired it silently
                 self._drop(s.key, "UNAVAILABLE", f"no request for {self.idle_s:g} s without END: "
-                           "the sequence idled out")
-                self.closed[s.key] = ("it idled out", now)
+                           "the sequence idled out", why="it idled out")
             elif s.reply is not None and now - s.last_check > 0.5:
                 s.last_check = now  # cancellation while no audio flows (waiting for text or a slot)
                 if s.reply.sender.is_cancelled():
-                    self._drop(s.key, "CANCELLED", "the request was cancelled")
-                    self.closed[s.key] = ("it was cancelled", now)
+                    self._drop(s.key, "CANCELLED", "the request was cancelled", why="it was cancelled")
         for table in (self.closed,):
             for key in [k for k, (_, t) in table.items() if now - t > limit]:
                 del table[key]

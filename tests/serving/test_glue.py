@@ -204,10 +204,14 @@ def test_restart_on_live_id_fails_the_old_request_once(core_factory):
 
 def test_engine_crash_fails_every_live_request_once(core_factory):
     core, _ = core_factory(engine=ScriptedEngine(fail_step=True))
-    reqs = [FakeRequest(9, "a", start=True, end=True), FakeRequest(10, "b", start=True, end=True)]
+    reqs = [FakeRequest(9, "a", start=True, end=True), FakeRequest(10, "b", start=True)]
     submit(core, *reqs)
     wait_finals(reqs)
     assert all("engine step failed: boom" in r.sender.error.message() for r in reqs)
+    later = FakeRequest(10, "more text")  # the open sequence's next piece is told why it is gone
+    submit(core, later)
+    wait_finals([later])
+    assert "has no open session: it was closed: engine step failed: boom" in later.sender.error.message()
 
 
 def test_shutdown_answers_open_requests(core_factory):
