@@ -41,12 +41,6 @@ def resample(audio: np.ndarray, sr_in: int, sr_out: int = SAMPLE_RATE) -> np.nda
     return soxr.resample(np.asarray(audio, dtype=np.float32), sr_in, sr_out, quality="HQ").astype(np.float32)
 
 
-def load_audio_24k(path: str | Path) -> np.ndarray:
-    """Read any audio file and return float32 mono at 24 kHz."""
-    audio, sr = read_wav(path)
-    return resample(audio, sr)
-
-
 def _hz_to_mel(f: np.ndarray) -> np.ndarray:
     """Slaney mel scale: linear below 1 kHz, logarithmic above."""
     f = np.asarray(f, dtype=np.float64)

@@ -1,4 +1,4 @@
-"""CUDA graphs for the decode step: capture / can_use / pad / replay / destroy.
+"""CUDA graphs for the decode step: capture / pad / replay.
 
 One graph per batch bucket, captured largest first into one shared memory pool, after a warm-up run
 of the same bucket (so lazily built buffers, autotuned kernels and the allocator are settled). Every
@@ -79,9 +79,6 @@ class GraphRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def can_use(self, batch: int) -> bool:
-        return self.pad(batch) is not None
-
     def pad(self, batch: int) -> int | None:
         return next((b for b in sorted(self.graphs) if b >= batch), None)
 
@@ -89,6 +86,3 @@ class GraphRunner:
         self.graphs[bucket].replay()
         self.num_replays += 1
 
-    def destroy(self) -> None:
-        self.graphs.clear()
-        self.pool = None

@@ -57,7 +57,6 @@ class Engine:
         with torch.no_grad():
             _, self.eos_row, self.pad_row = self.builder.special_embeds()  # [1, H] each
         codec = self._make_codec(ckpt, config, dtype) if with_codec else None
-        self.samples_per_frame = codec.samples_per_frame if codec is not None else 1920
         config = config.resolve(self._bytes_per_page(ckpt, dtype, config.page_size), self._free_bytes(config))
         self.config = config
         self.scheduler = Scheduler(config)
@@ -195,7 +194,7 @@ class Engine:
         self._outbox = []
         for out in outputs:
             if out.finished:
-                self.scheduler.seqs.pop(out.seq_id, None)
+                self.scheduler.forget(out.seq_id)
         self.num_steps += 1
         return outputs
 

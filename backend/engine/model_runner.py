@@ -86,10 +86,6 @@ class ModelRunner:
         self.num_decode_steps = 0
 
     @property
-    def bytes_per_page(self) -> int:
-        return 2 * self.kv.k[:, 0].numel() * self.kv.k.element_size()
-
-    @property
     def num_graph_replays(self) -> int:
         """Decode steps run as one graph replay (either sampling variant)."""
         return sum(g.num_replays for g in (self.graphs, self.graphs_full) if g is not None)
@@ -108,14 +104,6 @@ class ModelRunner:
             self.graphs_full.capture()
 
     # --- per sequence -----------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def start(self, slot: int, sampling, prefill: torch.Tensor, pages: list[int],
-              codec_context: np.ndarray | None = None) -> None:
-        """Reset the slot, run the prompt `prefill` [L0, H] into its pages and sample its first c0.
-
-        `codec_context` [F, 16]: frames fed to the slot's codec stream first, their audio dropped."""
-        self.start_batch([PrefillRow(slot, sampling, prefill, pages, codec_context)])
 
     @torch.no_grad()
     def start_batch(self, rows: list[PrefillRow]) -> None:

@@ -135,8 +135,9 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason, seq.error = reason, error
 
-    def forget(self, seq: Sequence) -> None:
-        self.seqs.pop(seq.seq_id, None)
+    def forget(self, seq_id) -> None:
+        """Drop a finished sequence's record (after its final output went out)."""
+        self.seqs.pop(seq_id, None)
 
     # --- introspection ----------------------------------------------------------------------------
 

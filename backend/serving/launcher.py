@@ -124,7 +124,7 @@ class TritonServer:
                  max_slots: int | None = None, pool: dict | None = None, idle_s: float = 30.0,
                  chunk_schedule: str | None = None, engine_factory: str = "q3tts.engine:Engine",
                  ready_timeout_s: float = 300.0, exit_timeout_s: int = 10, log_verbose: int = 0,
-                 extra_params: dict[str, str] | None = None, bind: str = "127.0.0.1"):
+                 bind: str = "127.0.0.1"):
         self.model = str(Path(model).resolve()) if Path(model).exists() else model
         self.run_dir = (Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="q3tts-serve-"))).resolve()
         self.gpus = detect_gpus() if gpus is None else list(gpus)
@@ -137,7 +137,6 @@ class TritonServer:
         self.ready_timeout_s = ready_timeout_s
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
-        self.extra_params = dict(extra_params or {})
         self.bind = bind  # 127.0.0.1 everywhere except inside a container (docker/Dockerfile)
         ports = free_ports(3)
         self.http_port = http_port or ports[0]
@@ -171,7 +170,6 @@ class TritonServer:
             group = f"{{ count: 1, kind: KIND_GPU, gpus: [ {', '.join(map(str, self.gpus))} ] }}"
         else:
             group = "{ count: 1, kind: KIND_CPU }"
-        params = {"extra": json.dumps(self.extra_params)}
         return {
             "max_candidate_sequences": str(self.max_slots),
             "max_sequence_idle_microseconds": str(int(self.idle_s * 1e6)),
@@ -185,7 +183,6 @@ class TritonServer:
                                     f'{_pbtxt_string(str(rt.execution_env))} }} }}' if rt.use_execution_env else ""),
             "state_dir": _pbtxt_string(str(self.run_dir)),
             "idle_s": _pbtxt_string(str(self.idle_s)),
-            "extra_params": _pbtxt_string(params["extra"]),
             "sequence_model": _pbtxt_string(protocol.MODEL),
         }
 
