@@ -85,6 +85,8 @@ class EngineConfig:
         need(isinstance(bs, tuple) and len(bs) > 0, "graph_batch_sizes must be a non-empty tuple")
         need(all(isinstance(b, int) and b >= 1 for b in bs), f"graph_batch_sizes must be ints >= 1, got {bs}")
         need(list(bs) == sorted(set(bs)), f"graph_batch_sizes must be strictly increasing, got {bs}")
+        for name in ("use_cuda_graphs", "codec_kernels"):
+            need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # --- derived values ---------------------------------------------------------------------------
 

@@ -37,6 +37,8 @@ def test_config_validates_and_derives():
         EngineConfig(graph_batch_sizes=(4, 2))
     with pytest.raises(ValueError, match="kv_policy"):
         EngineConfig(kv_policy="x")
+    with pytest.raises(ValueError, match="codec_kernels must be true or false"):
+        cfg(codec_kernels="yes")  # e.g. `q3tts serve --pool codec_kernels=yes`: a string, not a bool
     c = EngineConfig(max_slots=5, graph_batch_sizes=(1, 2, 4, 8))
     assert c.bucket_for(3) == 4 and c.bucket_for(9) is None and c.max_graph_batch == 8
     r = c.resolve(bytes_per_page=100, free_bytes=10_000)
