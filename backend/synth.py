@@ -7,7 +7,7 @@ and/or a 24 kHz wav (`--out`), decoded as the official wrapper does (`decode_aud
 ref_codes ⧺ generated with the output cut at int(ref_len / total_len × n_samples) (spec e.1).
 `--stream` decodes each frame with the streaming codec as it is generated and prints per-frame
 timing.
-`--ref-audio` (Base) encodes a reference recording into ref_codes + x-vector (`q3tts.voice_clone`).
+`--ref-audio` (Base) encodes a reference recording into ref_codes + x-vector (`q3tts.codec.voice`).
 
 Many requests (`--requests FILE.jsonl`): run together through the engine (`q3tts.engine.batch`).
 """
@@ -26,16 +26,16 @@ import numpy as np
 import soundfile as sf
 import torch
 
-from q3tts.audio import SAMPLE_RATE, read_wav, write_wav
+from q3tts.codec.audio import SAMPLE_RATE, read_wav, write_wav
 from q3tts.checkpoint.loader import CheckpointError, load_checkpoint
 from q3tts.codec.decoder import CodecDecoder
 from q3tts.codec.streaming import StreamingDecoder
-from q3tts.engine.api import EngineError, SamplingParams, VoiceSpec
+from q3tts.core import EngineError, SamplingParams, VoiceSpec
 from q3tts.models.attention import PagedKVCache
 from q3tts.models.step import DecodeBatch, decode_step, prefill
 from q3tts.models.tts_model import Qwen3TTS
-from q3tts.prompt import Prompt, PromptBuilder
-from q3tts.sampling import SamplingTensors, UniformSource, uniforms
+from q3tts.models.prompt import Prompt, PromptBuilder
+from q3tts.models.sampling import SamplingTensors, UniformSource, uniforms
 
 PAGE_SIZE = 16
 
@@ -194,7 +194,7 @@ def _voice(args: argparse.Namespace) -> VoiceSpec:
 def _with_ref_audio(voice: VoiceSpec, path: Path, model: Qwen3TTS, ckpt) -> VoiceSpec:
     """Fill the absent ref_codes / xvector from the reference recording (as Engine.add does)."""
     from q3tts.codec.encoder import CodecEncoder
-    from q3tts.voice_clone import encode_reference
+    from q3tts.codec.voice import encode_reference
 
     if not path.is_file():
         raise UsageError(f"--ref-audio {path}: no such file")

@@ -24,7 +24,7 @@ from pathlib import Path
 from report import emit
 import torch
 
-from q3tts.engine.api import SamplingParams, UnknownSequence, VoiceSpec
+from q3tts.core import SamplingParams, UnknownSequence, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 

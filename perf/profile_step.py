@@ -41,7 +41,7 @@ from q3tts.engine.cuda_graph import META_CTX, META_FRAME, META_POS, META_SLOT, M
 from q3tts.engine.engine import Engine  # noqa: E402
 from q3tts.models import step as model_step  # noqa: E402
 from q3tts.models.attention import DecodeContext  # noqa: E402
-from q3tts.sampling import (FULL, TOPK, SubtalkerSampler, sample_talker, sampling_mode,  # noqa: E402
+from q3tts.models.sampling import (FULL, TOPK, SubtalkerSampler, sample_talker, sampling_mode,  # noqa: E402
                             warp_and_draw)
 
 

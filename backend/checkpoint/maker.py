@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from q3tts import presets
+from q3tts.checkpoint import presets
 from q3tts.checkpoint.loader import MAIN_WEIGHTS, SHARD_INDEX
 from q3tts.checkpoint.tokenizer import train_tiny_tokenizer
 from q3tts.codec.checkpoint import write_speech_tokenizer

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .. import presets
+from q3tts.checkpoint import presets
 from ..config import CodecConfig
 from .decoder import CodecDecoder
 from .encoder import CodecEncoder, MimiEncoder, MimiEncoderConfig

@@ -1,4 +1,4 @@
-"""The engine: `Engine`, `EngineConfig` (imported lazily so `q3tts.engine.api` stays torch-free)."""
+"""The engine: `Engine`, `EngineConfig` (imported lazily so `q3tts.core` stays torch-free)."""
 
 
 def __getattr__(name: str):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .api import SamplingParams, VoiceSpec
+from q3tts.core import SamplingParams, VoiceSpec
 from .config import EngineConfig
 
 _KNOWN = {"id", "text", "speaker", "language", "instruct", "ref_codes", "ref_text", "xvector",
@@ -82,7 +82,7 @@ def _request(d: dict, root: Path, gen: dict, default_id: str) -> BatchRequest:
 
     ref_audio, ref_sr = None, 24000
     if d.get("ref_audio") is not None:
-        from q3tts.audio import read_wav
+        from q3tts.codec.audio import read_wav
 
         if not path("ref_audio").is_file():
             raise ValueError(f"ref_audio {path('ref_audio')}: no such file")
@@ -112,7 +112,7 @@ def run_requests(engine, requests: list[BatchRequest], write: bool = True) -> di
     A request the engine rejects (InvalidRequest / AdmissionRejected) gets reason 'rejected' and its
     error; the others still run. With `write`, codes_out / out files are written.
     """
-    from .api import EngineError
+    from q3tts.core import EngineError
 
     pending = sorted(requests, key=lambda r: r.start_step)
     codes: dict[str, list] = {}
@@ -150,7 +150,7 @@ def _write(req: BatchRequest, res: BatchResult, sample_rate: int) -> None:
         req.codes_out.parent.mkdir(parents=True, exist_ok=True)
         np.save(req.codes_out, res.codes.astype(np.int64))
     if req.out is not None and res.pcm.size:
-        from q3tts.audio import write_wav  # noqa: PLC0415  (soundfile only when a wav is asked for)
+        from q3tts.codec.audio import write_wav  # noqa: PLC0415  (soundfile only when a wav is asked for)
 
         req.out.parent.mkdir(parents=True, exist_ok=True)
         write_wav(req.out, res.pcm, sample_rate, subtype="FLOAT")

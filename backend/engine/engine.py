@@ -17,7 +17,7 @@ from typing import Any, Hashable
 import numpy as np
 import torch
 
-from .api import (AdmissionRejected, EngineError, InvalidRequest, SamplingParams, StepOutput,
+from q3tts.core import (AdmissionRejected, EngineError, InvalidRequest, SamplingParams, StepOutput,
                   UnknownSequence, VoiceSpec)
 from .config import EngineConfig
 from .model_runner import DecodeRow, ModelRunner, PrefillRow, UniformSource
@@ -36,7 +36,7 @@ class Engine:
                  uniform_source: UniformSource | None = None, with_codec: bool = True) -> None:
         from q3tts.checkpoint.loader import Checkpoint, load_checkpoint
         from q3tts.models.tts_model import Qwen3TTS
-        from q3tts.prompt import PromptBuilder
+        from q3tts.models.prompt import PromptBuilder
 
         config = config or EngineConfig()
         dtype = getattr(torch, config.dtype)
@@ -125,7 +125,7 @@ class Engine:
         import dataclasses
 
         from q3tts.codec.encoder import CodecEncoder
-        from q3tts.voice_clone import encode_reference
+        from q3tts.codec.voice import encode_reference
 
         if getattr(self, "_ref_encoder", None) is None:
             self._ref_encoder = CodecEncoder.from_weights(
@@ -308,7 +308,7 @@ class Engine:
         return self.checkpoint.config.variant == "base" and not voice.xvector_only
 
     def _icl_ref_ids(self, seq: Sequence) -> list[int]:
-        from q3tts.prompt import REF_TAIL, ROLE_TOKENS, ref_string
+        from q3tts.models.prompt import REF_TAIL, ROLE_TOKENS, ref_string
 
         return self.builder.tokenizer.encode(ref_string(seq.voice.ref_text))[ROLE_TOKENS:-REF_TAIL]
 

@@ -28,7 +28,7 @@ import torch
 
 from q3tts.models import step
 from q3tts.models.attention import PagedKVCache
-from q3tts.sampling import FULL, TOPK, SamplingTensors, row_mode, sampling_mode, uniforms
+from q3tts.models.sampling import FULL, TOPK, SamplingTensors, row_mode, sampling_mode, uniforms
 
 from .config import EngineConfig
 from .cuda_graph import (META_COLS, META_CTX, META_FRAME, META_POS, META_SLOT, META_SLOT_MAP,

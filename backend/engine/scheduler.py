@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Hashable
 
-from .api import AdmissionRejected
+from q3tts.core import AdmissionRejected
 from .config import EngineConfig
 from .kv_pool import KVPool, OutOfPages
 from .sequence import Sequence, Status

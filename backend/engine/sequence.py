@@ -7,7 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api import SamplingParams, VoiceSpec
+from q3tts.core import SamplingParams, VoiceSpec
 
 _arrivals = itertools.count()
 

@@ -17,7 +17,7 @@ from torch import nn
 from q3tts.config import TalkerConfig
 from q3tts.models.attention import DecodeContext, PagedKVCache
 from q3tts.models.layers import DecoderStack
-from q3tts.sampling import SubtalkerSampler
+from q3tts.models.sampling import SubtalkerSampler
 
 
 class CodePredictorModel(DecoderStack):

@@ -2,7 +2,7 @@
 
 `SpeakerEncoder(SpeakerEncoderConfig)` has state_dict names equal to the released `speaker_encoder.*`
 keys minus the prefix. `forward(mels [B, T, mel_dim]) -> [B, enc_dim]`; `embed(wav)` adds the
-reference's mel front end (`q3tts.audio.mel_spectrogram`).
+reference's mel front end (`q3tts.codec.audio.mel_spectrogram`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..audio import mel_spectrogram
+from q3tts.codec.audio import mel_spectrogram
 from ..config import SpeakerEncoderConfig
 
 

@@ -18,7 +18,7 @@ import torch
 
 from q3tts.models.attention import DecodeContext, PagedKVCache, PrefillContext
 from q3tts.models.talker import Talker
-from q3tts.sampling import (SamplingTensors, SubtalkerSampler, TalkerRules, UniformSource,
+from q3tts.models.sampling import (SamplingTensors, SubtalkerSampler, TalkerRules, UniformSource,
                             sample_talker)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from q3tts.client import protocol as P
-from q3tts.engine.api import TEXT_MODES, InvalidRequest, SamplingParams, VoiceSpec
+from q3tts.core import TEXT_MODES, InvalidRequest, SamplingParams, VoiceSpec
 
 FLAG_START = 1  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 FLAG_END = 2  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_END

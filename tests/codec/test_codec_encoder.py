@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from q3tts.audio import mel_filterbank, mel_spectrogram, read_wav, resample, write_wav
+from q3tts.codec.audio import mel_filterbank, mel_spectrogram, read_wav, resample, write_wav
 from q3tts.config import SpeakerEncoderConfig
 from q3tts.models.speaker_encoder import SpeakerEncoder
-from q3tts.presets import model_config_dict
+from q3tts.checkpoint.presets import model_config_dict
 
 TEXT_IDS = {k: i for i, k in enumerate(["im_start", "im_end", "assistant", "tts_pad", "tts_bos", "tts_eos"])}
 

@@ -16,8 +16,8 @@ import pytest
 import soundfile as sf
 import torch
 
-from q3tts.audio import read_wav
-from q3tts.engine.api import InvalidRequest, SamplingParams, VoiceSpec
+from q3tts.codec.audio import read_wav
+from q3tts.core import InvalidRequest, SamplingParams, VoiceSpec
 
 FRAMES = 24
 TEXT = "Hello world, this is a test of the speech system."
@@ -89,7 +89,7 @@ def test_reference_encoding_matches_reference(ckpt_dirs, ref_wav):
     from q3tts.checkpoint.loader import load_checkpoint
     from q3tts.codec import CodecEncoder
     from q3tts.models.tts_model import Qwen3TTS
-    from q3tts.voice_clone import encode_reference
+    from q3tts.codec.voice import encode_reference
 
     ckpt = load_checkpoint(ckpt_dirs["base"])
     model = Qwen3TTS.from_checkpoint(ckpt)
@@ -168,7 +168,7 @@ def test_engine_ref_audio_equals_precomputed(ckpt_dirs, ref_wav):
     from q3tts.engine.batch import BatchRequest, run_requests
     from q3tts.engine.config import EngineConfig
     from q3tts.engine.engine import Engine
-    from q3tts.voice_clone import encode_reference
+    from q3tts.codec.voice import encode_reference
 
     cfg = EngineConfig(device="cpu", dtype="float32", num_pages=32, max_slots=2, max_frames=32,
                        use_cuda_graphs=False)

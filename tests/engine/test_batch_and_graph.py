@@ -58,7 +58,7 @@ def test_graph_replay_equals_eager(tiny_ckpt_dir):
     assert graph_vs_eager(eng, 3)
     before = eng.stats()
     spk = sorted(eng.checkpoint.config.talker.speaker_ids)[0]
-    from q3tts.engine.api import SamplingParams, VoiceSpec
+    from q3tts.core import SamplingParams, VoiceSpec
 
     eng.add("x", VoiceSpec(speaker=spk), SamplingParams(max_frames=5), "Hello world.", True)
     n = 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from q3tts.engine.api import SamplingParams, VoiceSpec
+from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 from q3tts.models import attention, step
@@ -128,8 +128,8 @@ def test_prefill_batch_equals_prefill(tiny_ckpt):
     """Model level: one ragged forward (with tail padding rows and head padding rows) gives each
     sequence the c0, hidden and KV of its own `prefill`."""
     from q3tts.models.tts_model import Qwen3TTS
-    from q3tts.prompt import PromptBuilder
-    from q3tts.sampling import SamplingTensors, uniforms
+    from q3tts.models.prompt import PromptBuilder
+    from q3tts.models.sampling import SamplingTensors, uniforms
 
     model = Qwen3TTS.from_checkpoint(tiny_ckpt)
     talker, lc = model.talker, model.config.talker.layers

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from q3tts.engine.api import AdmissionRejected, InvalidRequest, SamplingParams, UnknownSequence, VoiceSpec
+from q3tts.core import AdmissionRejected, InvalidRequest, SamplingParams, UnknownSequence, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 
@@ -101,7 +101,7 @@ def test_injected_uniforms_batched_equals_alone(tiny_ckpt, speaker):
 @pytest.mark.parametrize("mode", ["whole", "incremental"])
 def test_engine_equals_synth(tiny_ckpt, speaker, mode):
     from q3tts.models.tts_model import Qwen3TTS
-    from q3tts.prompt import PromptBuilder
+    from q3tts.models.prompt import PromptBuilder
     from q3tts.synth import generate_codes
 
     model = Qwen3TTS.from_checkpoint(tiny_ckpt)

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from q3tts.engine.api import SamplingParams, VoiceSpec
+from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from q3tts.engine.api import AdmissionRejected, SamplingParams, VoiceSpec
+from q3tts.core import AdmissionRejected, SamplingParams, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.kv_pool import KVPool, OutOfPages
 from q3tts.engine.scheduler import Scheduler

@@ -10,7 +10,7 @@ import oracle
 from q3tts.checkpoint.loader import load_checkpoint
 from q3tts.checkpoint.maker import make_checkpoint
 from q3tts.models.tts_model import Qwen3TTS
-from q3tts.prompt import PromptBuilder
+from q3tts.models.prompt import PromptBuilder
 
 # name -> (variant, size, seed)
 CHECKPOINTS = {

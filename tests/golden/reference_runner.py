@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from q3tts.engine.api import VoiceSpec
+from q3tts.core import VoiceSpec
 
 
 @dataclass

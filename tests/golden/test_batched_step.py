@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from q3tts.engine.api import SamplingParams, VoiceSpec
+from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.models.attention import PagedKVCache
 from q3tts.models.step import DecodeBatch, decode_step, prefill
-from q3tts.sampling import SamplingTensors, uniforms
+from q3tts.models.sampling import SamplingTensors, uniforms
 from q3tts.synth import generate_codes
 
 FRAMES = 8

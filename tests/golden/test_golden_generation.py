@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from q3tts.engine.api import SamplingParams, VoiceSpec
+from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.synth import generate_codes
 from reference_runner import run_reference
 

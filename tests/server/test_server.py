@@ -171,7 +171,7 @@ def offline_pcm(checkpoint, text: str, voice: dict, sampling: dict) -> np.ndarra
         from q3tts.engine import Engine
     except ImportError:  # before the package re-exports it
         from q3tts.engine.engine import Engine
-    from q3tts.engine.api import SamplingParams, VoiceSpec
+    from q3tts.core import SamplingParams, VoiceSpec
     from q3tts.engine.config import EngineConfig
 
     engine = Engine(str(checkpoint), EngineConfig(max_slots=8, dtype="float32", device="cpu"))

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from q3tts.engine.api import InvalidRequest, StepOutput
+from q3tts.core import InvalidRequest, StepOutput
 from tests.serving.conftest import FakeRequest
 
 from q3tts.serving import triton_model  # noqa: E402  (after the fake pb_utils is installed)

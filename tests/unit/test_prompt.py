@@ -8,9 +8,9 @@ import torch
 
 from q3tts.checkpoint.loader import load_checkpoint
 from q3tts.checkpoint.maker import make_checkpoint
-from q3tts.engine.api import InvalidRequest, VoiceSpec
+from q3tts.core import InvalidRequest, VoiceSpec
 from q3tts.models.tts_model import Qwen3TTS
-from q3tts.prompt import PromptBuilder
+from q3tts.models.prompt import PromptBuilder
 
 TEXT = "Hello world, this is a test."
 

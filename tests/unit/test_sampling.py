@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from q3tts.engine.api import SamplingParams
-from q3tts.sampling import (
+from q3tts.core import SamplingParams
+from q3tts.models.sampling import (
     SamplingTensors,
     TalkerRules,
     apply_repetition_penalty,
@@ -75,7 +75,7 @@ def test_rows_are_independent_in_a_batch():
     params = SamplingTensors.subtalker([SamplingParams(top_k=5), SamplingParams(greedy=True),
                                         SamplingParams(temperature=0.5, top_p=0.7)])
     u = torch.tensor([0.2, 0.5, 0.8])
-    from q3tts.sampling import warp_and_draw  # noqa: PLC0415
+    from q3tts.models.sampling import warp_and_draw  # noqa: PLC0415
 
     batched = warp_and_draw(logits, params, u)
     for i in range(3):
@@ -95,7 +95,7 @@ def test_uniforms_depend_only_on_seed_and_counter():
 
 def _modes_agree(logits, params, u):
     """warp_and_draw in every mode valid for `params` equals the FULL (two-sort) reference."""
-    from q3tts.sampling import FULL, warp_and_draw  # noqa: PLC0415
+    from q3tts.models.sampling import FULL, warp_and_draw  # noqa: PLC0415
 
     ref = warp_and_draw(logits, params.with_mode(FULL), u)
     got = warp_and_draw(logits, params, u)
@@ -104,7 +104,7 @@ def _modes_agree(logits, params, u):
 
 
 def test_topk_mode_equals_full_sort_on_random_logits():
-    from q3tts.sampling import TOPK, TOPK_CAP  # noqa: PLC0415
+    from q3tts.models.sampling import TOPK, TOPK_CAP  # noqa: PLC0415
 
     gen = torch.Generator().manual_seed(0)
     for vocab, scale in ((2048, 3.0), (3072, 0.05), (50, 1.0)):
@@ -131,7 +131,7 @@ def test_topk_mode_equals_full_sort_on_random_logits():
 
 
 def test_greedy_mode_equals_full_and_mode_selection():
-    from q3tts.sampling import FULL, GREEDY, TOPK  # noqa: PLC0415
+    from q3tts.models.sampling import FULL, GREEDY, TOPK  # noqa: PLC0415
 
     gen = torch.Generator().manual_seed(1)
     params = SamplingTensors.talker([SamplingParams(greedy=True, top_k=k) for k in (0, 3, 100)])
@@ -153,7 +153,7 @@ def test_greedy_mode_equals_full_and_mode_selection():
 
 
 def test_sample_talker_modes_agree():
-    from q3tts.sampling import FULL  # noqa: PLC0415
+    from q3tts.models.sampling import FULL  # noqa: PLC0415
 
     gen = torch.Generator().manual_seed(2)
     rules = TalkerRules(eos_id=2150, suppress_start=2048)

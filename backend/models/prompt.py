@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from q3tts.checkpoint.tokenizer import TextTokenizer
-from q3tts.engine.api import TEXT_MODES, InvalidRequest, VoiceSpec
+from q3tts.core import TEXT_MODES, InvalidRequest, VoiceSpec
 from q3tts.models.tts_model import Qwen3TTS
 
 DEFAULT_TEXT_MODE = {"custom_voice": "whole", "voice_design": "whole", "base": "incremental"}

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from q3tts.engine.api import SamplingParams
+from q3tts.core import SamplingParams
 
 NUM_UNIFORMS = 16  # column 0: talker c0; column g: code group g (1..15)
 UniformSource = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from q3tts.audio import SAMPLE_RATE, resample
-from q3tts.engine.api import InvalidRequest
+from q3tts.codec.audio import SAMPLE_RATE, resample
+from q3tts.core import InvalidRequest
 
 
 def encode_reference(model, codec, wav: np.ndarray,
