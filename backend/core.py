@@ -74,6 +74,23 @@ class SamplingParams:
     seed: int = 0
     max_frames: int = 8191
 
+    @classmethod
+    def from_generation_config(cls, gen: dict[str, Any] | None, **overrides: Any) -> SamplingParams:
+        """The checkpoint's generation_config.json defaults (absent keys: this class's defaults), then
+        `overrides` (field name -> value; None values are ignored). The one place defaults are read."""
+        gen = gen or {}
+        base = cls()
+        fields = dict(
+            greedy=not gen.get("do_sample", True),
+            subtalker_greedy=None if gen.get("subtalker_dosample", True) else True,
+            **{name: gen.get(name, getattr(base, name)) for name in (
+                "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature",
+                "subtalker_top_k", "subtalker_top_p")})
+        if "max_new_tokens" in gen:
+            fields["max_frames"] = min(int(gen["max_new_tokens"]), base.max_frames)
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)
+
     @property
     def cp_greedy(self) -> bool:
         return self.greedy if self.subtalker_greedy is None else self.subtalker_greedy

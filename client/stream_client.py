@@ -23,7 +23,7 @@ from typing import Iterable
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from q3tts.client import protocol as P
+from q3tts_client import protocol as P
 
 _seq_ids = itertools.count((os.getpid() % 100000) * 1_000_000 + 1)
 

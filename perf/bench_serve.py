@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 
-from q3tts.client import protocol as P
-from q3tts.client.metrics import breakdown, scrape
-from q3tts.client.stream_client import synthesize
+from q3tts_client import protocol as P
+from q3tts_client.metrics import breakdown, scrape
+from q3tts_client.stream_client import synthesize
 
 TEXT = ("Streaming speech synthesis should start talking almost at once and keep up with the listener, "
         "one frame after another, without a single gap.")

@@ -183,7 +183,7 @@ fi
 [ "$(q3tts_file)" = "$ROOT/backend/__init__.py" ] \
   || die "$PY imports q3tts from '$(q3tts_file)', not $ROOT/backend (run: $PY -m pip install --no-deps -e .)"
 
-"$PY" -c 'import tritonclient.grpc, q3tts.client.stream_client' \
+"$PY" -c 'import tritonclient.grpc, q3tts_client.stream_client' \
   || die "the client side cannot import tritonclient.grpc with $PY (PYTHONPATH=${PYTHONPATH:-}): it needs grpcio + protobuf from the image and tritonclient + python-rapidjson from CLIENT_SITE"
 STAMP="$(stat -c '%s %Y' "$TRITON_TGZ") $(basename "$TRITON_TGZ")"
 if [ "$(cat "$PYTRITON_DIR/.stamp" 2>/dev/null || true)" != "$STAMP" ]; then

@@ -13,7 +13,7 @@ import json
 import random
 from pathlib import Path
 
-from q3tts.client import protocol as P
+from q3tts_client import protocol as P
 
 WORDS = ("the quick brown fox jumps over a lazy dog while streaming speech arrives frame by frame "
          "from the server and every listener hears it almost at once with no gap between the chunks").split()

@@ -69,6 +69,16 @@ class Engine:
         self.clock = PhaseClock(self.runner.device)
         self.times = StepTimes()
 
+    @classmethod
+    def from_checkpoint(cls, checkpoint_or_path: Any, config: EngineConfig | None = None, **kwargs) -> Engine:
+        """The public constructor: a loaded Checkpoint or a path / hub id, and the engine settings."""
+        return cls(checkpoint_or_path, config, **kwargs)
+
+    @property
+    def default_sampling(self) -> SamplingParams:
+        """The checkpoint's generation_config.json defaults (requests override field by field)."""
+        return SamplingParams.from_generation_config(self.checkpoint.generation)
+
     # --- construction helpers ---------------------------------------------------------------------
 
     @staticmethod

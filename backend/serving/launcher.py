@@ -27,7 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from q3tts.client import protocol
+from q3tts_client import protocol
 from q3tts.serving import runtime
 
 REPO_TEMPLATE = Path(os.environ.get("Q3TTS_MODEL_REPOSITORY")

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from q3tts.client import protocol as P
+from q3tts_client import protocol as P
 from q3tts.core import TEXT_MODES, InvalidRequest, SamplingParams, VoiceSpec
 
 FLAG_START = 1  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START

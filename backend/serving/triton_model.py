@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from q3tts.client import protocol as P
+from q3tts_client import protocol as P
 from q3tts.core import AdmissionRejected, EngineError, InvalidRequest
 from q3tts.serving.metrics import ServingMetrics
 from q3tts.serving.request import FLAG_END, FLAG_START, BadRequest, Piece, SessionOptions, parse_request

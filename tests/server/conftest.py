@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from q3tts.client.metrics import scrape
+from q3tts_client.metrics import scrape
 from q3tts.serving.launcher import TritonServer
 
 IDLE_S = 3.0

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from q3tts.client import protocol as P
-from q3tts.client.stream_client import start_inputs, synthesize
+from q3tts_client import protocol as P
+from q3tts_client.stream_client import start_inputs, synthesize
 from tests.server.conftest import IDLE_S, read_metrics, wait_metrics
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from q3tts.client.metrics import breakdown
+from q3tts_client.metrics import breakdown
 
 
 def test_breakdown_is_per_event_means_of_the_deltas():
