@@ -23,7 +23,7 @@ try:
     from . import snake as _sn
     from . import store_kv as _kv
     from .autotune import tuning as _tuning
-    from .autotune import warmup as _warmup
+    from .warmup import warmup as _warmup
 
     HAS_TRITON = True
 except ImportError:  # CPU-only install without triton: the references serve every call
@@ -119,8 +119,8 @@ def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torc
 
 def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, hidden_sizes, page_size: int,
            dtype: torch.dtype, device="cuda", max_pages: int = 4, batch_sizes=(1,)) -> None:
-    """Compile and tune every kernel key (see kernels/autotune.py); no-op when the kernels would
-    not be used on `device`."""
+    """Compile and tune every kernel key before CUDA-graph capture (see kernels/warmup.py); no-op
+    when the kernels would not be used on `device`."""
     probe = torch.empty(0, device=device)
     if not use_triton(probe):
         return

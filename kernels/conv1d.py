@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from ._cast import cast, dot
-from .autotune import choose, device_guard
+from ._launch import device_guard
+from .autotune import choose
 from .reference import causal_conv1d_ref
 
 

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from ._cast import cast, dot
-from .autotune import device_guard, num_sms, pick
+from ._launch import device_guard, num_sms
+from .autotune import pick
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": empty splits merge without inf - inf = nan
 _MAX_SPLITS = 64

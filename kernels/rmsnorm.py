@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._cast import cast
-from .autotune import device_guard
+from ._launch import device_guard
 
 
 @triton.jit(do_not_specialize=["n_rows"])

@@ -27,6 +27,8 @@ before capturing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -255,6 +257,15 @@ class DecoderStack(nn.Module):
         if not w.is_meta:
             self.rope(w.device, w.dtype)
         return self
+
+    def warm_kernels(self, page_size: int, max_pages: int, batch_sizes: Sequence[int]) -> None:
+        """Compile this stack's kernels and tune paged decode attention for pages of `page_size` and
+        block tables `max_pages` wide, in the weights' dtype and device; call before CUDA-graph
+        capture (see kernels/warmup.py). A no-op where the kernels would not run."""
+        cfg, w = self.cfg, self.norm.weight
+        kernels.warmup(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                       hidden_sizes=(cfg.hidden_size,), page_size=page_size, dtype=w.dtype,
+                       device=w.device, max_pages=max_pages, batch_sizes=tuple(batch_sizes))
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

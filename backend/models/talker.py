@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -58,6 +60,13 @@ class Talker(nn.Module):
         self.model.fuse_()
         self.code_predictor.model.fuse_()
         return self
+
+    def warm_kernels(self, page_size: int, max_pages: int, batch_sizes: Sequence[int]) -> None:
+        """Compile and tune the decode-step kernels of both stacks before CUDA-graph capture: the
+        talker over the engine's pages (`page_size`, block tables `max_pages` wide), the code predictor
+        over its one page of num_code_groups slots per row."""
+        self.model.warm_kernels(page_size, max_pages, batch_sizes)
+        self.code_predictor.model.warm_kernels(self.cfg.num_code_groups, 1, batch_sizes)
 
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         """P(ids): ids [N] -> [N, H]."""

@@ -137,3 +137,43 @@ def test_conv1d_choice_is_tuned_only_inside_tuning():
     assert torch.equal(outside, R.causal_conv1d_ref(x_plain, w, None))
     torch.testing.assert_close(got.float(), R.causal_conv1d_ref(x_tuned.double(), w.double(), None).float(),
                                atol=2e-2, rtol=2e-2)
+
+
+def test_stack_warm_kernels_settles_every_decode_kernel_before_capture():
+    """`DecoderStack.warm_kernels` (called before CUDA-graph capture) compiles every kernel of a decode
+    forward at any batch size and tunes paged attention for the stack's shape class."""
+    import triton
+
+    from q3tts.config import DecoderLayerConfig
+    from q3tts.kernels.autotune import tuned_configs
+    from q3tts.models.attention import DecodeContext, PagedKVCache
+    from q3tts.models.layers import DecoderStack
+
+    heads, kv, hd, pages = 4, 2, 80, 4  # head_dim 80: a shape class no other test tunes
+    cfg = DecoderLayerConfig(256, 512, 2, heads, kv, hd, 1e-6, 1e6)
+    stack = DecoderStack(cfg, 64).to("cuda", BF16).eval().fuse_()
+    key = ("paged_decode", hd, PAGE, heads // kv, BF16, BF16)
+    assert key not in tuned_configs()
+    stack.warm_kernels(PAGE, pages, (1, 4))
+    assert key in tuned_configs()
+    cache = PagedKVCache(cfg.num_layers, 8 * pages, PAGE, kv, hd, BF16, "cuda")
+    compiled: list[str] = []
+
+    def hook(*, fn, **kwargs):
+        compiled.append(fn.name)
+        return False
+
+    old = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        with torch.no_grad():
+            for bsz in (1, 3, 8):
+                pos = torch.arange(bsz, device="cuda") + 7
+                tables = torch.arange(bsz * pages, device="cuda", dtype=torch.int32).view(bsz, pages)
+                ctx = DecodeContext(cache, tables[:, 0].long() * PAGE + pos, tables,
+                                    (pos + 1).int(), stack.attn_scale)
+                stack(torch.randn(bsz, 256, device="cuda", dtype=BF16), pos, ctx)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = old
+    assert compiled == [], f"kernels compiled after warm_kernels: {compiled}"

@@ -96,3 +96,26 @@ def test_fused_buffers_follow_to_and_loads():
     with torch.no_grad():
         stack(x, torch.arange(2), PrefillContext(cache, torch.arange(2), stack.attn_scale))
     assert fused(stack)
+
+
+def test_talker_warm_kernels_warms_both_stacks_at_their_decode_shapes(monkeypatch):
+    """The talker over the engine's pages, the code predictor over its one page of 16 slots per row."""
+    from q3tts import kernels
+    from q3tts.checkpoint import presets
+    from q3tts.config import ModelConfig
+    from q3tts.models.talker import Talker
+
+    ids = dict(im_start=1, im_end=2, assistant=3, tts_pad=4, tts_bos=5, tts_eos=6)
+    cfg = ModelConfig.from_dict(presets.model_config_dict("custom_voice", "0.6b", "tiny", ids, 64)).talker
+    talker = Talker(cfg).to(torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(kernels, "warmup", lambda **kw: calls.append(kw))
+    talker.warm_kernels(page_size=32, max_pages=9, batch_sizes=[1, 4])
+    tl, cp = cfg.layers, cfg.code_predictor
+    want = [(tl.num_heads, tl.num_kv_heads, tl.head_dim, (tl.hidden_size,), 32, 9),
+            (cp.num_heads, cp.num_kv_heads, cp.head_dim, (cp.hidden_size,), cfg.num_code_groups, 1)]
+    got = [(c["num_heads"], c["num_kv_heads"], c["head_dim"], c["hidden_sizes"], c["page_size"],
+            c["max_pages"]) for c in calls]
+    assert got == want
+    assert all(c["dtype"] == torch.bfloat16 and c["device"] == torch.device("cpu")
+               and c["batch_sizes"] == (1, 4) for c in calls)
