@@ -18,6 +18,7 @@ from . import reference
 try:
     from . import conv1d as _cv
     from . import paged_attention as _pa
+    from . import prefill_attention as _pf
     from . import rmsnorm as _rn
     from . import rotary as _rt
     from . import snake as _sn
@@ -29,7 +30,8 @@ try:
 except ImportError:  # CPU-only install without triton: the references serve every call
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "apply_rotary", "causal_conv1d", "paged_decode_attention", "rms_norm",
+__all__ = ["HAS_TRITON", "apply_rotary", "causal_conv1d", "paged_decode_attention",
+           "prefill_attention", "rms_norm",
            "conv_kernel_weight", "snake_beta", "store_kv", "tuning", "use_triton", "warmup"]
 
 
@@ -86,6 +88,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return _pa.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     return reference.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens,
                                                 scale)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of q [T, NH, D] over k, v [T, KVH, D] within each packed sequence
+    (cu_seqlens [S+1]; rows >= cu_seqlens[S] are padding, never written by the kernel) -> [T, NH, D].
+    See kernels/prefill_attention.py."""
+    if use_triton(q):
+        return _pf.prefill_attention(q, k, v, cu_seqlens, scale)
+    return reference.prefill_attention_ref(q, k, v, cu_seqlens, scale)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,

@@ -79,6 +79,37 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out.to(q.dtype)
 
 
+def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention over one sequence's tokens, as the official eager attention.
+
+    q: [N, NH, D]; k, v: [N, KVH, D] -> [N, NH, D]. Scores and value product in the input dtype,
+    softmax in fp32 with the probabilities cast back to the input dtype.
+    """
+    n, num_heads, _ = q.shape
+    group = num_heads // k.shape[1]
+    keys = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [NH, N, D]
+    values = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [NH, N, D]
+    scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * scale  # [NH, N, N]
+    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values).transpose(0, 1)  # [N, NH, D]
+
+
+def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """`causal_attention_ref` within each of S sequences packed back to back (block-diagonal causal).
+
+    q: [T, NH, D]; k, v: [T, KVH, D]; cu_seqlens: [S+1] int, sequence i = rows cu[i]..cu[i+1]-1,
+    rows >= cu[S] are padding (zeros here; the kernel never writes them). Returns [T, NH, D].
+    """
+    out = q.new_zeros(q.shape)
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    for start, end in zip(bounds, bounds[1:]):
+        out[start:end] = causal_attention_ref(q[start:end], k[start:end], v[start:end], scale)
+    return out
+
+
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused residual add + RMSNorm: h = x + residual (in x.dtype) -> (rms_norm_ref(h), h)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from q3tts import kernels
+from q3tts.kernels.reference import causal_attention_ref as causal_attention  # the prefill reference path
 
 
 class PagedKVCache:
@@ -43,24 +44,6 @@ class AttentionContext:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Causal GQA attention over one sequence's tokens (the prefill reference path).
-
-    q: [N, NH, D]; k, v: [N, KVH, D] -> [N, NH, D]. Softmax in fp32, probabilities cast back to the
-    input dtype before the value product (as the official eager attention).
-    """
-    n, num_heads, _ = q.shape
-    group = num_heads // k.shape[1]
-    keys = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [NH, N, D]
-    values = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [NH, N, D]
-    scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * scale  # [NH, N, N]
-    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, values).transpose(0, 1)  # [N, NH, D]
 
 
 # fp32 score bytes one padded attention batch may hold (`PrefillContext` on CUDA): sequences are

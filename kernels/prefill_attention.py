@@ -1,0 +1,160 @@
+"""Causal varlen prefill attention over packed ragged sequences (GQA), CUDA-graph safe.
+
+The T rows of one prefill forward are the prompts of S sequences back to back: sequence i is rows
+cu_seqlens[i]..cu_seqlens[i+1]-1 and each row attends to its own sequence's rows up to itself
+(block-diagonal causal). Rows at or past cu_seqlens[S] are padding: nothing is read for them and
+their output rows are never written. The boundaries live on the device and the launch shape depends
+only on (T, NH), so one CUDA graph per token bucket serves every mix of arrivals.
+
+Grid (cdiv(T, BLOCK_M), NH): a program takes BLOCK_M consecutive packed rows of one query head
+(they may straddle sequences). Each row finds its sequence's first row (the largest boundary <= the
+row, a vectorised search over cu_seqlens), then the program runs an online softmax (fp32, exp2)
+over the keys from its first row's sequence start to its last valid row, masking for each row the
+keys outside [its sequence start, itself]. K/V come from the forward's own packed k, v (query head
+h reads kv head h // (NH / KVH)); any row and head strides (v is a view of the fused qkv GEMM).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cast import cast, dot
+from ._launch import device_guard
+from .autotune import pick
+
+_NEG = tl.constexpr(-1.0e30)  # finite "-inf": a row's fully masked key blocks give no inf - inf
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _prefill_attention_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr,
+    # sizes
+    num_seqs, scale_log2,
+    # strides
+    stride_cu,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
+    # meta
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # boundaries compared per search step (any S: the search loops)
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    total = tl.load(cu_ptr + num_seqs * stride_cu).to(tl.int32)
+    first = pid_m * BLOCK_M
+    rows = first + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_ok = rows < total
+
+    # each row's sequence start: the largest boundary cu[1..S-1] <= row (cu[0] = 0)
+    start = tl.zeros([BLOCK_M], tl.int32)
+    for s0 in range(1, num_seqs, BLOCK_S):
+        idx = s0 + tl.arange(0, BLOCK_S)
+        bound = tl.load(cu_ptr + idx * stride_cu, mask=idx < num_seqs, other=0).to(tl.int32)
+        below = tl.where(bound[None, :] <= rows[:, None], bound[None, :], 0)  # [BLOCK_M, BLOCK_S]
+        start = tl.maximum(start, tl.max(below, 1))
+    lo = tl.min(tl.where(row_ok, start, total))  # rows ascend: the first row's start (none: total)
+    hi = tl.minimum(first + BLOCK_M, total)  # keys past the block's last valid row are never seen
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        key_ok = keys < hi
+        kv_mask = key_ok[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + keys.to(tl.int64)[:, None] * stride_kn + kv_head * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + keys.to(tl.int64)[:, None] * stride_vn + kv_head * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        allowed = ((keys[None, :] >= start[:, None]) & (keys[None, :] <= rows[:, None])
+                   & key_ok[None, :])  # [BLOCK_M, BLOCK_N]
+        s = tl.where(allowed, dot(q, tl.trans(k), DOT_PRECISION) * scale_log2, _NEG)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.where(allowed, tl.exp2(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v, DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]  # every valid row saw at least itself
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + head * stride_oh + offs_d[None, :],
+             cast(out, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+
+
+class PrefillConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+_CANDIDATES = [PrefillConfig(m, n, w, s) for m, n, w in ((64, 64, 4), (128, 64, 8), (64, 32, 4),
+                                                          (128, 32, 4)) for s in (2, 3)]
+_INTERPRET_CONFIG = PrefillConfig(16, 16, 1, 1)  # small blocks: the tests' short rows straddle them
+_BLOCK_S = 16
+
+
+def _launch(cfg: PrefillConfig, q, k, v, cu_seqlens, scale, out) -> None:
+    rows, num_heads, head_dim = q.shape
+    _prefill_attention_kernel[(triton.cdiv(rows, cfg.block_m), num_heads)](
+        q, k, v, cu_seqlens, out,
+        cu_seqlens.shape[0] - 1, scale * _LOG2E,
+        cu_seqlens.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_S=_BLOCK_S,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                      scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention within each packed sequence (GQA); `prefill_attention_ref`.
+
+    q: [T, NH, D]; k, v: [T, KVH, D] (NH % KVH == 0, same dtype; any row/head strides, last dim
+    contiguous). cu_seqlens: [S+1] int32/int64 on q's device with 0 = cu[0] <= cu[1] <= ... <=
+    cu[S] <= T (not checked: no host sync); sequence i = rows cu[i]..cu[i+1]-1, rows >= cu[S] are
+    padding. out: [T, NH, D] in q's dtype to write into (default: a new uninitialised tensor).
+    Returns out with every valid row written; padding rows keep whatever out held.
+    """
+    rows, num_heads, head_dim = q.shape
+    assert k.dim() == 3 and v.shape == k.shape and k.shape[0] == rows and k.shape[2] == head_dim, \
+        f"k {tuple(k.shape)} / v {tuple(v.shape)} must be [{rows}, KVH, {head_dim}]"
+    assert num_heads % k.shape[1] == 0, f"{num_heads} q heads not a multiple of {k.shape[1]} kv heads"
+    assert k.dtype == q.dtype and v.dtype == q.dtype, f"q/k/v dtypes differ: {q.dtype} {k.dtype} {v.dtype}"
+    assert head_dim >= 16, f"head_dim {head_dim} < 16 (tl.dot minimum)"
+    assert cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 2 and cu_seqlens.dtype in (
+        torch.int32, torch.int64), f"cu_seqlens must be int32/int64 [S+1], got {cu_seqlens.dtype} " \
+        f"{tuple(cu_seqlens.shape)}"
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    assert out.shape == q.shape and out.dtype == q.dtype, \
+        f"out {out.dtype} {tuple(out.shape)} must be {q.dtype} {tuple(q.shape)}"
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("cu_seqlens", cu_seqlens)):
+        assert t.device == q.device, f"{name} on {t.device}, q on {q.device}"
+        assert name == "cu_seqlens" or t.stride(-1) == 1, f"{name}: last dim must be contiguous"
+    if rows == 0:
+        return out
+    args = (q, k, v, cu_seqlens, scale, out)
+    with device_guard(q):  # the tuning launches too
+        if q.is_cuda:
+            key = ("prefill_attention", head_dim, num_heads // k.shape[1], q.dtype)
+            cfg = pick(key, _CANDIDATES, lambda c: _launch(c, *args), q.device)
+        else:
+            cfg = _INTERPRET_CONFIG
+        _launch(cfg, *args)
+    return out

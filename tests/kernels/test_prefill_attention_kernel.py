@@ -1,0 +1,83 @@
+"""kernels/prefill_attention.py vs prefill_attention_ref (causal varlen attention over packed rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_checks import DEVICE, assert_close_3way, kernel_module
+from q3tts.kernels.reference import prefill_attention_ref
+
+pf = kernel_module("prefill_attention")
+
+# the interpreter evaluates tensor loop bounds through a deprecated numpy scalar conversion
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def make_inputs(nh, kvh, d, lens, pad, dtype, seed=0, cu_dtype=torch.int32, seqs=None):
+    """q, k, v as views of one fused [T, (NH + 2 KVH) * D] projection (as the model's qkv GEMM),
+    the rows of `lens` back to back then `pad` padding rows holding NaN (a kernel that read them
+    would spread NaN), cu_seqlens padded with empty sequences up to `seqs`."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    total = sum(lens)
+    rows = total + pad
+    fused = torch.randn(rows, (nh + 2 * kvh) * d, generator=gen)
+    fused[total:] = float("nan")
+    fused = fused.to(DEVICE, dtype)
+    q, k, v = fused.split((nh * d, kvh * d, kvh * d), dim=-1)
+    q, k, v = q.view(rows, nh, d), k.view(rows, kvh, d), v.view(rows, kvh, d)
+    bounds = [0]
+    for n in lens + [0] * ((seqs or len(lens)) - len(lens)):
+        bounds.append(bounds[-1] + n)
+    return q, k, v, torch.tensor(bounds, dtype=cu_dtype, device=DEVICE), d ** -0.5
+
+
+CASES = [  # (nh, kvh, head_dim, lens, padding rows, sequence capacity S)
+    (16, 8, 128, [1, 17, 40], 5, 3),            # talker heads; a 1-row prompt; rows straddle blocks
+    (4, 1, 32, [33], 0, 1),                     # one sequence, GQA 4, no padding, several blocks
+    (6, 2, 16, [3, 1, 1, 20, 7], 9, 8),         # group 3; several prompts in one block; empty slots
+    (2, 2, 24, [5, 0, 12], 3, 4),               # MHA, head_dim 24; an empty sequence in the middle
+    (4, 2, 16, [], 6, 2),                       # nothing but padding
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "h{}_kv{}_d{}_{}".format(
+    c[0], c[1], c[2], "-".join(map(str, c[3])) or "none"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefill_attention_matches_reference(dtype, case):
+    nh, kvh, d, lens, pad, seqs = case
+    q, k, v, cu, scale = make_inputs(nh, kvh, d, lens, pad, dtype, seqs=seqs)
+    total = sum(lens)
+    poison = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    out = pf.prefill_attention(q, k, v, cu, scale, out=poison)
+    assert out is poison
+    assert torch.isnan(out[total:]).all(), "a padding row was written"
+    assert not torch.isnan(out[:total]).any(), "a valid row was left unwritten (or read NaN padding)"
+    out_ref = prefill_attention_ref(q.float(), k.float(), v.float(), cu, scale)
+    out_pt = prefill_attention_ref(q, k, v, cu, scale)
+    assert_close_3way(out[:total], out_pt[:total], out_ref[:total], dtype, f"prefill {dtype} {case}")
+
+
+def test_each_sequence_is_its_own_prefill():
+    """Packing changes nothing: every sequence's rows equal the kernel run on that sequence alone
+    (int64 boundaries, default output)."""
+    lens = [7, 1, 30, 2]
+    q, k, v, cu, scale = make_inputs(4, 2, 32, lens, 4, torch.float32, seed=5, cu_dtype=torch.int64)
+    packed = pf.prefill_attention(q, k, v, cu, scale)
+    start = 0
+    for n in lens:
+        sl = slice(start, start + n)
+        alone = pf.prefill_attention(q[sl], k[sl], v[sl], torch.tensor([0, n], device=DEVICE), scale)
+        torch.testing.assert_close(packed[sl], alone, rtol=1e-5, atol=1e-6)
+        start += n
+
+
+def test_contract_violations_raise():
+    q, k, v, cu, scale = make_inputs(4, 2, 16, [3, 5], 0, torch.float32)
+    with pytest.raises(AssertionError, match="kv heads"):
+        pf.prefill_attention(q[:, :3], k, v, cu, scale)
+    with pytest.raises(AssertionError, match="cu_seqlens"):
+        pf.prefill_attention(q, k, v, cu.float(), scale)
+    with pytest.raises(AssertionError, match="out"):
+        pf.prefill_attention(q, k, v, cu, scale, out=torch.empty(8, 4, 8, device=DEVICE))
