@@ -164,19 +164,40 @@ def apply_top_k_capped(logits: torch.Tensor, top_k: torch.Tensor, cap: int) -> t
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def warp_and_draw(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
-    """temperature -> top-k -> top-p -> draw (the shared tail of both samplers), by `params.mode`.
+def nonfinite_rows(scores: torch.Tensor) -> torch.Tensor:
+    """[B] bool: rows with no usable candidate — a NaN or +inf anywhere, or every score -inf.
+
+    One reduction: amax propagates NaN, is +inf when any score is, and -inf when all are."""
+    return ~torch.isfinite(scores.amax(dim=-1))
+
+
+def guard_ids(ids: torch.Tensor, bad: torch.Tensor, faults: torch.Tensor | None) -> torch.Tensor:
+    """The finite guard: `bad` rows [B] get id 0 (valid in every talker, code-predictor and codec table,
+    so no embedding or gather downstream can read out of bounds, on any device) and are or-ed into
+    `faults` [B] bool (in place, graph-safe) so the engine can end exactly those rows with an error."""
+    if faults is not None:
+        faults |= bad
+    return torch.where(bad, torch.zeros_like(ids), ids)
+
+
+def warp_and_draw(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor,
+                  faults: torch.Tensor | None = None) -> torch.Tensor:
+    """temperature -> top-k -> top-p -> draw (the shared tail of both samplers), by `params.mode`,
+    then the finite guard (`guard_ids`): a row whose scores are not finite after temperature (NaN
+    activations, a non-finite or extreme parameter) draws id 0 and is flagged in `faults`.
 
     TOPK equals FULL on its rows: with top_p >= 1 the nucleus step only masks ids whose probability
     is already 0, which the draw never picks. GREEDY equals FULL on its rows: temperature is 1,
     top-k keeps every copy of the maximum and top-p (>= 1) keeps it too, so argmax is unchanged."""
     if params.mode == GREEDY:
-        return logits.argmax(dim=-1)
+        return guard_ids(logits.argmax(dim=-1), nonfinite_rows(logits), faults)
     logits = apply_temperature(logits, params.temperature, params.greedy)
+    bad = nonfinite_rows(logits)
     if params.mode == TOPK:
-        return draw(apply_top_k_capped(logits, params.top_k, TOPK_CAP), u, params.greedy)
-    logits = apply_top_p(apply_top_k(logits, params.top_k), params.top_p)
-    return draw(logits, u, params.greedy)
+        ids = draw(apply_top_k_capped(logits, params.top_k, TOPK_CAP), u, params.greedy)
+    else:
+        ids = draw(apply_top_p(apply_top_k(logits, params.top_k), params.top_p), u, params.greedy)
+    return guard_ids(ids, bad, faults)
 
 
 @dataclass(frozen=True)
@@ -190,24 +211,29 @@ class TalkerRules:
 
 def sample_talker(logits: torch.Tensor, params: SamplingTensors, rules: TalkerRules,
                   generated: torch.Tensor, num_generated: torch.Tensor,
-                  u: torch.Tensor) -> torch.Tensor:
+                  u: torch.Tensor, faults: torch.Tensor | None = None) -> torch.Tensor:
     """First-codebook draw. logits [B, V] (any float dtype); generated [B, V] bool history mask;
-    num_generated [B] int; u [B]. Returns c0 [B] int64."""
+    num_generated [B] int; u [B]. Returns c0 [B] int64: always a speech id (< suppress_start) or EOS —
+    a non-finite row draws speech id 0 (valid for the codec too: never EOS, which a prefill row may not
+    draw and the codec cannot embed) and is flagged in `faults` [B] bool (see `warp_and_draw`)."""
     scores = apply_repetition_penalty(logits.float(), generated, params.repetition_penalty)
     scores = block_eos(scores, num_generated, rules.eos_id, rules.min_new_tokens)
     scores = suppress_range(scores, rules.suppress_start, rules.eos_id)
-    return warp_and_draw(scores, params, u)
+    return warp_and_draw(scores, params, u, faults=faults)
 
 
 class SubtalkerSampler:
-    """Code-predictor sampler: `sampler(logits [B, V], group) -> ids [B]` using `u[:, group]`."""
+    """Code-predictor sampler: `sampler(logits [B, V], group) -> ids [B]` using `u[:, group]`.
 
-    def __init__(self, params: SamplingTensors, u: torch.Tensor):
+    Rows whose scores were not finite draw id 0 and are or-ed into `faults` [B] bool when given."""
+
+    def __init__(self, params: SamplingTensors, u: torch.Tensor, faults: torch.Tensor | None = None):
         self.params = params
         self.u = u  # [B, NUM_UNIFORMS]
+        self.faults = faults
 
     def __call__(self, logits: torch.Tensor, group: int) -> torch.Tensor:
-        return warp_and_draw(logits.float(), self.params, self.u[:, group])
+        return warp_and_draw(logits.float(), self.params, self.u[:, group], faults=self.faults)
 
 
 # ---------------------------------------------------------------- counter-based uniforms
