@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from q3tts.kernels.reference import rope_cos_sin
+from q3tts.models.layers import MLP
 
 from ..config import CodecConfig, CodecDecoderConfig
 from .layers import (AttentionProjections, CausalConv1d, CausalTransConv1d, LayerScale, RMSNorm, SnakeBeta, StateSpec, States,
@@ -106,19 +107,6 @@ class Attention(AttentionProjections):
         return self.o_proj(out.reshape(b, t, -1))
 
 
-class Mlp(nn.Module):
-    """SwiGLU MLP."""
-
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class TransformerLayer(nn.Module):
     """Pre-norm layer with LayerScale on both residual branches."""
 
@@ -126,7 +114,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.self_attn = Attention(spec, cfg)
-        self.mlp = Mlp(h, cfg.intermediate_size)
+        self.mlp = MLP(h, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn_layer_scale = LayerScale(h, cfg.layer_scale_initial_scale)
@@ -241,7 +229,10 @@ class CodecDecoder(nn.Module):
         own = {k.removeprefix("decoder."): v for k, v in weights.items() if not k.startswith("encoder.")}
         model = cls(cfg)
         model.load_state_dict(own, strict=True)
-        return model.to(device=device, dtype=dtype).eval()
+        model.to(device=device, dtype=dtype).eval()
+        for layer in model.pre_transformer.layers:
+            layer.mlp.fuse_()  # gate/up as one GEMM, fused now: never inside a CUDA graph capture
+        return model
 
     def use_kernels(self, on: bool) -> None:
         """Route the convs and SnakeBeta activations through `q3tts.kernels` (on) or torch (off).

@@ -175,7 +175,8 @@ class SelfAttention(_FusedRows):
 
 
 class MLP(_FusedRows):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up as one GEMM over `gate_up_weight`."""
+    """SwiGLU: down(silu(gate(x)) * up(x)) over x [..., H]; gate/up as one GEMM over `gate_up_weight`.
+    The one SwiGLU of the package: the talker, the code predictor and the codec decoder's transformer."""
 
     _buffer = "gate_up_weight"
     _fused_names = ("gate_proj", "up_proj")
