@@ -3,7 +3,8 @@
 One `AttentionContext` per forward call: layers hand it post-RoPE q/k/v and get the attention output.
 `PrefillContext` is causal over the new tokens of one or more sequences whose rows are concatenated
 (ragged / varlen: block-diagonal causal, each sequence sees only its own earlier rows);
-`DecodeContext` attends one token per row over that row's pages. Both write K/V into the cache via `slot_mapping` (slot = page * page_size
+`PackedPrefillContext` is the same with the sequence boundaries on the device (CUDA graphs);
+`DecodeContext` attends one token per row over that row's pages. All write K/V into the cache via `slot_mapping` (slot = page * page_size
 + offset, -1 = padding row). K/V stores and paged decode attention go through `q3tts.kernels`, which
 dispatches to the Triton kernels on CUDA and to the torch references on CPU.
 """
@@ -151,6 +152,22 @@ def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, values).transpose(1, 2).reshape(g * lm, num_heads, -1)
 
+
+class PackedPrefillContext(AttentionContext):
+    """`PrefillContext` with the sequence boundaries on the device (for CUDA graphs): cu_seqlens [S+1]
+    (sequence i = rows cu[i]..cu[i+1]-1, at positions 0..); rows >= cu[S] are padding (slot -1, output
+    rows junk). No host value, so one capture serves every mix of sequences of a row count.
+    Attention is `kernels.prefill_attention` (the torch reference on CPU)."""
+
+    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, cu_seqlens: torch.Tensor,
+                 scale: float):
+        super().__init__(cache, slot_mapping)
+        self.cu_seqlens = cu_seqlens
+        self.scale = scale
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self._store(layer, k, v)
+        return kernels.prefill_attention(q, k, v, self.cu_seqlens, self.scale)
 
 class DecodeContext(AttentionContext):
     """One new token per row attending over its pages.

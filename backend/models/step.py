@@ -106,12 +106,18 @@ def prefill_batch(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, seq
         hidden = out.index_select(0, last.to(device))  # [B, H]
     if rows > len(lens):
         hidden = torch.cat((hidden, hidden.new_zeros(rows - len(lens), hidden.shape[1])))
-    vocab = talker.cfg.vocab_size
-    no_history = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+    return first_c0(talker, hidden, params, seeds, uniform_source), hidden
+
+
+def first_c0(talker: Talker, hidden: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor,
+             uniform_source: UniformSource) -> torch.Tensor:
+    """c0[0] [R] int64 of R prompts from the hidden [R, H] of their last rows (no history yet,
+    uniform counter 0). Static shapes, no host sync."""
+    rows, device = hidden.shape[0], hidden.device
+    no_history = torch.zeros(rows, talker.cfg.vocab_size, dtype=torch.bool, device=device)
     zero = torch.zeros(rows, dtype=torch.int64, device=device)
     u = uniform_source(seeds, zero)[:, 0]
-    c0 = sample_talker(talker.logits(hidden), params, talker_rules(talker), no_history, zero, u)
-    return c0, hidden
+    return sample_talker(talker.logits(hidden), params, talker_rules(talker), no_history, zero, u)
 
 
 @torch.no_grad()
