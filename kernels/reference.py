@@ -1,6 +1,6 @@
 """Torch references for every kernel in `q3tts.kernels`: the CPU path and the tests' ground truth.
 
-Numerics follow the official model (spec h): RMSNorm statistics in fp32, result cast to the input
+Numerics follow the official model: RMSNorm statistics in fp32, result cast to the input
 dtype before the weight multiply; softmax in fp32.
 """
 

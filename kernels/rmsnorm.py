@@ -1,6 +1,6 @@
 """RMSNorm (optionally fused with the residual add) over the last dim; also QK-norm over head_dim.
 
-Numerics of `rms_norm_ref` (spec h): statistics in fp32, normalised value rounded to x.dtype, then
+Numerics of `rms_norm_ref`: statistics in fp32, normalised value rounded to x.dtype, then
 the weight multiply (rounded to the promoted dtype, as torch does). The fused residual add rounds
 x + residual to x.dtype first, like the eager `hidden = hidden + residual`.
 """

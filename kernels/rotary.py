@@ -3,7 +3,8 @@
 The tables are [max_pos, D] in the cat(freqs, freqs) layout of `rotary_ref`; reading them by
 `positions` inside the kernel keeps the launch graph-safe (no host-side indexing). When the table
 dtype equals the activation dtype, each product is rounded to that dtype before the add, exactly as
-the eager bf16 `x * cos + rotate_half(x) * sin` does (spec h: rotary applied in bf16).
+the eager bf16 `x * cos + rotate_half(x) * sin` does (the official model applies rotary in the model
+dtype).
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ import soxr
 import torch
 from torch import Tensor
 
+# the 12 Hz codec's audio rate (input/output_sample_rate of speech_tokenizer/config.json): reference
+# audio is resampled to it and generated audio comes out at it. The wire states its own rate in
+# q3tts_client.protocol.SAMPLE_RATE.
 SAMPLE_RATE = 24000
 
 
@@ -72,7 +75,7 @@ def mel_filterbank(sr: int, n_fft: int, n_mels: int, fmin: float, fmax: float) -
 
 def mel_spectrogram(wav: Tensor, n_fft: int = 1024, n_mels: int = 128, sr: int = SAMPLE_RATE,
                     hop: int = 256, win: int = 1024, fmin: float = 0.0, fmax: float = 12000.0) -> Tensor:
-    """Log-mel of the speaker encoder (spec f.2): wav [B, n] -> [B, n_mels, frames] float32.
+    """Log-mel of the speaker encoder: wav [B, n] -> [B, n_mels, frames] float32.
 
     Reflect pad (n_fft - hop)/2 both sides, Hann STFT without centering, magnitude sqrt(re²+im²+1e-9),
     Slaney mel, log(clamp(·, 1e-5)).

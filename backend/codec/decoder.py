@@ -1,8 +1,8 @@
-"""The 12 Hz codec decoder (spec e): codes [B, 16, T] -> 24 kHz pcm [B, T·1920].
+"""The 12 Hz codec decoder: codes [B, 16, T] -> 24 kHz pcm [B, T·1920].
 
 `CodecDecoder` is an nn.Module whose state_dict names are the released `decoder.*` keys without the
 prefix. Its one compute path, `forward_chunk(codes, states)`, decodes T new frames given the per-stream
-state of everything before them (spec e.2); `decode` is that path with zero state (= the reference's
+state of everything before them; `decode` is that path with zero state (= the reference's
 single full pass, which the reference uses for up to 300 frames). `StreamingDecoder` (streaming.py)
 keeps the states of many streams in a preallocated pool.
 """
@@ -69,7 +69,7 @@ class ResidualVQ(nn.Module):
 
 
 class SplitRVQ(nn.Module):
-    """Codebook 0 (semantic, `rvq_first`) plus codebooks 1..n-1 (`rvq_rest`), summed (spec e #1-2)."""
+    """Codebook 0 (semantic, `rvq_first`) plus codebooks 1..n-1 (`rvq_rest`), summed."""
 
     def __init__(self, cfg: CodecDecoderConfig) -> None:
         super().__init__()
@@ -265,7 +265,7 @@ class CodecDecoder(nn.Module):
         return self.forward_chunk(codes.clamp(min=0), self.zero_states(codes.shape[0]))
 
     def decode_like_reference(self, codes: Tensor, chunk: int = 300, context: int = 25) -> Tensor:
-        """The reference's `chunked_decode` (spec e.1): independent passes over `chunk` frames, each with
+        """The reference's `chunked_decode`: independent passes over `chunk` frames, each with
         up to `context` preceding frames whose audio is dropped. Equals `decode` for T <= chunk; use it
         only for bit-parity with the reference on longer outputs. codes [B, 16, T] -> pcm [B, T·1920]."""
         spf = self.config.samples_per_frame

@@ -1,4 +1,4 @@
-"""The codec encoder (spec f.1): 24 kHz reference audio -> codes [T, 16] (Mimi encoder, no decoder parts).
+"""The codec encoder: 24 kHz reference audio -> codes [T, 16] (Mimi encoder, no decoder parts).
 
 `MimiEncoder` is an nn.Module whose state_dict names are the released `encoder.*` keys minus the prefix
 (SEANet `encoder.layers.*`, `encoder_transformer.layers.*`, `downsample`, split RVQ `quantizer.*` with
@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from q3tts.kernels.reference import rope_cos_sin
 
 from ..config import CodecConfig
+from .audio import SAMPLE_RATE
 from .layers import AttentionProjections, LayerScale, apply_rope
 
 
@@ -56,7 +57,7 @@ class MimiEncoderConfig:
         heads = d.get("num_attention_heads", 8)
         hidden = d.get("hidden_size", 512)
         return cls(
-            sampling_rate=d.get("sampling_rate", 24000), hidden_size=hidden,
+            sampling_rate=d.get("sampling_rate", SAMPLE_RATE), hidden_size=hidden,
             num_filters=d.get("num_filters", 64), num_residual_layers=d.get("num_residual_layers", 1),
             ratios=tuple(reversed(d.get("upsampling_ratios", [8, 6, 5, 4]))),
             kernel_size=d.get("kernel_size", 7), last_kernel_size=d.get("last_kernel_size", 3),

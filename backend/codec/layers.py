@@ -1,7 +1,7 @@
 """Building blocks of the 12 Hz codec decoder, written as *chunk* operators over explicit state.
 
 Every stateful layer maps `(x, state) -> (y, new_state)` for a chunk of T new time steps, where
-`state` is exactly what the layer needs from the past (spec e.2). A full decode is one chunk with a
+`state` is exactly what the layer needs from the past. A full decode is one chunk with a
 zero state; a streaming decode is many chunks. States are plain tensors with a leading batch dim, kept
 in a flat list (`States`); each stateful layer owns one or more indices into it, assigned at build time.
 """

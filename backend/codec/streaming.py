@@ -1,4 +1,4 @@
-"""Frame-by-frame streaming decode for many streams at once (spec e.2).
+"""Frame-by-frame streaming decode for many streams at once.
 
 `StreamingDecoder` preallocates the per-stream decoder state for `max_streams` slots (every state tensor
 has a leading slot dim; one extra scratch slot, `scratch_slot`, takes padding rows). A call gathers the

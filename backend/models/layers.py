@@ -1,4 +1,4 @@
-"""Qwen3 decoder building blocks shared by the talker and the code predictor (spec b.1, c).
+"""Qwen3 decoder building blocks shared by the talker and the code predictor.
 
 Token-major, batch-free tensors: every forward takes `x [N, H]` rows (tokens of any sequences) with
 their `positions [N]`; the `AttentionContext` knows which rows belong to which sequence.

@@ -1,4 +1,4 @@
-"""The talker (spec b.1): first-codebook LM over text + codec embeddings, owning the code predictor.
+"""The talker: first-codebook LM over text + codec embeddings, owning the code predictor.
 
 `embed_text` = P(ids) = text_projection(text_embedding(ids)); `embed_codec` = C(ids);
 `forward` runs the 28-layer stack over a paged KV cache; `logits` is the codec head in fp32.
