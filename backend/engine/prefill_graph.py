@@ -4,15 +4,17 @@
 over the prompts back to back (`PackedPrefillContext`: block-diagonal causal attention from device
 boundaries), padded to the bucket's row count (padding rows: slot -1, never read by attention),
 then the first c0 of each sequence drawn on a sampling head of `max_seqs` rows (one per sequence,
-the rest on the dummy slot). `PrefillGraphs` holds its inputs in static buffers and captures it
-once per (token bucket, sampling variant), so a prefill costs one metadata copy, one embedding copy
-and one graph launch whatever the layer count; on CPU, or for a variant not captured, the same body
-runs eagerly.
+the rest on the dummy slot). `PrefillGraphs` holds its inputs and outputs in static buffers and
+captures it once per token bucket (`GraphRunner`), so a prefill costs one metadata copy, one
+embedding copy and one graph launch whatever the layer count; on CPU the same body runs eagerly.
+The head always samples in the FULL mode: it equals the cheaper modes on the rows they are valid
+for (models/sampling.py), and one draw per prompt costs little, so one graph per bucket serves all.
 
 Static buffers, sized for the largest bucket T and S = max_seqs:
     embeds [T, H]   the prompts back to back (rows past them keep stale, finite values)
     meta   [2T + 2S + 1] int64; bucket t reads positions [t] | slot_mapping [t] | cu_seqlens [S+1] |
            head_slots [S] from its start (one host-to-device copy per prefill)
+    c0 [S] int64, hidden [S, H]: the outputs
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ import torch
 
 from q3tts.models import step
 from q3tts.models.attention import PackedPrefillContext, PagedKVCache
-from q3tts.models.sampling import FULL, TOPK, SamplingTensors, UniformSource
+from q3tts.models.sampling import FULL, SamplingTensors, UniformSource
 from q3tts.models.talker import Talker
+
+from .cuda_graph import GraphRunner
 
 PREFILL_TOKEN_BUCKETS = (64, 128, 256, 512, 1024)
 
-# (head slots [S] int64, sampling mode) -> the talker sampling parameters and seeds of those slots
-HeadParams = Callable[[torch.Tensor, str], tuple[SamplingTensors, torch.Tensor]]
+# head slots [S] int64 -> the talker sampling parameters and seeds of those slots (graph-safe)
+HeadParams = Callable[[torch.Tensor], tuple[SamplingTensors, torch.Tensor]]
 
 
 def token_buckets(max_tokens: int, candidates: tuple[int, ...] = PREFILL_TOKEN_BUCKETS) -> tuple[int, ...]:
@@ -73,7 +77,7 @@ class PackedBatch:
 
 
 class PrefillGraphs:
-    """`prefill_packed` over static buffers, captured per (token bucket, sampling variant).
+    """`prefill_packed` over static buffers, captured per token bucket.
 
     talker, cache: the model and its paged KV. head_params: the sampling parameters of a set of
     slots. max_seqs: sequences one prefill may hold (the sampling head's rows); dummy_slot: the slot
@@ -87,13 +91,16 @@ class PrefillGraphs:
         self.talker, self.cache, self.head_params = talker, cache, head_params
         self.uniform_source = uniform_source
         self.max_seqs, self.dummy_slot, self.buckets = max_seqs, dummy_slot, buckets
-        rows = buckets[-1]
-        self.embeds = torch.zeros(rows, talker.cfg.hidden_size, dtype=dtype, device=device)
+        rows, hidden = buckets[-1], talker.cfg.hidden_size
+        self.embeds = torch.zeros(rows, hidden, dtype=dtype, device=device)
         self.meta = torch.zeros(2 * rows + 2 * max_seqs + 1, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.pool = None
-        self.num_replays = 0
+        self.c0 = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.hidden = torch.zeros(max_seqs, hidden, dtype=dtype, device=device)
+        self.graphs: GraphRunner | None = None
+
+    @property
+    def num_replays(self) -> int:
+        return self.graphs.num_replays if self.graphs is not None else 0
 
     def bucket_for(self, tokens: int, seqs: int) -> int | None:
         """The smallest bucket holding `tokens` prompt rows of `seqs` sequences, None if none does."""
@@ -101,68 +108,46 @@ class PrefillGraphs:
             return None
         return next((b for b in self.buckets if b >= tokens), None)
 
-    def run(self, prompts: list[torch.Tensor], slot_mapping: np.ndarray, slots: list[int],
-            mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, prompts: list[torch.Tensor], slot_mapping: np.ndarray, slots: list[int]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill n = len(prompts) sequences (prompt rows [L_i, H]) whose K/V go to slot_mapping
-        [sum L] and whose sampling parameters are those of `slots`, drawing in `mode` (FULL, or a
-        cheaper mode valid for every row). Replays the bucket's graph when captured.
-        Returns c0[0] [n] int64 and past_hidden [n, H]: views of buffers the next prefill reuses."""
+        [sum L] and whose sampling parameters are those of `slots`. Replays the bucket's graph when
+        captured. Returns c0[0] [n] int64 and past_hidden [n, H]: views of buffers the next prefill
+        overwrites."""
         lens = [int(p.shape[0]) for p in prompts]
         bucket = self.bucket_for(sum(lens), len(lens))
         if bucket is None:
             raise ValueError(f"PrefillGraphs: {len(lens)} prompts of {sum(lens)} rows fit no bucket "
                              f"({self.max_seqs} sequences, {self.buckets[-1]} rows at most)")
-        meta = self._host_meta(bucket, lens, slot_mapping, slots)
-        self.meta[:meta.shape[0]].copy_(torch.from_numpy(meta))
+        self._load(bucket, lens, slot_mapping, slots)
         torch.cat([p.to(self.embeds.device, self.embeds.dtype) for p in prompts],
                   out=self.embeds[:sum(lens)])
-        key = (bucket, FULL if mode == FULL else TOPK)
-        graph = self.graphs.get(key)
-        if graph is None:
-            c0, hidden = self._body(*key)
+        if self.graphs is not None and bucket in self.graphs.graphs:
+            self.graphs.replay(bucket)
         else:
-            graph.replay()
-            self.num_replays += 1
-            c0, hidden = self.outputs[key]
-        return c0[:len(lens)], hidden[:len(lens)]
+            self._body(bucket)
+        return self.c0[:len(lens)], self.hidden[:len(lens)]
 
     def capture(self) -> None:
-        """Capture every (bucket, variant), largest first into one pool, each after a warm-up run.
+        """Capture every bucket (CUDA), largest first into one pool, each after a warm-up run."""
+        self.graphs = GraphRunner(self._body, self._fill_capture, self.buckets)
+        self.graphs.capture()
 
-        NOTE: capture runs one sequence filling the bucket with slot -1 (no KV written, the dummy
-        slot's head row), so the warm-up tunes the attention kernel on real work."""
-        stream = torch.cuda.Stream()
-        for bucket in sorted(self.buckets, reverse=True):
-            meta = self._host_meta(bucket, [bucket], np.full(bucket, -1), [self.dummy_slot])
-            self.meta[:meta.shape[0]].copy_(torch.from_numpy(meta))
-            for mode in (TOPK, FULL):
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self._body(bucket, mode)  # warm-up: kernel tuning, lazy buffers, allocator
-                torch.cuda.current_stream().wait_stream(stream)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                try:
-                    with torch.cuda.graph(graph, pool=self.pool):
-                        self.outputs[(bucket, mode)] = self._body(bucket, mode)
-                except RuntimeError as exc:
-                    raise RuntimeError(
-                        f"CUDA graph capture of the prefill failed at {bucket} rows ({mode}): {exc}. "
-                        "Check for host syncs in the talker forward or set "
-                        "EngineConfig(prefill_graphs=False)") from exc
-                self.pool = graph.pool() if self.pool is None else self.pool
-                self.graphs[(bucket, mode)] = graph
-        torch.cuda.synchronize()
+    def _fill_capture(self, start: int, stop: int) -> None:
+        """What bucket `stop` is warmed up and captured on: one sequence filling it whose K/V go
+        nowhere (slot -1) and whose head row is the dummy slot's, so the warm-up tunes the attention
+        kernel on real work and nothing but the dummy state is written."""
+        assert start == 0, "a prefill bucket is captured whole"
+        self._load(stop, [stop], np.full(stop, -1), [self.dummy_slot])
 
     def _views(self, bucket: int) -> PackedBatch:
         t, s, m = bucket, self.max_seqs, self.meta
         return PackedBatch(embeds=self.embeds[:t], positions=m[:t], slot_mapping=m[t:2 * t],
                            cu_seqlens=m[2 * t:2 * t + s + 1], head_slots=m[2 * t + s + 1:2 * t + 2 * s + 1])
 
-    def _host_meta(self, bucket: int, lens: list[int], slot_mapping: np.ndarray,
-                   slots: list[int]) -> np.ndarray:
-        """The bucket's metadata as `_views` reads it: padding rows at position 0 with slot -1,
-        empty sequences after the real ones, head rows past them on the dummy slot."""
+    def _load(self, bucket: int, lens: list[int], slot_mapping: np.ndarray, slots: list[int]) -> None:
+        """The bucket's metadata as `_views` reads it, in one copy: padding rows at position 0 with
+        slot -1, empty sequences after the real ones, head rows past them on the dummy slot."""
         t, s, n, total = bucket, self.max_seqs, len(lens), sum(lens)
         meta = np.zeros(2 * t + 2 * s + 1, dtype=np.int64)
         ends = np.cumsum(lens)
@@ -173,11 +158,13 @@ class PrefillGraphs:
         meta[2 * t + n + 1:2 * t + s + 1] = total
         meta[2 * t + s + 1:] = self.dummy_slot
         meta[2 * t + s + 1:2 * t + s + 1 + n] = slots
-        return meta
+        self.meta[:meta.shape[0]].copy_(torch.from_numpy(meta))
 
-    def _body(self, bucket: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured work of one bucket: `prefill_packed` on its views."""
+    def _body(self, bucket: int) -> None:
+        """The captured work of one bucket: `prefill_packed` on its views, into the outputs."""
         v = self._views(bucket)
-        params, seeds = self.head_params(v.head_slots, mode)
-        return prefill_packed(self.talker, self.cache, v.embeds, v.positions, v.slot_mapping,
-                              v.cu_seqlens, params, seeds, self.uniform_source)
+        params, seeds = self.head_params(v.head_slots)
+        c0, hidden = prefill_packed(self.talker, self.cache, v.embeds, v.positions, v.slot_mapping,
+                                    v.cu_seqlens, params.with_mode(FULL), seeds, self.uniform_source)
+        self.c0.copy_(c0)
+        self.hidden.copy_(hidden)

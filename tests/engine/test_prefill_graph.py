@@ -14,7 +14,7 @@ from q3tts.engine.prefill_graph import PrefillGraphs, token_buckets
 from q3tts.models import step
 from q3tts.models.attention import PagedKVCache
 from q3tts.models.prompt import PromptBuilder
-from q3tts.models.sampling import FULL, SamplingTensors, row_mode, sampling_mode, uniforms
+from q3tts.models.sampling import SamplingTensors, uniforms
 from q3tts.models.tts_model import Qwen3TTS
 
 TEXT = ("Hello world, this is a test of the speech system. The quick brown fox jumps over the "
@@ -35,11 +35,10 @@ class SlotTable:
         self.t = SamplingTensors.talker(params, device)
         self.seeds = torch.tensor([p.seed for p in params], device=device)
 
-    def __call__(self, sl: torch.Tensor, mode: str) -> tuple[SamplingTensors, torch.Tensor]:
+    def __call__(self, sl: torch.Tensor) -> tuple[SamplingTensors, torch.Tensor]:
         t = self.t
-        rows = SamplingTensors(t.temperature[sl], t.top_k[sl], t.top_p[sl], t.repetition_penalty[sl],
-                               t.greedy[sl])
-        return rows.with_mode(mode), self.seeds[sl]
+        return SamplingTensors(t.temperature[sl], t.top_k[sl], t.top_p[sl], t.repetition_penalty[sl],
+                               t.greedy[sl]), self.seeds[sl]
 
 
 def load_model(ckpt, device):
@@ -66,7 +65,8 @@ def slot_mapping(slots: list[int], lens: list[int]) -> np.ndarray:
 
 
 def eager(talker, prompts, slots, device, **kw):
-    """Today's path: `prefill_batch` with a MAX_SEQS-row head (padding rows on the dummy slot)."""
+    """Today's path: `prefill_batch` with a MAX_SEQS-row head (padding rows on the dummy slot),
+    sampling in the cheapest mode valid for its rows (the packed head samples in FULL)."""
     cache = new_cache(talker, device)
     lens = [p.shape[0] for p in prompts]
     head = [SLOT_PARAMS[s] for s in slots] + [SLOT_PARAMS[DUMMY]] * (MAX_SEQS - len(slots))
@@ -80,9 +80,8 @@ def eager(talker, prompts, slots, device, **kw):
 def packed(graphs: PrefillGraphs, prompts, slots):
     graphs.cache.k.zero_()
     graphs.cache.v.zero_()
-    mode = sampling_mode(row_mode(p.greedy, p.top_k, p.top_p) for p in (SLOT_PARAMS[s] for s in slots))
     lens = [p.shape[0] for p in prompts]
-    c0, hidden = graphs.run(prompts, slot_mapping(slots, lens), slots, mode)
+    c0, hidden = graphs.run(prompts, slot_mapping(slots, lens), slots)
     return c0.clone(), hidden.clone(), graphs.cache
 
 
@@ -93,7 +92,7 @@ def make_graphs(talker, device, buckets) -> PrefillGraphs:
 
 BATCHES = [  # (text lengths of the prompts, their slots)
     ([90], [0]),
-    ([12, 60, 30], [3, 0, 2]),               # nucleus slot 2: the FULL variant
+    ([12, 60, 30], [3, 0, 2]),               # nucleus slot 2: the eager head samples in FULL too
     ([5, 40, 1, 70, 20], [4, 1, 5, 6, 7]),
     ([60] * 8, list(range(8))),              # every head row used
 ]
@@ -129,7 +128,7 @@ def test_run_refuses_what_fits_no_bucket(tiny_ckpt):
     assert graphs.bucket_for(prompts[0].shape[0], 1) is None
     assert graphs.bucket_for(8, MAX_SEQS + 1) is None
     with pytest.raises(ValueError, match="fit no bucket"):
-        graphs.run(prompts, slot_mapping([0], [prompts[0].shape[0]]), [0], FULL)
+        graphs.run(prompts, slot_mapping([0], [prompts[0].shape[0]]), [0])
 
 
 # ------------------------------------------------------------------------------------------- GPU
@@ -143,7 +142,7 @@ def test_graph_prefill_equals_eager_prefill(tiny_ckpt):
     talker, model = load_model(tiny_ckpt, "cuda")
     graphs = make_graphs(talker, "cuda", token_buckets(512))
     graphs.capture()
-    assert sorted(graphs.graphs) == sorted((b, m) for b in graphs.buckets for m in ("topk", FULL))
+    assert sorted(graphs.graphs.graphs) == list(graphs.buckets)
     for i, (text_lens, slots) in enumerate(BATCHES):
         prompts = [p.cuda() for p in prompts_for(tiny_ckpt, model, text_lens)]
         c0, hidden, cache = eager(talker, prompts, slots, "cuda")
