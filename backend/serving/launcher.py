@@ -1,13 +1,18 @@
 """`q3tts serve`: render the model repository into a run dir and run tritonserver on 127.0.0.1.
 
-`TritonServer` is the reusable part (tests use it as a context manager): free ports, rendered repository,
-server env from `runtime.prepare()`, readiness with a timeout (a load hangs forever when libpython is
-missing), and an ordered stop: END for every sequence the model still reports open, SIGTERM by PID, then
-wait for the python stub PIDs (they outlive the server by ~2 s and keep writing to its log).
+`TritonServer` is the one implementation of starting and stopping the server (tests, perf scripts, the
+demo and the Docker entrypoint use it): free ports, the rendered repository, the server env from
+`runtime.prepare()`, readiness with a timeout (a load hangs forever when libpython is missing), and an
+ordered stop through Triton itself:
+1. unload the sequence model through the repository API (the server runs in explicit model control mode).
+   The model sees the unload within a tick and ends every open request with "the server is shutting
+   down"; Triton drops the sequences it still holds for clients that went away without END (those count
+   as in-flight inferences and would otherwise hold a plain SIGTERM until --exit-timeout-secs);
+2. SIGTERM by PID, wait; 3. wait for the python stubs (they outlive the server by ~2 s and keep writing
+   to its log). A server or stub left by a killed run of the same run dir is stopped before a start.
 
-NOTE (measured, Triton 2.51): a client that keeps its gRPC stream open holds the server's shutdown until
---exit-timeout-secs, whatever the model does; the server then exits without calling finalize(). Sequences
-left open by clients that went away are what the END step fixes (Triton counts them in-flight until idle).
+NOTE (measured, Triton 2.51): a client that keeps its gRPC stream open still holds the shutdown until
+--exit-timeout-secs, whatever the model does; the server then exits without calling finalize().
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import os
 import shutil
 import signal
 import socket
-import string
 import subprocess
 import sys
 import tempfile
@@ -29,11 +33,7 @@ from pathlib import Path
 
 from q3tts_client import protocol
 from q3tts.serving import runtime
-
-REPO_TEMPLATE = Path(os.environ.get("Q3TTS_MODEL_REPOSITORY")
-                     or Path(__file__).resolve().parents[2] / "model_repository")
-TEMPLATE_NAME = "config.pbtxt.tmpl"
-OPEN_SEQUENCES_GLOB = "open_sequences.*.json"  # written by the model (ServingCore._write_open_sequences)
+from q3tts.serving.repository import pbtxt_string, render_repository
 
 
 def free_ports(n: int) -> list[int]:
@@ -59,16 +59,14 @@ def detect_gpus() -> list[int]:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return [i for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]
+    return [i for i, _ in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]
 
 
 def parse_gpus(spec: str | None) -> list[int]:
-    if spec is None or spec == "auto":
+    if spec in (None, "auto", "all"):
         return detect_gpus()
     if spec in ("", "none", "cpu"):
         return []
-    if spec == "all":
-        return detect_gpus()
     return [int(x) for x in spec.split(",") if x != ""]
 
 
@@ -88,24 +86,7 @@ def parse_pool(spec: str | None) -> dict:
     return out
 
 
-def _pbtxt_string(s: str) -> str:
-    return json.dumps(s)  # a double-quoted string with C escapes: valid protobuf text format
-
-
-def render_repository(out_dir: Path, values: dict[str, str], template_dir: Path = REPO_TEMPLATE) -> Path:
-    """Copy every model of `template_dir` into out_dir, rendering config.pbtxt from config.pbtxt.tmpl.
-
-    Strict: `string.Template.substitute` (unknown names raise) and no `${` may remain.
-    """
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    for model_dir in sorted(p for p in template_dir.iterdir() if (p / TEMPLATE_NAME).exists()):
-        dst = out_dir / model_dir.name
-        shutil.copytree(model_dir, dst, ignore=shutil.ignore_patterns(TEMPLATE_NAME, "__pycache__"))
-        text = string.Template((model_dir / TEMPLATE_NAME).read_text()).substitute(values)
-        assert "${" not in text, f"unrendered placeholder left in {model_dir.name}/config.pbtxt"
-        (dst / "config.pbtxt").write_text(text)
-    return out_dir
+SERVER_PROGRAMS = ("tritonserver", runtime.STUB)
 
 
 class ServerError(RuntimeError):
@@ -122,7 +103,7 @@ class TritonServer:
     def __init__(self, model: str, *, run_dir: Path | None = None, http_port: int = 0, grpc_port: int = 0,
                  metrics_port: int = 0, gpus: list[int] | None = None, dtype: str | None = None,
                  max_slots: int | None = None, pool: dict | None = None, idle_s: float = 30.0,
-                 chunk_schedule: str | None = None, engine_factory: str = "q3tts.engine:Engine",
+                 chunk_schedule: str | None = None, stub_env: Path | runtime.StubEnvSpec | None = None,
                  ready_timeout_s: float = 300.0, exit_timeout_s: int = 10, log_verbose: int = 0,
                  bind: str = "127.0.0.1"):
         self.model = str(Path(model).resolve()) if Path(model).exists() else model
@@ -133,7 +114,7 @@ class TritonServer:
         self.pool = dict(pool or {})
         self.idle_s = float(idle_s)
         self.chunk_schedule = chunk_schedule or ",".join(map(str, protocol.DEFAULT_CHUNK_SCHEDULE))
-        self.engine_factory = engine_factory
+        self.stub_env = stub_env
         self.ready_timeout_s = ready_timeout_s
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
@@ -146,7 +127,7 @@ class TritonServer:
         self.log_path = self.run_dir / "server.log"
         self._lock = threading.Lock()
 
-    # --- urls ---------------------------------------------------------------------------------------
+    # --- urls ---------------------------------------------------------------------------------------------
     @property
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
@@ -162,7 +143,11 @@ class TritonServer:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    # --- repository ---------------------------------------------------------------------------------
+    # --- repository and command ---------------------------------------------------------------------------
+    @property
+    def repository(self) -> Path:
+        return self.run_dir / "model_repository"
+
     def template_values(self, rt: runtime.Runtime) -> dict[str, str]:
         engine_cfg = {"max_slots": self.max_slots, "dtype": self.dtype,
                       "device": "cuda" if self.gpus else "cpu", **self.pool}
@@ -170,25 +155,24 @@ class TritonServer:
             group = f"{{ count: 1, kind: KIND_GPU, gpus: [ {', '.join(map(str, self.gpus))} ] }}"
         else:
             group = "{ count: 1, kind: KIND_CPU }"
+        env_param = (f', {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: {pbtxt_string(str(rt.execution_env))} }} }}'
+                     if rt.use_execution_env else "")  # only for a venv: Triton sources <env>/bin/activate
         return {
             "max_candidate_sequences": str(self.max_slots),
             "max_sequence_idle_microseconds": str(int(self.idle_s * 1e6)),
             "instance_group": group,
-            "checkpoint": _pbtxt_string(self.model),
-            "engine_config": _pbtxt_string(json.dumps(engine_cfg)),
-            "chunk_schedule": _pbtxt_string(self.chunk_schedule),
-            "engine_factory": _pbtxt_string(self.engine_factory),
-            # EXECUTION_ENV_PATH only for a venv (Triton sources <env>/bin/activate) or $Q3TTS_STUB_ENV
-            "execution_env_param": (f', {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: '
-                                    f'{_pbtxt_string(str(rt.execution_env))} }} }}' if rt.use_execution_env else ""),
-            "state_dir": _pbtxt_string(str(self.run_dir)),
-            "idle_s": _pbtxt_string(str(self.idle_s)),
-            "sequence_model": _pbtxt_string(protocol.MODEL),
+            "checkpoint": pbtxt_string(self.model),
+            "engine_config": pbtxt_string(json.dumps(engine_cfg)),
+            "chunk_schedule": pbtxt_string(self.chunk_schedule),
+            "idle_s": pbtxt_string(str(self.idle_s)),
+            "execution_env_param": env_param,
         }
 
     def command(self, rt: runtime.Runtime) -> list[str]:
-        cmd = [str(rt.tritonserver), "--model-repository", str(self.run_dir / "model_repository"),
+        cmd = [str(rt.tritonserver), "--model-repository", str(self.repository),
                "--backend-directory", str(rt.backend_dir),
+               # explicit: every model loads at start, and stop() can unload the sequence model
+               "--model-control-mode", "explicit", "--load-model", "*",
                "--http-address", self.bind, "--http-port", str(self.http_port),
                "--grpc-address", self.bind, "--grpc-port", str(self.grpc_port),
                "--metrics-address", self.bind, "--metrics-port", str(self.metrics_port),
@@ -199,22 +183,20 @@ class TritonServer:
             cmd += ["--pinned-memory-pool-byte-size", "0"]
         return cmd
 
-    # --- lifecycle ----------------------------------------------------------------------------------
+    # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> TritonServer:
-        rt = runtime.prepare()
+        rt = runtime.prepare(self.stub_env)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.run_dir.glob(OPEN_SEQUENCES_GLOB):
-            stale.unlink()
-        render_repository(self.run_dir / "model_repository", self.template_values(rt))
+        self._kill(self._run_dir_pids())  # left by a killed run of this run dir (they may hold the GPU)
+        render_repository(self.repository, self.template_values(rt))
         env = rt.server_env()
         if not self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
-        log = open(self.log_path, "wb")
-        # NOTE: cwd = run dir: the stub's sys.path[0] is the server's cwd (TRITON_RECIPE §4.3);
-        # own session so Ctrl-C reaches only us and the stop stays ordered.
-        self.proc = subprocess.Popen(self.command(rt), cwd=self.run_dir, env=env, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        with open(self.log_path, "wb") as log:
+            # NOTE: cwd = run dir: the stub's sys.path[0] is the server's working directory; own session so
+            # Ctrl-C reaches only us and the stop stays ordered.
+            self.proc = subprocess.Popen(self.command(rt), cwd=self.run_dir, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self.wait_ready()
         except BaseException:
@@ -241,76 +223,45 @@ class TritonServer:
         raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s (a missing libpython "
                           f"makes the load hang); log {self.log_path}:\n{self.log_text()[-4000:]}")
 
-    def open_sequences(self) -> list:
-        ids: set = set()
-        for f in self.run_dir.glob(OPEN_SEQUENCES_GLOB):
-            try:
-                ids.update(json.loads(f.read_text()))
-            except (OSError, ValueError):
-                pass
-        return sorted(ids, key=str)
-
-    def close_open_sequences(self, timeout_s: float = 10.0) -> int:
-        """Send an empty END request for every sequence the model still reports open (frees Triton's slots)."""
-        ids = self.open_sequences()
-        if not ids or not self.running:
-            return 0
-        import numpy as np
-        import tritonclient.grpc as grpcclient
-
-        done = threading.Semaphore(0)
-        client = grpcclient.InferenceServerClient(self.grpc_url)
-        try:
-            client.start_stream(callback=lambda result, error: done.release()
-                                if result is None or _is_final(result) else None)
-            for cid in ids:
-                text = grpcclient.InferInput(protocol.INPUT_TEXT, [1], "BYTES")
-                text.set_data_from_numpy(np.array([b""], dtype=object))
-                client.async_stream_infer(protocol.MODEL, [text], sequence_id=cid, sequence_end=True,
-                                          parameters={protocol.PARAM_ABORT: True},
-                                          enable_empty_final_response=True)
-            deadline = time.monotonic() + timeout_s
-            for _ in ids:
-                if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                    break
-        finally:
-            client.stop_stream()
-            client.close()
-        return len(ids)
-
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def _stub_pids(self) -> list[int]:
-        pids = []
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                try:
-                    if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == self.proc.pid:
-                        pids.append(int(d.name))
-                except (OSError, IndexError, ValueError):
-                    pass
-        return pids
+    def _repository_api(self, path: str) -> list | dict:
+        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/{path}", data=b"{}", method="POST")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body else {}
+
+    def unload(self, model: str = protocol.MODEL) -> bool:
+        """Unload `model` and wait (up to the exit timeout) until Triton reports it unloaded."""
+        self._repository_api(f"models/{model}/unload")
+        deadline = time.monotonic() + self.exit_timeout_s
+        while time.monotonic() < deadline and self.running:
+            states = {m["name"]: m.get("state") for m in self._repository_api("index")}
+            if states.get(model) not in ("READY", "UNLOADING"):
+                return True
+            time.sleep(0.1)
+        return False
 
     def stop(self) -> None:
-        """Ordered stop: close open sequences, SIGTERM by PID, wait, then wait for the stub PIDs."""
+        """Ordered stop: unload the sequence model, SIGTERM by PID and wait, then wait for the stubs."""
         with self._lock:
             if self.proc is None:
                 return
             if self.running:
                 try:
-                    self.close_open_sequences()
-                except Exception as e:  # the stop must go on
-                    print(f"[q3tts] closing open sequences failed: {e}", file=sys.stderr)
-                stubs = self._stub_pids()
+                    if not self.unload():
+                        print(f"[q3tts] {protocol.MODEL} did not unload in {self.exit_timeout_s} s", file=sys.stderr)
+                except OSError as e:  # the stop must go on
+                    print(f"[q3tts] unloading {protocol.MODEL} failed: {e}", file=sys.stderr)
                 self.proc.send_signal(signal.SIGTERM)
                 try:
                     self.proc.wait(timeout=self.exit_timeout_s + 15)
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
                     self.proc.wait()
-                _wait_pids(stubs, timeout_s=15)
+            self._kill(self._run_dir_pids(), grace_s=15)
             self.proc = None
 
     def __enter__(self) -> TritonServer:
@@ -319,10 +270,32 @@ class TritonServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    # --- processes of this run dir ------------------------------------------------------------------------
+    def _run_dir_pids(self) -> list[int]:
+        """Live tritonserver and python stub processes whose command line names this run dir's repository."""
+        needle, pids = str(self.repository).encode(), []
+        for d in Path("/proc").iterdir():
+            try:
+                argv = (d / "cmdline").read_bytes().split(b"\0") if d.name.isdigit() else []
+            except OSError:
+                continue
+            if argv and Path(argv[0].decode(errors="replace")).name in SERVER_PROGRAMS \
+                    and any(needle in a for a in argv) and _alive(int(d.name)):
+                pids.append(int(d.name))
+        return pids
 
-def _is_final(result) -> bool:
-    p = result.get_response().parameters.get("triton_final_response")
-    return bool(p and p.bool_param)
+    @staticmethod
+    def _kill(pids: list[int], grace_s: float = 0.0) -> None:
+        """Wait up to `grace_s` for `pids` to exit, then SIGKILL the rest."""
+        deadline = time.monotonic() + grace_s
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for p in pids:
+            if _alive(p):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
 
 
 def _alive(pid: int) -> bool:
@@ -333,19 +306,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_pids(pids: list[int], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for p in pids:
-        if _alive(p):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-
-
-# --- CLI ------------------------------------------------------------------------------------------------
+# --- CLI ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder or hub id")
     p.add_argument("--http-port", type=int, default=0, help="0 = a free port")
@@ -359,6 +320,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-s", type=float, default=30.0,
                    help="a sequence with no request for this long is closed (text at LLM pace can pause)")
     p.add_argument("--chunk-schedule", default=None, help="frames per response, e.g. 1,2,4,8,12 (last repeats)")
+    p.add_argument("--stub-env", type=Path, default=None,
+                   help="the venv the python stub runs in (default: this one; it needs numpy<2)")
     p.add_argument("--run-dir", type=Path, default=None, help="where the rendered repository and log go")
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
     p.add_argument("--log-verbose", type=int, default=0)
@@ -369,15 +332,15 @@ def run(args: argparse.Namespace) -> int:
     server = TritonServer(args.model, run_dir=args.run_dir, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, gpus=parse_gpus(args.gpus), dtype=args.dtype,
                           max_slots=args.max_slots, pool=parse_pool(args.pool), idle_s=args.idle_s,
-                          chunk_schedule=args.chunk_schedule, ready_timeout_s=args.ready_timeout_s,
-                          log_verbose=args.log_verbose, bind=args.bind)
+                          chunk_schedule=args.chunk_schedule, stub_env=args.stub_env,
+                          ready_timeout_s=args.ready_timeout_s, log_verbose=args.log_verbose, bind=args.bind)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"[q3tts] starting tritonserver (log {server.log_path})", flush=True)
     try:
         server.start()
-    except ServerError as e:
+    except (ServerError, runtime.RuntimeSetupError) as e:
         print(f"[q3tts] {e}", file=sys.stderr)
         return 1
     print(f"[q3tts] ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}  "

@@ -1,6 +1,6 @@
 """Custom Prometheus metrics on Triton's metrics endpoint (pb_utils.MetricFamily).
 
-`pb` (the `triton_python_backend_utils` module) is passed in: only triton_model.py imports it.
+`pb` (the `triton_python_backend_utils` module) is passed in by model.py, so fakes test this module too.
 Each metric carries the labels {model, version, instance}. Gauges are refreshed from `Engine.stats()` by the
 engine thread's periodic tick (each update is an IPC round trip, so never per frame).
 

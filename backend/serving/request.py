@@ -1,19 +1,23 @@
-"""Triton request -> serving command. No `triton_python_backend_utils` here: only methods of the request
-object (`inputs()`, `parameters()`, `correlation_id()`, `flags()`) are used, so fakes test it directly.
+"""Triton request -> serving command, and serving results -> Triton responses.
 
-Every problem raises `BadRequest` whose text names the input or parameter and what was expected.
+Parsing uses only the request object's methods (`inputs()`, `parameters()`, `correlation_id()`, `flags()`),
+so fakes test it directly; every problem raises `BadRequest` whose text names the input or parameter and
+what was expected. The response builders import `triton_python_backend_utils` lazily (with model.py and
+metrics.py, the only users of it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from q3tts_client import protocol as P
 from q3tts.core import TEXT_MODES, InvalidRequest, SamplingParams, VoiceSpec
+from q3tts.serving.chunker import Chunk
+from q3tts.serving.commands import Abort, Append, SessionOptions, Start
 
 FLAG_START = 1  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 FLAG_END = 2  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -23,31 +27,11 @@ class BadRequest(ValueError):
     """The request is malformed; the text names the problem."""
 
 
-@dataclass
-class SessionOptions:
-    """What a START request fixes for the whole sequence."""
-
-    voice: VoiceSpec
-    sampling: SamplingParams
-    audio_format: str = "float32"
-    chunk_schedule: tuple[int, ...] = P.DEFAULT_CHUNK_SCHEDULE
-    ack_pieces: bool = False  # non-END requests get their FINAL at once; audio streams on the END request
-
-
-@dataclass
-class Piece:
-    """One request of a sequence: `options` is set on START only."""
-
-    key: Any  # correlation ID (int or str)
-    start: bool
-    end: bool
-    text: str
-    options: SessionOptions | None = None
-    abort: bool = False  # drop the sequence (protocol.PARAM_ABORT)
-
-
-def _inputs(request) -> dict[str, np.ndarray]:
-    return {t.name(): t.as_numpy() for t in request.inputs()}
+# --- requests ---------------------------------------------------------------------------------------------
+def sequence_flags(request) -> tuple[Any, bool, bool]:
+    """(correlation ID, START, END) of a request."""
+    flags = int(request.flags())
+    return request.correlation_id(), bool(flags & FLAG_START), bool(flags & FLAG_END)
 
 
 def _one_string(name: str, arr: np.ndarray) -> str:
@@ -79,19 +63,12 @@ def parse_parameters(request) -> dict[str, Any]:
     return out
 
 
-def parse_options(inputs: dict[str, np.ndarray], params: dict[str, Any], default_schedule) -> SessionOptions:
-    def opt_str(name: str) -> str | None:
-        return _one_string(name, inputs[name]) if name in inputs else None
-
-    text_mode = params.get(P.PARAM_TEXT_MODE)
-    if text_mode is not None and text_mode not in TEXT_MODES:
-        raise BadRequest(f"parameter {P.PARAM_TEXT_MODE} must be one of {TEXT_MODES}, got {text_mode!r}")
-    ref_audio = None
+def _ref_audio(inputs: dict[str, np.ndarray]) -> tuple[np.ndarray | None, int]:
+    ref_audio, sr = None, P.SAMPLE_RATE
     if P.INPUT_REF_AUDIO in inputs:
         ref_audio = np.asarray(inputs[P.INPUT_REF_AUDIO], dtype=np.float32).reshape(-1)
         if ref_audio.size == 0 or not np.isfinite(ref_audio).all():
             raise BadRequest(f"input {P.INPUT_REF_AUDIO} must be non-empty finite float32 samples")
-    sr = 24000
     if P.INPUT_REF_SAMPLE_RATE in inputs:
         rate = np.asarray(inputs[P.INPUT_REF_SAMPLE_RATE]).reshape(-1)
         if rate.size != 1:
@@ -99,13 +76,30 @@ def parse_options(inputs: dict[str, np.ndarray], params: dict[str, Any], default
         sr = int(rate[0])
         if not 8000 <= sr <= 192000:
             raise BadRequest(f"input {P.INPUT_REF_SAMPLE_RATE} must be in 8000..192000, got {sr}")
-    voice = VoiceSpec(
+    return ref_audio, sr
+
+
+def parse_voice(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> VoiceSpec:
+    def opt_str(name: str) -> str | None:
+        return _one_string(name, inputs[name]) if name in inputs else None
+
+    text_mode = params.get(P.PARAM_TEXT_MODE)
+    if text_mode is not None and text_mode not in TEXT_MODES:
+        raise BadRequest(f"parameter {P.PARAM_TEXT_MODE} must be one of {TEXT_MODES}, got {text_mode!r}")
+    ref_audio, sr = _ref_audio(inputs)
+    return VoiceSpec(
         speaker=opt_str(P.INPUT_SPEAKER) or None, language=opt_str(P.INPUT_LANGUAGE) or "auto",
         instruct=opt_str(P.INPUT_INSTRUCT) or None, ref_text=opt_str(P.INPUT_REF_TEXT) or None,
         ref_audio=ref_audio, ref_sample_rate=sr, xvector_only=bool(params.get(P.PARAM_XVECTOR_ONLY, False)),
         text_mode=text_mode,
     )
-    sampling = SamplingParams(**{k: v for k, v in params.items() if k in P.SAMPLING_PARAMS})
+
+
+def parse_options(inputs: dict[str, np.ndarray], params: dict[str, Any], default_schedule,
+                  defaults: SamplingParams) -> SessionOptions:
+    """What a START request fixes: the voice, sampling (`defaults` = the checkpoint's generation config,
+    overridden field by field), audio format, chunk schedule and ack mode."""
+    sampling = dataclasses.replace(defaults, **{k: v for k, v in params.items() if k in P.SAMPLING_PARAMS})
     try:
         sampling.validate()
     except InvalidRequest as e:
@@ -119,27 +113,99 @@ def parse_options(inputs: dict[str, np.ndarray], params: dict[str, Any], default
             schedule = P.parse_chunk_schedule(params[P.PARAM_CHUNK_SCHEDULE])
         except ValueError as e:
             raise BadRequest(str(e)) from None
-    return SessionOptions(voice, sampling, fmt, schedule, bool(params.get(P.PARAM_ACK_PIECES, False)))
+    return SessionOptions(parse_voice(inputs, params), sampling, fmt, schedule,
+                          bool(params.get(P.PARAM_ACK_PIECES, False)))
 
 
-def parse_request(request, default_schedule=P.DEFAULT_CHUNK_SCHEDULE) -> Piece:
-    """Validate one request of the sequence model and turn it into a Piece (raises BadRequest)."""
-    flags = int(request.flags())
-    start, end = bool(flags & FLAG_START), bool(flags & FLAG_END)
-    key = request.correlation_id()
+def parse_request(request, default_schedule, defaults: SamplingParams) -> Start | Append | Abort:
+    """Validate one request of the sequence model and turn it into its command (raises BadRequest)."""
+    key, start, end = sequence_flags(request)
     if key in (0, "", None):
         raise BadRequest("the request has no correlation ID (sequence_id): the sequence model needs one")
-    inputs = _inputs(request)
+    inputs = {t.name(): t.as_numpy() for t in request.inputs()}
     if P.INPUT_TEXT not in inputs:
         raise BadRequest(f"input {P.INPUT_TEXT} is required on every request (it may be empty)")
     text = _one_string(P.INPUT_TEXT, inputs[P.INPUT_TEXT])
     params = parse_parameters(request)
     abort = bool(params.pop(P.PARAM_ABORT, False))
-    if abort or not start:
+    if not start:
         # NOTE: parameters on later requests are ignored (perf_analyzer repeats them on every step);
         # voice inputs there are an error, since they would silently not apply.
         extra = sorted(set(inputs) - {P.INPUT_TEXT})
-        if extra and not start:
+        if extra:
             raise BadRequest(f"{', '.join(extra)} can only be set on the START request of a sequence")
-        return Piece(key, start, end, text, None, abort=True) if abort else Piece(key, False, end, text)
-    return Piece(key, True, end, text, parse_options(inputs, params, default_schedule))
+    if abort:
+        return Abort(key, end)
+    if not start:
+        return Append(key, text, end)
+    return Start(key, text, end, parse_options(inputs, params, default_schedule, defaults))
+
+
+# --- responses --------------------------------------------------------------------------------------------
+def _pb():
+    import triton_python_backend_utils as pb  # only inside the stub; imported here so parsing runs without it
+
+    return pb
+
+
+def _strings(name: str, *values: str):
+    return _pb().Tensor(name, np.array([v.encode() for v in values], dtype=object))
+
+
+def send(sender, response, final: bool) -> None:
+    """Send on a request's response sender (the response thread only)."""
+    flags = _pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+    if response is None:
+        sender.send(flags=flags)
+    else:
+        sender.send(response, flags=flags)
+
+
+def audio_response(chunk: Chunk | None, finish_reason: str | None = None):
+    """An audio response (AUDIO or AUDIO_INT16, SAMPLE_RATE, FIRST_FRAME); with `finish_reason` it is the
+    sequence's last one (then `chunk` may be None: FINISH_REASON alone)."""
+    pb = _pb()
+    tensors = []
+    if chunk is not None:
+        tensors = [pb.Tensor(chunk.output, chunk.samples),
+                   pb.Tensor(P.OUTPUT_SAMPLE_RATE, np.array([P.SAMPLE_RATE], np.int32)),
+                   pb.Tensor(P.OUTPUT_FIRST_FRAME, np.array([chunk.first_frame], np.int64))]
+    if finish_reason is not None:
+        tensors.append(_strings(P.OUTPUT_FINISH_REASON, finish_reason))
+    return pb.InferenceResponse(output_tensors=tensors)
+
+
+def triton_error(code: str, message: str):
+    pb = _pb()
+    code_value = getattr(pb.TritonError, code, None)
+    return pb.TritonError(message) if code_value is None else pb.TritonError(message, code_value)
+
+
+def error_response(code: str, message: str, after_audio: bool):
+    """A request's error. Before any audio: a TritonError with `code` (a TritonError code name).
+
+    NOTE: once audio went out, the request ends with a data response (FINISH_REASON cancelled|error + ERROR)
+    instead: in Triton 2.51 an error response after data responses breaks a BLS response iterator (the
+    one-shot relay hung or leaked, and the model could not unload)."""
+    if not after_audio:
+        return _pb().InferenceResponse(error=triton_error(code, message))
+    reason = "cancelled" if code == "CANCELLED" else "error"
+    return _pb().InferenceResponse(output_tensors=[_strings(P.OUTPUT_FINISH_REASON, reason),
+                                                   _strings(P.OUTPUT_ERROR, message)])
+
+
+def relay_request(request, target: str, correlation_id: int):
+    """The one-shot model's request as a START|END sequence of the sequence model `target` (BLS)."""
+    raw = request.parameters()
+    params = json.loads(raw) if isinstance(raw, str) and raw else {}
+    # BLS parameters take str, int and bool only: floats travel as text (parse_parameters reads them back)
+    params = {k: (str(v) if isinstance(v, float) else v) for k, v in params.items() if not k.startswith("triton_")}
+    return _pb().InferenceRequest(model_name=target, requested_output_names=list(P.OUTPUTS), inputs=request.inputs(),
+                                  correlation_id=correlation_id, flags=FLAG_START | FLAG_END, parameters=params)
+
+
+def abort_request(target: str, correlation_id: int):
+    """Drop a relayed sequence in the sequence model: a START|END request with protocol.PARAM_ABORT."""
+    return _pb().InferenceRequest(model_name=target, requested_output_names=list(P.OUTPUTS),
+                                  inputs=[_strings(P.INPUT_TEXT, "")], correlation_id=correlation_id,
+                                  flags=FLAG_START | FLAG_END, parameters={P.PARAM_ABORT: True})

@@ -3,6 +3,7 @@ concurrency, cancellation, idle collection, HTTP SSE via the one-shot model, bad
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import threading
@@ -166,16 +167,14 @@ def test_bad_input_one_clear_error_and_server_stays_up(server):
 
 
 def offline_pcm(checkpoint, text: str, voice: dict, sampling: dict) -> np.ndarray:
-    """The engine's offline output for one request, in this process (no Triton)."""
-    try:
-        from q3tts.engine import Engine
-    except ImportError:  # before the package re-exports it
-        from q3tts.engine.engine import Engine
-    from q3tts.core import SamplingParams, VoiceSpec
-    from q3tts.engine.config import EngineConfig
+    """The engine's offline output for one request, in this process (no Triton): the same defaults
+    (the checkpoint's generation config) overridden by the same request parameters."""
+    from q3tts.core import VoiceSpec
+    from q3tts.engine import Engine, EngineConfig
 
-    engine = Engine(str(checkpoint), EngineConfig(max_slots=8, dtype="float32", device="cpu"))
-    engine.add(1, VoiceSpec(**voice), SamplingParams(**sampling), text=text, text_done=True)
+    engine = Engine.from_checkpoint(str(checkpoint), EngineConfig(max_slots=8, dtype="float32", device="cpu"))
+    engine.add(1, VoiceSpec(**voice), dataclasses.replace(engine.default_sampling, **sampling), text=text,
+               text_done=True)
     pcm = []
     while engine.has_work():
         for out in engine.step():
@@ -191,19 +190,33 @@ def test_served_audio_equals_offline_engine_output(server, tiny_checkpoint):
     np.testing.assert_allclose(served.audio, offline, rtol=0, atol=1e-5)
 
 
-def test_stop_closes_open_sequences(server):
-    """Runs last in the module: a sequence left open by a vanished client must not make the stop hit the
-    exit timeout (the launcher aborts it with an END request first)."""
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: None)
-    client.async_stream_infer(P.MODEL, start_inputs("left open", **VOICE), sequence_id=777001,
-                              sequence_start=True, enable_empty_final_response=True)
+def test_stop_ends_open_sequences_with_a_clear_reason(server):
+    """Runs last in the module. Two sequences are open when the server stops: one left by a client that went
+    away without END (Triton holds it until idle), one whose client still waits for audio. The stop unloads
+    the model through Triton: the waiting request ends at once with a clear reason, the vanished client's
+    sequence does not hold the shutdown, and finalize() runs."""
+    gone = grpcclient.InferenceServerClient(server.grpc_url)
+    gone.start_stream(callback=lambda result, error: None)
+    gone.async_stream_infer(P.MODEL, start_inputs("left open", **VOICE), sequence_id=777001,
+                            sequence_start=True, enable_empty_final_response=True)
     assert wait_metrics(server, lambda m: m.get("q3tts_open_sessions", 0) >= 1, 10)["q3tts_open_sessions"] >= 1
-    time.sleep(0.5)  # the open-sequence file is written by the model's 0.2 s tick
-    assert 777001 in server.open_sequences()
-    # a client that went away without END: Triton keeps the sequence's slot (in-flight) until idle
-    client.stop_stream(cancel_requests=True)
-    client.close()
-    server.stop()
+    gone.stop_stream(cancel_requests=True)
+    gone.close()
+    events: queue.Queue = queue.Queue()
+    waiting = grpcclient.InferenceServerClient(server.grpc_url)
+    waiting.start_stream(callback=lambda result, error: events.put((result, error)))
+    waiting.async_stream_infer(P.MODEL, start_inputs("waiting for more text", **VOICE), sequence_id=777002,
+                               sequence_start=True, enable_empty_final_response=True)
+    assert wait_metrics(server, lambda m: m.get("q3tts_open_sessions", 0) >= 1, 10)["q3tts_open_sessions"] >= 1
+    stopper = threading.Thread(target=server.stop)
+    stopper.start()
+    try:
+        result, error = events.get(timeout=20)
+        assert result is None and "the server is shutting down" in str(error)
+    finally:
+        waiting.stop_stream()  # NOTE: an open client stream would hold Triton's shutdown (launcher docstring)
+        waiting.close()
+        stopper.join(timeout=60)
+    assert not stopper.is_alive() and not server.running
     log = server.log_text()
     assert "Exit timeout expired" not in log and "[q3tts] finalize: done" in log

@@ -1,4 +1,4 @@
-"""A fake `triton_python_backend_utils` (installed before q3tts.serving.triton_model is imported) and a
+"""A fake `triton_python_backend_utils` (installed before q3tts.serving.model is imported) and a
 RecordingSender, so the glue runs without a server (the TRT-LLM test_llmapi_python_backend.py pattern)."""
 
 from __future__ import annotations

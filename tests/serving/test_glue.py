@@ -1,5 +1,5 @@
 """The serving glue with a fake pb_utils and a scripted engine: exactly one FINAL per request on every path
-(success, superseded, bad input, engine rejection, cancel, idle, engine crash, shutdown)."""
+(success, superseded, bad input, engine rejection, cancel, idle, engine crash, unload, shutdown)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,31 @@ import time
 import numpy as np
 import pytest
 
-from q3tts.core import InvalidRequest, StepOutput
-from tests.serving.conftest import FakeRequest
+from q3tts.core import InvalidRequest, SamplingParams, StepOutput
+from tests.serving.conftest import FINAL, FakeRequest, TritonError
 
-from q3tts.serving import triton_model  # noqa: E402  (after the fake pb_utils is installed)
+from q3tts.serving import model as M  # noqa: E402  (after the fake pb_utils is installed)
+from q3tts.serving.loop import EngineLoop
+from q3tts.serving.metrics import ServingMetrics
 
 FRAME = 1920
 
 
 class ScriptedEngine:
-    """The Engine contract in miniature: one frame per step per sequence whose text is done, `frames`
-    frames each; `abort` frees at the next step (reason 'aborted')."""
+    """The Engine contract in miniature: one frame per step per sequence whose text is done (`eager`: from
+    the start), `frames` frames each; `abort` frees at the next step (reason 'aborted')."""
 
-    def __init__(self, frames=5, fail_step=False):
-        self.frames, self.fail_step = frames, fail_step
-        self.seqs, self.aborted, self.calls = {}, [], []
+    def __init__(self, frames=5, fail_step=False, eager=False, default_sampling=SamplingParams()):
+        self.frames, self.fail_step, self.eager, self.default_sampling = frames, fail_step, eager, default_sampling
+        self.seqs, self.aborted, self.added = {}, [], []
 
     def add(self, seq_id, voice, sampling, text="", text_done=False):
         if voice.speaker == "nobody":
             raise InvalidRequest("unknown speaker 'nobody'")
         if voice.speaker == "crash":
             raise RuntimeError("unexpected")
-        self.seqs[seq_id] = {"done": text_done, "made": 0, "abort": False, "text": text}
+        self.added.append(sampling)
+        self.seqs[seq_id] = {"done": text_done or self.eager, "made": 0, "abort": False, "text": text}
 
     def append_text(self, seq_id, text):
         self.seqs[seq_id]["text"] += text
@@ -72,10 +75,10 @@ class ScriptedEngine:
 def core_factory():
     cores = []
 
-    def make(engine=None, idle_s=30.0, schedule=(1, 2, 4)):
+    def make(engine=None, idle_s=30.0, schedule=(1, 2, 4), model_ready=lambda: True):
         engine = engine or ScriptedEngine()
-        metrics = triton_model.ServingMetrics(triton_model.pb_utils, {"model": "t", "version": "1"})
-        core = triton_model.ServingCore(lambda: engine, schedule, idle_s, None, metrics)
+        metrics = ServingMetrics(M.pb_utils, {"model": "t", "version": "1"})
+        core = EngineLoop(lambda: engine, schedule, idle_s, metrics, M.log, model_ready)
         core.start()
         cores.append(core)
         return core, engine
@@ -89,6 +92,13 @@ def core_factory():
 def submit(core, *requests):
     for r in requests:
         core.submit(r, r.sender)
+
+
+def wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return predicate()
 
 
 def wait_finals(requests, timeout=5.0):
@@ -143,7 +153,7 @@ def test_bad_input_gets_exactly_one_clear_error(core_factory, req, needle):
     submit(core, req)
     wait_finals([req])
     assert len(req.sender.sent) == 1 and needle in req.sender.error.message()
-    assert engine.seqs == {} and core.sessions == {}
+    assert engine.seqs == {} and len(core.table) == 0
     assert core.metrics.rejected.value == 1
 
 
@@ -166,10 +176,7 @@ def test_cancel_aborts_in_engine_and_sends_one_cancelled_final(core_factory):
     wait_finals([r])
     assert "cancelled" in r.sender.error.message() and engine.aborted
     assert r.sender.sent[-1][0].tensors["FINISH_REASON"][0] == b"cancelled"  # audio had started: data final
-    deadline = time.monotonic() + 2
-    while engine.seqs and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.seqs == {} and core.sessions == {}
+    assert wait_until(lambda: not engine.seqs, 2) and len(core.table) == 0
 
 
 def test_cancel_while_waiting_for_text(core_factory):
@@ -179,7 +186,7 @@ def test_cancel_while_waiting_for_text(core_factory):
     time.sleep(0.1)
     r.sender.cancelled = True
     wait_finals([r])
-    assert r.sender.error.code() == triton_model.pb_utils.TritonError.CANCELLED and engine.aborted
+    assert r.sender.error.code() == TritonError.CANCELLED and engine.aborted
 
 
 def test_idle_sequence_is_collected(core_factory):
@@ -187,7 +194,7 @@ def test_idle_sequence_is_collected(core_factory):
     r = FakeRequest(7, "no end", start=True)
     submit(core, r)
     wait_finals([r])
-    assert "idled out" in r.sender.error.message() and engine.aborted and core.sessions == {}
+    assert "idled out" in r.sender.error.message() and engine.aborted and len(core.table) == 0
     late = FakeRequest(7, "more")
     submit(core, late)
     wait_finals([late])
@@ -243,7 +250,7 @@ def test_abort_request_drops_the_sequence(core_factory):
     wait_finals([first, stop])
     (resp, flags), = first.sender.sent  # ends normally: FINISH_REASON "aborted"
     assert flags == 1 and resp.tensors["FINISH_REASON"][0] == b"aborted" and stop.sender.sent == [(None, 1)]
-    assert engine.aborted and core.sessions == {}
+    assert engine.aborted and len(core.table) == 0
 
 
 def test_unexpected_engine_exception_is_one_internal_error_and_thread_survives(core_factory):
@@ -275,7 +282,7 @@ def test_ack_pieces_answers_each_piece_at_once_and_streams_on_end(core_factory):
 
 def test_step_counters_are_sent_as_increments():
     """Engine.stats() totals reach Triton's counters as the increments since the last tick, never negative."""
-    metrics = triton_model.ServingMetrics(triton_model.pb_utils, {"model": "t", "version": "1"})
+    metrics = ServingMetrics(M.pb_utils, {"model": "t", "version": "1"})
     metrics.update({"prefill_seconds": 0.5, "prefill_steps": 2, "decode_steps": 10}, open_sessions=0)
     metrics.update({"prefill_seconds": 0.75, "prefill_steps": 2, "decode_steps": 13}, open_sessions=0)
     c = metrics.counters
@@ -312,8 +319,8 @@ def test_oneshot_relay_client_gone_mid_stream(monkeypatch):
         async def async_exec(self, decoupled):
             return inner
 
-    monkeypatch.setattr(triton_model.pb_utils, "InferenceRequest", FakeInner, raising=False)
-    model = triton_model.OneShotModel()
+    monkeypatch.setattr(M.pb_utils, "InferenceRequest", FakeInner, raising=False)
+    model = M.OneShotModel()
     model.initialize({"model_config": "{}"})
     aborted = []
     monkeypatch.setattr(model, "_abort_inner", aborted.append)
@@ -329,4 +336,66 @@ def test_oneshot_relay_client_gone_mid_stream(monkeypatch):
     asyncio.run(model._relay(request))
     assert next(inner, None) is None  # drained
     assert len(aborted) == 1
-    assert [f for _, f in sends].count(triton_model.FINAL) == 1 and sends[-1][1] == triton_model.FINAL
+    assert [f for _, f in sends].count(FINAL) == 1 and sends[-1][1] == FINAL
+
+
+def test_sampling_defaults_come_from_the_engine_and_requests_override_them(core_factory):
+    """The checkpoint's generation config (engine.default_sampling) is the base; request parameters replace
+    single fields of it."""
+    defaults = SamplingParams(temperature=0.5, top_k=7, repetition_penalty=1.2, max_frames=100)
+    core, engine = core_factory(engine=ScriptedEngine(default_sampling=defaults))
+    r = FakeRequest(18, "x", start=True, end=True, params={"top_k": 3, "seed": 9})
+    submit(core, r)
+    wait_finals([r])
+    (sampling,) = engine.added
+    assert (sampling.temperature, sampling.top_k, sampling.repetition_penalty, sampling.max_frames, sampling.seed) \
+        == (0.5, 3, 1.2, 100, 9)
+
+
+def test_unload_closes_open_sequences_at_once_and_refuses_new_ones(core_factory):
+    """Once Triton reports the model not ready (an unload began), every open request ends with one clear
+    error instead of holding the unload, and new sequences are refused. Not ready while loading is no unload."""
+    ready = {"value": False}
+    core, engine = core_factory(model_ready=lambda: ready["value"])
+    waiting = FakeRequest(19, "waiting for more text", start=True)
+    submit(core, waiting)
+    time.sleep(0.5)  # two ticks while 'loading': nothing happens
+    assert not waiting.sender.sent and len(core.table) == 1
+    ready["value"] = True
+    time.sleep(0.3)
+    ready["value"] = False
+    wait_finals([waiting])
+    assert waiting.sender.error.code() == TritonError.UNAVAILABLE
+    assert "the server is shutting down" in waiting.sender.error.message() and engine.aborted
+    late = FakeRequest(20, "x", start=True, end=True)
+    submit(core, late)
+    wait_finals([late])
+    assert "the server is shutting down" in late.sender.error.message() and len(core.table) == 0
+
+
+def test_engine_finish_while_no_request_is_open_goes_out_on_the_end_request(core_factory):
+    """ack_pieces: the engine ends the sequence (eager frames) between requests; its audio and FINISH_REASON
+    wait for the END request."""
+    core, engine = core_factory(engine=ScriptedEngine(eager=True))
+    first = FakeRequest(21, "a ", start=True, params={"ack_pieces": True})
+    submit(core, first)
+    wait_finals([first])
+    assert wait_until(lambda: not engine.seqs)  # finished in the engine, nothing sent yet
+    last = FakeRequest(21, "", end=True)
+    submit(core, last)
+    wait_finals([last])
+    assert first.sender.sent == [(None, 1)]
+    assert np.concatenate(last.sender.audio)[::FRAME].tolist() == [1, 2, 3, 4, 5]
+    assert last.sender.sent[-1][0].tensors["FINISH_REASON"][0] == b"eos" and len(core.table) == 0
+
+
+def test_pieces_after_the_engine_finished_get_empty_finals(core_factory):
+    core, engine = core_factory(engine=ScriptedEngine(eager=True))
+    first = FakeRequest(22, "a ", start=True)
+    submit(core, first)
+    wait_finals([first])
+    assert first.sender.sent[-1][0].tensors["FINISH_REASON"][0] == b"eos"
+    more, last = FakeRequest(22, "b "), FakeRequest(22, "c", end=True)
+    submit(core, more, last)
+    wait_finals([more, last])
+    assert more.sender.sent == [(None, 1)] and last.sender.sent == [(None, 1)] and len(core.table) == 0

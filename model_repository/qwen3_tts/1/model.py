@@ -1,3 +1,3 @@
-"""Triton entry point: the model lives in the installed package (q3tts.serving.triton_model)."""
+"""Triton entry point: the model lives in the installed package (q3tts.serving.model)."""
 
-from q3tts.serving.triton_model import TritonPythonModel  # noqa: F401
+from q3tts.serving.model import TritonPythonModel  # noqa: F401

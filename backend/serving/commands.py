@@ -1,0 +1,89 @@
+"""What `execute()` and the response thread hand to the engine thread: one typed command per event.
+
+The engine thread applies them in arrival order, which keeps each sequence's requests ordered. `reply` and
+`at` are filled in by `EngineLoop.submit` (parse_request knows neither). No pb_utils here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from q3tts_client import protocol as P
+from q3tts.core import SamplingParams, VoiceSpec
+
+if TYPE_CHECKING:
+    from q3tts.serving.session import Reply
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """What a START request fixes for the whole sequence."""
+
+    voice: VoiceSpec
+    sampling: SamplingParams
+    audio_format: str = "float32"
+    chunk_schedule: tuple[int, ...] = P.DEFAULT_CHUNK_SCHEDULE
+    ack_pieces: bool = False  # non-END requests get their FINAL at once; audio streams on the END request
+
+
+@dataclass(frozen=True)
+class Start:
+    """A START request: opens sequence `key` (restarting a live one) with its first text piece."""
+
+    key: Any  # correlation ID (int or str)
+    text: str
+    end: bool  # START|END: the whole utterance in one request
+    options: SessionOptions
+    reply: Reply | None = None
+    at: float = 0.0  # time.monotonic() when execute() received it
+
+
+@dataclass(frozen=True)
+class Append:
+    """A later request of sequence `key`: one more text piece (`end`: the last one)."""
+
+    key: Any
+    text: str
+    end: bool
+    reply: Reply | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Abort:
+    """A request with protocol.PARAM_ABORT: drop sequence `key` now (its open request ends 'aborted')."""
+
+    key: Any
+    end: bool
+    reply: Reply | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """A request the parser could not read: it gets one clear error. Its START/END flags still open or close
+    the sequence in Triton, so a live session of `key` is closed and later requests are told why."""
+
+    key: Any
+    start: bool
+    end: bool
+    message: str
+    reply: Reply | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The response thread saw the client cancel the request answered by `reply`."""
+
+    key: Any
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """finalize(): close every session, then stop the engine thread."""
+
+
+Command = Start | Append | Abort | Refuse | Cancel | Shutdown

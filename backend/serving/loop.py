@@ -1,0 +1,299 @@
+"""The serving threads: one engine thread owns the Engine and the SessionTable, one response thread owns every
+`sender.send`. `submit()` (called by execute()) only parses and enqueues.
+
+The engine thread applies commands in arrival order, steps the engine while it has work, routes each
+output's PCM to its session, and every TICK_S does the housekeeping: idle sequences, cancellations while
+no audio flows, metrics, and the unload check (once Triton unloads the model, every open sequence ends at
+once with "the server is shutting down" and new ones are refused, so unloading never waits on a client).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+import traceback
+from typing import Callable
+
+from q3tts.core import AdmissionRejected, EngineError, InvalidRequest, StepOutput
+from q3tts.serving import request as R
+from q3tts.serving.commands import Abort, Append, Cancel, Command, Refuse, Shutdown, Start
+from q3tts.serving.session import Reply, Session, SessionTable, refuse
+
+TICK_S = 0.2  # engine thread housekeeping period
+IDLE_MARGIN_S = 1.0  # after Triton's own idle timeout: Triton has dropped the sequence by then
+CANCEL_CHECK_S = 0.5  # how often a session's open request is asked is_cancelled() between responses
+SHUTTING_DOWN = "the server is shutting down"
+
+
+def _no_log(level: str, msg: str) -> None:
+    pass
+
+
+class EngineLoop:
+    """`make_engine()` runs on the engine thread (a failure is raised from start()). `model_ready()` says
+    whether Triton still serves the model; it is only trusted after it was once True (not while loading)."""
+
+    def __init__(self, make_engine: Callable, default_schedule: tuple[int, ...], idle_s: float, metrics=None,
+                 log: Callable[[str, str], None] = _no_log, model_ready: Callable[[], bool] = lambda: True):
+        self.commands: queue.Queue = queue.Queue()
+        self.responses: queue.Queue = queue.Queue()
+        self.default_schedule, self.idle_s, self.metrics, self.log = default_schedule, idle_s, metrics, log
+        self.table = SessionTable()
+        self.engine = None
+        self.defaults = None  # engine.default_sampling: request parameters override it field by field
+        self.draining = False  # the model is being unloaded: new sequences are refused
+        self._make_engine, self._model_ready, self._was_ready = make_engine, model_ready, False
+        self._ids = itertools.count(1)
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._last_tick = 0.0
+        self.engine_thread = threading.Thread(target=self._engine_main, name="q3tts-engine", daemon=True)
+        self.response_thread = threading.Thread(target=self._response_main, name="q3tts-responses", daemon=True)
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.response_thread.start()
+        self.engine_thread.start()
+        self._started.wait()
+        if self._start_error is not None:  # the thread cannot raise into initialize: pass it back
+            self.responses.put(None)
+            self.response_thread.join()
+            raise self._start_error
+
+    def shutdown(self) -> None:
+        """Reverse order: the engine thread (closes every session), then the response thread."""
+        self.commands.put(Shutdown())
+        self.engine_thread.join()
+        self.responses.put(None)
+        self.response_thread.join()
+
+    # --- called from execute() ----------------------------------------------------------------------------
+    def submit(self, request, sender) -> None:
+        reply, now = Reply(sender, self.responses), time.monotonic()
+        try:
+            cmd = R.parse_request(request, self.default_schedule, self.defaults)
+        except Exception as e:  # noqa: BLE001 - whatever the parser could not read gets one clear error
+            msg = str(e) if isinstance(e, R.BadRequest) else f"could not read the request: {type(e).__name__}: {e}"
+            cmd = Refuse(*R.sequence_flags(request), msg)
+        self.commands.put(dataclasses.replace(cmd, reply=reply, at=now))
+
+    # --- engine thread ------------------------------------------------------------------------------------
+    def _engine_main(self) -> None:
+        try:
+            self.engine = self._make_engine()
+            self.defaults = self.engine.default_sampling
+        except BaseException as e:
+            self._start_error = e
+            self._started.set()
+            return
+        self._started.set()
+        self.log("info", "engine thread started")
+        while self._apply_all(self._next_commands()):
+            self._maybe_tick()
+            if self.engine.has_work():
+                self._step()
+        self.log("info", "engine thread stopped")
+
+    def _next_commands(self) -> list[Command]:
+        """Everything queued; waits up to TICK_S for the first one when the engine is idle."""
+        cmds = []
+        if not self.engine.has_work():
+            try:
+                cmds.append(self.commands.get(timeout=TICK_S))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                cmds.append(self.commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _apply_all(self, cmds: list[Command]) -> bool:
+        """Apply the commands in order; False on Shutdown."""
+        handlers = {Start: self._start, Append: self._append, Abort: self._abort, Refuse: self._refuse,
+                    Cancel: self._cancel}
+        for cmd in cmds:
+            if isinstance(cmd, Shutdown):
+                self._close_all("unavailable", SHUTTING_DOWN)
+                return False
+            try:
+                handlers[type(cmd)](cmd)
+            except Exception as e:  # never let one request kill the engine thread
+                self.log("error", f"{type(cmd).__name__} of sequence {cmd.key} failed: {traceback.format_exc()}")
+                if not cmd.reply.done:
+                    refuse(cmd.reply, "INTERNAL", f"internal error: {type(e).__name__}: {e}")
+        # NOTE: `cmds` dies with this frame: no response sender is held past its FINAL (see _response_main)
+        return True
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # an engine bug: fail every live session, keep serving
+            self.log("error", f"engine step failed: {traceback.format_exc()}")
+            self._close_all("error", f"engine step failed: {e}")
+            return
+        for out in outputs:
+            s = self.table.running(out.seq_id)
+            if s is None:
+                continue  # closed (cancelled/idle/restarted): its outputs are ignored
+            try:
+                self._route(s, out)
+            except Exception as e:
+                self.log("error", f"routing output of sequence {s.key} failed: {traceback.format_exc()}")
+                self._close(s, "error", f"internal error: {type(e).__name__}: {e}", why="it failed with an internal error")
+
+    def _route(self, s: Session, out: StepOutput) -> None:
+        s.feed(out.pcm, last=out.finished)
+        if out.finished:
+            self.table.stop(s)
+            if out.error or out.reason == "error":
+                s.close("error", out.error or "engine error")
+            else:
+                s.close(out.reason or "eos")
+            self._forget_if_over(s)
+
+    # --- commands -----------------------------------------------------------------------------------------
+    def _start(self, cmd: Start) -> None:
+        old = self.table.get(cmd.key)
+        if old is not None:
+            self._close(old, "cancelled", "restarted by a new START request")
+        self.table.forget_why(cmd.key)
+        if self.draining:
+            refuse(cmd.reply, "UNAVAILABLE", f"sequence {cmd.key}: {SHUTTING_DOWN}", self.metrics)
+            return
+        engine_id, o = next(self._ids), cmd.options
+        try:
+            self.engine.add(engine_id, o.voice, o.sampling, text=cmd.text, text_done=cmd.end)
+        except (InvalidRequest, AdmissionRejected, EngineError, ValueError) as e:
+            code = "UNAVAILABLE" if isinstance(e, AdmissionRejected) else "INVALID_ARG"
+            refuse(cmd.reply, code, f"sequence {cmd.key}: {e}", self.metrics)
+            if not cmd.end:
+                self.table.note(cmd.key, f"its START request failed: {e}")
+            return
+        s = Session(cmd.key, engine_id, o, started_at=cmd.at, metrics=self.metrics, ended=cmd.end)
+        self.table.add(s)
+        s.attach(cmd.reply, cmd.end)
+
+    def _append(self, cmd: Append) -> None:
+        s = self.table.get(cmd.key)
+        if s is None:
+            why = self.table.why(cmd.key)
+            if cmd.end:
+                self.table.forget_why(cmd.key)
+            if cmd.end and not cmd.text:  # closing an already closed sequence: harmless
+                cmd.reply.end()
+            else:
+                refuse(cmd.reply, "INVALID_ARG", f"sequence {cmd.key} has no open session"
+                       + (f": {why}" if why else " (send START first)"), self.metrics)
+            return
+        s.last_request = cmd.at
+        running, reply = self.table.is_running(s), cmd.reply
+        try:
+            if cmd.text and running:
+                self.engine.append_text(s.engine_id, cmd.text)
+        except (InvalidRequest, EngineError, ValueError) as e:
+            refuse(reply, "INVALID_ARG", f"sequence {cmd.key}: {e}", self.metrics)
+            reply = None
+        if cmd.end:
+            s.ended = True
+            if running:
+                self.engine.end_text(s.engine_id)
+        if reply is not None:
+            s.attach(reply, cmd.end)
+        self._forget_if_over(s)
+
+    def _abort(self, cmd: Abort) -> None:
+        s = self.table.get(cmd.key)
+        if s is not None:
+            self._close(s, "aborted", why="it was aborted")
+        else:
+            self.table.note(cmd.key, "it was aborted")
+        cmd.reply.end()
+
+    def _refuse(self, cmd: Refuse) -> None:
+        refuse(cmd.reply, "INVALID_ARG", cmd.message, self.metrics)
+        s = self.table.get(cmd.key)
+        if s is not None and (cmd.start or cmd.end):
+            self._close(s, "cancelled", "a new START request with invalid input replaced it" if cmd.start
+                        else f"its END request was invalid: {cmd.message}")
+        if cmd.start:  # Triton opened the sequence: later requests get a clear error, not "unknown"
+            self.table.note(cmd.key, f"its START request was invalid: {cmd.message}")
+        if cmd.end:  # ... and closed it again
+            self.table.forget_why(cmd.key)
+
+    def _cancel(self, cmd: Cancel) -> None:
+        s = self.table.get(cmd.key)
+        if s is not None and s.reply is cmd.reply and not cmd.reply.done:
+            self._close(s, "cancelled", "the request was cancelled", why="it was cancelled")
+
+    # --- closing ------------------------------------------------------------------------------------------
+    def _close(self, s: Session, reason: str, error: str | None = None, why: str | None = None) -> None:
+        """End a session on any path but the engine's own finish: abort it in the engine (pages and slot
+        are freed at its next step), close it, forget it."""
+        if self.table.stop(s):
+            try:
+                self.engine.abort(s.engine_id)
+            except EngineError:
+                pass
+        s.close(reason, error)
+        self.table.remove(s, why)
+        self.log("verbose", f"sequence {s.key} closed: {error or reason}")
+
+    def _close_all(self, reason: str, error: str) -> None:
+        for s in self.table.sessions():
+            self._close(s, reason, error, why=f"it was closed: {error}")
+
+    def _forget_if_over(self, s: Session) -> None:
+        if s.ended and s.finished:  # END seen and the outcome delivered: nothing more can come
+            self.table.remove(s)
+
+    # --- housekeeping -------------------------------------------------------------------------------------
+    def _maybe_tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_tick < TICK_S:
+            return
+        self._last_tick = now
+        try:
+            self._tick(now)
+        except Exception:
+            self.log("error", f"tick failed: {traceback.format_exc()}")
+
+    def _tick(self, now: float) -> None:
+        limit = self.idle_s + IDLE_MARGIN_S
+        for s in self.table.sessions():
+            if not s.ended and now - s.last_request > limit:  # Triton expired it silently
+                self._close(s, "unavailable", f"no request for {self.idle_s:g} s without END: the sequence "
+                            "idled out", why="it idled out")
+            elif s.reply is not None and now - s.last_cancel_check > CANCEL_CHECK_S:
+                s.last_cancel_check = now  # cancellation while no audio flows (waiting for text or a slot)
+                if s.reply.cancelled():
+                    self._close(s, "cancelled", "the request was cancelled", why="it was cancelled")
+        self.table.expire(now - limit)
+        self._check_unload()
+        if self.metrics is not None:
+            self.metrics.update(self.engine.stats(), len(self.table))
+
+    def _check_unload(self) -> None:
+        ready = self._model_ready()
+        self._was_ready |= ready
+        if self._was_ready and not ready and not self.draining:
+            self.draining = True
+            self.log("info", f"the model is being unloaded: closing {len(self.table)} open sequences")
+            self._close_all("unavailable", SHUTTING_DOWN)
+
+    # --- response thread ----------------------------------------------------------------------------------
+    def _response_main(self) -> None:
+        while (item := self.responses.get()) is not None:
+            reply, response, final = item
+            try:
+                R.send(reply.sender, response, final)
+                if not final and reply.cancelled():
+                    self.commands.put(Cancel(reply.key, reply))
+            except Exception as e:  # a closed/cancelled stream: nothing more can reach the client
+                self.log("warn", f"send failed for sequence {reply.key}: {e}")
+            # NOTE: drop the references now: a response sender kept alive holds its request's response
+            # factory, and the model cannot unload while one is held.
+            del item, reply, response
