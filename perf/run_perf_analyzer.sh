@@ -1,19 +1,34 @@
 #!/usr/bin/env bash
 # perf_analyzer 2.51 (the binary in the tritonclient==2.51.0 wheel; 2.52+ needs glibc 2.38) against the
-# decoupled sequence model: -i grpc --streaming, one sequence = one JSON list of steps, concurrency sweep.
+# decoupled sequence model over gRPC streaming: one sequence = one JSON list of text steps (perf/make_inputs.py).
 #
-#   perf/run_perf_analyzer.sh --model ckpt/cv-0.6b            # starts `q3tts serve` on loopback, stops it after
-#   GRPC_URL=127.0.0.1:8001 perf/run_perf_analyzer.sh         # against a running server
+#   bash perf/run_perf_analyzer.sh --model ckpt/cv-0.6b       # starts `q3tts serve` on loopback, stops it after
+#   GRPC_URL=host:8001 bash perf/run_perf_analyzer.sh         # against a running server (a fleet's own)
 #
-# Env: CONCURRENCY (default 1:8:2), MAX_FRAMES (48), MEASURE_MS (20000), OUT (run/perf).
-# The libshim (TRITON_RECIPE §6.1): perf_analyzer NEEDs libb64.so.0d and libcudart.so.12, both already in the
-# pytriton wheel under mangled names; symlinks with the plain names go into $OUT/libshim.
-# perf_analyzer waits for each request to complete before the next step of its sequence, hence ack_pieces
-# (protocol.py). Its "latency" for decoupled models is send -> LAST response; use perf/bench_serve.py for TTFA.
+# It always finishes: perf_analyzer runs once per concurrency level and measures a fixed number of whole
+# sequences (--request-count = concurrency x SEQUENCES_PER_STREAM x STEPS) instead of waiting for
+# "stable" time windows, which few, long sequences never give; each level also has a time limit.
+# Per level: perf_analyzer's console table (pa_cN.txt), its CSV (pa_cN.csv) and its timestamps
+# (--profile-export-file pa_cN.json), which perf/pa_export.py turns into TTFA / end-to-end / RTF / audio-s/s /
+# underrun rows (perf_analyzer.md, and CSV rows of mode perf_analyzer when CSV is set).
+# What its own numbers mean: perf/pa_export.py's docstring and the README's "Load testing".
+#
+# Env: CONCURRENCY (1,8,16,32,64,128)  SEQUENCES_PER_STREAM (2)  STEPS (4 requests per sequence)
+#      MAX_FRAMES (48)  LEVEL_TIMEOUT_S (300)  OUT (run/perf; results dir)  CSV (append rows here)
+#      PY (.venv/bin/python, else python3)  PERF_ANALYZER (.venv/bin/perf_analyzer)
+#      PA_LIBS (folder with the pytriton wheel's libb64 / libcudart; default: PY's nvidia_pytriton.libs)
+# The libshim: perf_analyzer NEEDs libb64.so.0d and libcudart.so.12, both already in the pytriton wheel under
+# mangled names; symlinks with the plain names go into $OUT/libshim.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="$ROOT/.venv/bin/python"
+if [ -z "${PY:-}" ]; then PY="$ROOT/.venv/bin/python"; [ -x "$PY" ] || PY=python3; fi
 OUT="${OUT:-$ROOT/run/perf}"
+PA="${PERF_ANALYZER:-$ROOT/.venv/bin/perf_analyzer}"
+CONCURRENCY="${CONCURRENCY:-1,8,16,32,64,128}"
+SEQUENCES_PER_STREAM="${SEQUENCES_PER_STREAM:-2}"
+STEPS="${STEPS:-4}"
+MAX_FRAMES="${MAX_FRAMES:-48}"
+LEVEL_TIMEOUT_S="${LEVEL_TIMEOUT_S:-300}"
 MODEL=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -21,12 +36,21 @@ while [ $# -gt 0 ]; do
     *) echo "usage: $0 [--model CKPT]  (or GRPC_URL=host:port)" >&2; exit 2 ;;
   esac
 done
+for v in SEQUENCES_PER_STREAM STEPS MAX_FRAMES LEVEL_TIMEOUT_S; do
+  [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "$v='${!v}': give a whole number > 0" >&2; exit 2; }
+done
+[[ "$CONCURRENCY" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || { echo "CONCURRENCY='$CONCURRENCY': give e.g. 1,8,16" >&2; exit 2; }
+[ -x "$PA" ] || { echo "perf_analyzer not found at $PA: pip install tritonclient==2.51.0 into .venv, or set PERF_ANALYZER" >&2; exit 1; }
+if [ -z "${PA_LIBS:-}" ]; then
+  PA_LIBS="$("$PY" -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')/nvidia_pytriton.libs"
+fi
 mkdir -p "$OUT/libshim"
-PA="$ROOT/.venv/bin/perf_analyzer"
-[ -x "$PA" ] || { echo "perf_analyzer not found: pip install tritonclient==2.51.0 into .venv" >&2; exit 1; }
-LIBS="$("$PY" -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')/nvidia_pytriton.libs"
-ln -sf "$(ls "$LIBS"/libb64-*.so.0d | head -1)" "$OUT/libshim/libb64.so.0d"
-ln -sf "$(ls "$LIBS"/libcudart-*.so.12* | head -1)" "$OUT/libshim/libcudart.so.12"
+for pair in "libb64-*.so.0d libb64.so.0d" "libcudart-*.so.12* libcudart.so.12"; do
+  set -- $pair
+  lib="$(ls "$PA_LIBS"/$1 2>/dev/null | head -1)"
+  [ -n "$lib" ] || { echo "no $1 in PA_LIBS=$PA_LIBS (the nvidia-pytriton wheel's nvidia_pytriton.libs)" >&2; exit 1; }
+  ln -sf "$lib" "$OUT/libshim/$2"
+done
 export LD_LIBRARY_PATH="$OUT/libshim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 SERVE_PID=""
@@ -34,7 +58,7 @@ cleanup() { if [ -n "$SERVE_PID" ]; then kill -TERM "$SERVE_PID" 2>/dev/null || 
 trap cleanup EXIT
 if [ -z "${GRPC_URL:-}" ]; then
   [ -n "$MODEL" ] || { echo "give --model CKPT or GRPC_URL" >&2; exit 2; }
-  "$ROOT/.venv/bin/q3tts" serve --model "$MODEL" --run-dir "$OUT/server" > "$OUT/serve.out" 2>&1 &
+  "$PY" -m q3tts.cli serve --model "$MODEL" --run-dir "$OUT/server" > "$OUT/serve.out" 2>&1 &
   SERVE_PID=$!
   for _ in $(seq 1200); do
     grep -q '"grpc_port"' "$OUT/serve.out" 2>/dev/null && break
@@ -45,11 +69,31 @@ if [ -z "${GRPC_URL:-}" ]; then
   GRPC_URL="127.0.0.1:$(grep '"grpc_port"' "$OUT/serve.out" | "$PY" -c 'import json,sys;print(json.loads(sys.stdin.readline())["grpc_port"])')"
 fi
 
-"$PY" "$ROOT/perf/make_inputs.py" --out "$OUT/inputs.json" --sequences 32 --steps 4
-"$PA" -m qwen3_tts -i grpc --streaming -u "$GRPC_URL" \
-  --input-data "$OUT/inputs.json" --sequence-id-range 1:1000000000 --serial-sequences \
-  --concurrency-range "${CONCURRENCY:-1:8:2}" -p "${MEASURE_MS:-20000}" -s 50 -r 5 \
-  --request-parameter "max_frames:${MAX_FRAMES:-48}:int" --request-parameter "seed:0:int" \
-  --request-parameter "ack_pieces:true:bool" \
-  -f "$OUT/perf_analyzer.csv" | tee "$OUT/perf_analyzer.txt"
-echo "results: $OUT/perf_analyzer.csv"
+"$PY" "$ROOT/perf/make_inputs.py" --out "$OUT/inputs.json" --sequences 32 --steps "$STEPS"
+failed=""
+exports=()
+for n in ${CONCURRENCY//,/ }; do
+  echo "== perf_analyzer: concurrency $n, $((n * SEQUENCES_PER_STREAM)) sequences of $STEPS requests, max_frames $MAX_FRAMES"
+  rm -f "$OUT/pa_c$n.json" "$OUT/pa_c$n.csv"
+  rc=0
+  timeout "$LEVEL_TIMEOUT_S" "$PA" -m qwen3_tts -i grpc --streaming -u "$GRPC_URL" \
+    --input-data "$OUT/inputs.json" --sequence-id-range 1:1000000000 --serial-sequences \
+    --concurrency-range "$n:$n" --request-count "$((n * SEQUENCES_PER_STREAM * STEPS))" \
+    --request-parameter "max_frames:$MAX_FRAMES:int" --request-parameter "seed:0:int" \
+    --request-parameter "ack_pieces:true:bool" \
+    -f "$OUT/pa_c$n.csv" --profile-export-file "$OUT/pa_c$n.json" > "$OUT/pa_c$n.txt" 2>&1 || rc=$?
+  grep -vE '^\s*$' "$OUT/pa_c$n.txt" | sed -n '/^Request concurrency/,$p'
+  if [ "$rc" -ne 0 ] || [ ! -s "$OUT/pa_c$n.json" ]; then
+    echo "perf_analyzer failed at concurrency $n (rc $rc$([ "$rc" = 124 ] && echo ": over LEVEL_TIMEOUT_S=$LEVEL_TIMEOUT_S s")):" >&2
+    tail -5 "$OUT/pa_c$n.txt" >&2
+    failed="$failed $n"
+  else
+    exports+=("$OUT/pa_c$n.json")
+  fi
+done
+if [ "${#exports[@]}" -gt 0 ]; then
+  "$PY" "$ROOT/perf/pa_export.py" "${exports[@]}" --md "$OUT/perf_analyzer.md" \
+    ${CSV:+--csv "$CSV"}
+fi
+echo "results: $OUT/perf_analyzer.md, per level $OUT/pa_c*.{txt,csv,json}"
+[ -z "$failed" ] || { echo "perf_analyzer failed at concurrency$failed" >&2; exit 1; }
