@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -39,14 +41,11 @@ def _step(bsz: int, cache_k, cache_v, table, seed: int = 0):
     return K.paged_decode_attention(q, cache_k, cache_v, tables, lens, D ** -0.5)
 
 
-def test_compile_count_constant_across_batch_sizes():
+@contextlib.contextmanager
+def _compiles():
+    """The names of the Triton kernels compiled inside the block (a list, filled as they compile)."""
     import triton
 
-    K.warmup(num_heads=NH, num_kv_heads=KVH, head_dim=D, hidden_sizes=(2048, 1024),
-             page_size=PAGE, dtype=BF16, max_pages=MAX_PAGES, batch_sizes=(1, 256))
-    cache_k = torch.zeros(64, PAGE, KVH, D, device="cuda", dtype=BF16)
-    cache_v = torch.zeros_like(cache_k)
-    table = torch.randn(64, D, device="cuda", dtype=BF16)
     compiled: list[str] = []
 
     def hook(*, fn, **kwargs):
@@ -56,11 +55,21 @@ def test_compile_count_constant_across_batch_sizes():
     old = triton.knobs.runtime.jit_cache_hook
     triton.knobs.runtime.jit_cache_hook = hook
     try:
+        yield compiled
+    finally:
+        triton.knobs.runtime.jit_cache_hook = old
+
+
+def test_compile_count_constant_across_batch_sizes():
+    K.warmup(num_heads=NH, num_kv_heads=KVH, head_dim=D, hidden_sizes=(2048, 1024),
+             page_size=PAGE, dtype=BF16, max_pages=MAX_PAGES, batch_sizes=(1, 256))
+    cache_k = torch.zeros(64, PAGE, KVH, D, device="cuda", dtype=BF16)
+    cache_v = torch.zeros_like(cache_k)
+    table = torch.randn(64, D, device="cuda", dtype=BF16)
+    with _compiles() as compiled:
         for bsz in (1, 2, 3, 8, 17, 64, 100, 256):
             _step(bsz, cache_k, cache_v, table)
         torch.cuda.synchronize()
-    finally:
-        triton.knobs.runtime.jit_cache_hook = old
     assert compiled == [], f"kernels compiled after warmup: {compiled}"
 
 
@@ -142,8 +151,6 @@ def test_conv1d_choice_is_tuned_only_inside_tuning():
 def test_stack_warm_kernels_settles_every_decode_kernel_before_capture():
     """`DecoderStack.warm_kernels` (called before CUDA-graph capture) compiles every kernel of a decode
     forward at any batch size and tunes paged attention for the stack's shape class."""
-    import triton
-
     from q3tts.config import DecoderLayerConfig
     from q3tts.kernels.autotune import tuned_configs
     from q3tts.models.attention import DecodeContext, PagedKVCache
@@ -157,23 +164,12 @@ def test_stack_warm_kernels_settles_every_decode_kernel_before_capture():
     stack.warm_kernels(PAGE, pages, (1, 4))
     assert key in tuned_configs()
     cache = PagedKVCache(cfg.num_layers, 8 * pages, PAGE, kv, hd, BF16, "cuda")
-    compiled: list[str] = []
-
-    def hook(*, fn, **kwargs):
-        compiled.append(fn.name)
-        return False
-
-    old = triton.knobs.runtime.jit_cache_hook
-    triton.knobs.runtime.jit_cache_hook = hook
-    try:
-        with torch.no_grad():
-            for bsz in (1, 3, 8):
-                pos = torch.arange(bsz, device="cuda") + 7
-                tables = torch.arange(bsz * pages, device="cuda", dtype=torch.int32).view(bsz, pages)
-                ctx = DecodeContext(cache, tables[:, 0].long() * PAGE + pos, tables,
-                                    (pos + 1).int(), stack.attn_scale)
-                stack(torch.randn(bsz, 256, device="cuda", dtype=BF16), pos, ctx)
+    with _compiles() as compiled, torch.no_grad():
+        for bsz in (1, 3, 8):
+            pos = torch.arange(bsz, device="cuda") + 7
+            tables = torch.arange(bsz * pages, device="cuda", dtype=torch.int32).view(bsz, pages)
+            ctx = DecodeContext(cache, tables[:, 0].long() * PAGE + pos, tables, (pos + 1).int(),
+                                stack.attn_scale)
+            stack(torch.randn(bsz, 256, device="cuda", dtype=BF16), pos, ctx)
         torch.cuda.synchronize()
-    finally:
-        triton.knobs.runtime.jit_cache_hook = old
     assert compiled == [], f"kernels compiled after warm_kernels: {compiled}"
