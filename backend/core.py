@@ -1,7 +1,9 @@
-"""The engine's public request/response types: what `q3tts synth`, the Triton glue and perf scripts pass in.
+"""The package's core types: what `q3tts synth`, the Triton glue and perf scripts pass to the engine.
 
-Nothing here knows Triton or torch devices. `VoiceSpec` says who speaks and how text is fed,
-`SamplingParams` how codes are drawn, `StepOutput` what one `Engine.step()` produced for one sequence.
+Nothing here knows Triton or torch, and nothing here imports the rest of the package. `VoiceSpec`
+says who speaks and how text is fed, `SamplingParams` how codes are drawn (its defaults read from a
+checkpoint's generation_config.json by `from_generation_config`), `StepOutput` what one
+`Engine.step()` produced for one sequence.
 """
 
 from __future__ import annotations
@@ -77,19 +79,24 @@ class SamplingParams:
     @classmethod
     def from_generation_config(cls, gen: dict[str, Any] | None, **overrides: Any) -> SamplingParams:
         """The checkpoint's generation_config.json defaults (absent keys: this class's defaults), then
-        `overrides` (field name -> value; None values are ignored). The one place defaults are read."""
+        `overrides` (field name -> value; None values are ignored). The one place defaults are read.
+
+        `do_sample` / `subtalker_dosample` set the talker / code predictor draws apart, as in the
+        reference; a `greedy` override without a `subtalker_greedy` one applies to both."""
         gen = gen or {}
         base = cls()
+        do_sample, sub_sample = gen.get("do_sample", True), gen.get("subtalker_dosample", True)
         fields = dict(
-            greedy=not gen.get("do_sample", True),
-            subtalker_greedy=None if gen.get("subtalker_dosample", True) else True,
+            greedy=not do_sample, subtalker_greedy=None if sub_sample == do_sample else not sub_sample,
             **{name: gen.get(name, getattr(base, name)) for name in (
                 "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature",
                 "subtalker_top_k", "subtalker_top_p")})
         if "max_new_tokens" in gen:
             fields["max_frames"] = min(int(gen["max_new_tokens"]), base.max_frames)
-        fields.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**fields)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if "greedy" in given and "subtalker_greedy" not in given:
+            fields["subtalker_greedy"] = None
+        return cls(**{**fields, **given})
 
     @property
     def cp_greedy(self) -> bool:

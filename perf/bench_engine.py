@@ -117,17 +117,15 @@ def first_step(engine: Engine, n: int, device: str, repeats: int = 3) -> dict:
 
 def graph_vs_eager(engine: Engine, batch: int, steps: int = 4) -> bool:
     """Run the same greedy batch with graph replay and with the eager step body; compare codes."""
-    runner = engine.runner
     results = []
     for use_graph in (True, False):
-        saved = runner.graphs
-        runner.graphs = saved if use_graph else None
+        engine.runner.use_graphs(use_graph)
         try:
             ids = fill(engine, batch, f"cmp{int(use_graph)}_", greedy=True, frames=steps + 4)
             frames = [sorted((o.seq_id[5:], o.codes.tobytes()) for o in engine.step()) for _ in range(steps)]
             drain(engine, ids)
         finally:
-            runner.graphs = saved
+            engine.runner.use_graphs(True)
         results.append(frames)
     return results[0] == results[1]
 
@@ -158,7 +156,7 @@ def build_engine(args, frames: int) -> Engine:
     t0 = time.perf_counter()
     engine = Engine(model, cfg)
     print(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.config.num_pages} KV pages, graphs "
-          f"{sorted(engine.runner.graphs.graphs) if engine.runner.graphs else 'off (eager)'}", flush=True)
+          f"{list(engine.runner.graph_buckets) or 'off (eager)'}", flush=True)
     return engine
 
 
@@ -178,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
         print(f"B={b:4d} bucket={r['bucket']} {r['ms']:8.2f} ms/step {r['fps']:9.1f} frames/s "
               f"{r['audio']:8.2f} audio-s/s  rows/step {r['rows']:.1f}  graph replays {r['replays']}/{r['decodes']} steps")
-    graphs_on = engine.runner.graphs is not None
+    graphs_on = bool(engine.runner.graph_buckets)
     one_launch = all(r["replays"] == r["decodes"] for r in rows) if graphs_on else None
     same = graph_vs_eager(engine, min(8, max(args.batches))) if graphs_on else None
     print(f"one graph replay per decode step: {one_launch}; graph == eager (greedy, bit-exact): {same}")

@@ -39,9 +39,7 @@ def say(s: str = "") -> None:
 
 
 def run(engine: Engine, batch: int, steps: int, use_graph: bool, tag: str) -> list[dict[str, np.ndarray]]:
-    runner = engine.runner
-    saved = runner.graphs
-    runner.graphs = saved if use_graph else None
+    engine.runner.use_graphs(use_graph)
     try:
         ids = fill(engine, batch, tag, greedy=True, frames=steps + 4)
         out = []
@@ -49,7 +47,7 @@ def run(engine: Engine, batch: int, steps: int, use_graph: bool, tag: str) -> li
             out.append({o.seq_id[len(tag):]: o.codes.copy() for o in engine.step()})
         drain(engine, ids)
     finally:
-        runner.graphs = saved
+        engine.runner.use_graphs(True)
     return out
 
 
@@ -115,12 +113,11 @@ def single_step(engine: Engine, batch: int) -> None:
     for mode in ("eager", "graph", "eager2", "graph2"):
         for t, s in zip(state, snap):
             t.copy_(s)
-        saved = runner.graphs
-        runner.graphs = saved if mode.startswith("graph") else None
+        runner.use_graphs(mode.startswith("graph"))
         try:
             frames, c0n, pcm = runner.decode(rows)
         finally:
-            runner.graphs = saved
+            runner.use_graphs(True)
         results[mode] = (frames, c0n, runner.state.past_hidden[slots].float().cpu(), pcm)
     for t, s in zip(state, snap):
         t.copy_(s)
@@ -179,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                        use_cuda_graphs=cuda)
     engine = Engine(model, cfg)
     say(f"# graph vs eager diagnosis: batch {args.batch} (bucket {cfg.bucket_for(args.batch)}), "
-        f"graphs {sorted(engine.runner.graphs.graphs) if engine.runner.graphs else 'off'}, {cfg.dtype}, "
+        f"graphs {list(engine.runner.graph_buckets) or 'off'}, {cfg.dtype}, "
         f"{torch.cuda.get_device_name() if cuda else 'cpu'}")
     g1 = run(engine, args.batch, args.steps, True, "g1_")
     e1 = run(engine, args.batch, args.steps, False, "e1_")

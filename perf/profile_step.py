@@ -37,12 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import emit  # noqa: E402
 from bench_engine import add_model_arguments, build_engine, drain, fill, sync  # noqa: E402
 
-from q3tts.engine.cuda_graph import META_CTX, META_FRAME, META_POS, META_SLOT, META_SLOT_MAP  # noqa: E402
+from q3tts.engine.cuda_graph import DecodeMeta  # noqa: E402
 from q3tts.engine.engine import Engine  # noqa: E402
 from q3tts.models import step as model_step  # noqa: E402
 from q3tts.models.attention import DecodeContext  # noqa: E402
-from q3tts.models.sampling import (FULL, TOPK, SubtalkerSampler, sample_talker, sampling_mode,  # noqa: E402
-                            warp_and_draw)
+from q3tts.models.sampling import FULL, SubtalkerSampler, sample_talker, warp_and_draw  # noqa: E402
 
 
 # --------------------------------------------------------------------------- timing
@@ -52,16 +51,16 @@ class Timer:
         self.cuda = device.type == "cuda"
         self.iters, self.eager_iters = iters, eager_iters
 
-    def graph(self, graph: torch.cuda.CUDAGraph) -> float:
-        """Median ms of one replay (CUDA events around each replay)."""
+    def graph(self, replay: Callable[[], None]) -> float:
+        """Median ms of one graph replay (CUDA events around each `replay()`)."""
         for _ in range(3):
-            graph.replay()
+            replay()
         torch.cuda.synchronize()
         pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                  for _ in range(self.iters)]
         for a, b in pairs:
             a.record()
-            graph.replay()
+            replay()
             b.record()
         torch.cuda.synchronize()
         return statistics.median(a.elapsed_time(b) for a, b in pairs)
@@ -115,19 +114,16 @@ def components(engine: Engine, bs: int) -> list[Component]:
     runner = engine.runner
     talker, kv, st, buf = runner.talker, runner.kv, runner.state, runner.buf
     cp = talker.code_predictor
-    meta = buf.meta[:bs].clone()
-    sl, pos, frame = meta[:, META_SLOT], meta[:, META_POS], meta[:, META_FRAME]
-    smap, ctx_lens = meta[:, META_SLOT_MAP], meta[:, META_CTX].int()
+    row = DecodeMeta.columns(buf.meta[:bs].clone())
+    sl, pos, frame, smap, ctx_lens = row.slot, row.position, row.frame, row.slot_mapping, row.context_len.int()
     tables = buf.tables[:bs].clone()
     seeds = st.seed[sl].clone()
     c0 = st.last_c0[sl].clone()
     past = st.past_hidden[sl].clone()
     generated = st.rep_mask[sl].clone()
     num_gen = frame + 1
-    # the sampling mode the engine's step uses on these rows (TOPK for default parameters)
-    mode = sampling_mode(m for slot in sl.tolist() for m in runner.slot_modes[slot])
-    mode = FULL if mode == FULL else TOPK
-    tparams, sparams = runner._talker_params(sl, mode), runner._sub_params(sl, mode)
+    mode = runner.step_mode(sl.tolist())  # the engine step's sampling mode on these rows
+    tparams, sparams = runner.talker_params(sl, mode), runner.sub_params(sl, mode)
     rules = model_step.talker_rules(talker)
     uni = runner.uniform_source
     with torch.no_grad():
@@ -227,7 +223,7 @@ def profile_components(engine: Engine, bs: int, timer: Timer) -> list[dict]:
                     r["same"] = all(torch.equal(a, b) for a, b in zip(got, comp.outs))
                     if not r["same"]:
                         r["diff"] = max(_maxdiff(a, b) for a, b in zip(got, comp.outs))
-                    r["graph"] = timer.graph(g)
+                    r["graph"] = timer.graph(g.replay)
                     del g
                 except Exception as exc:  # noqa: BLE001 - report and go on: one bad capture must not cost the run
                     r["error"] = f"{type(exc).__name__}: {exc}"[:200]
@@ -246,22 +242,28 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a != b).sum())  # integer outputs: count of differing entries
 
 
+def _step_mode(engine: Engine, bs: int) -> str:
+    """The sampling mode of the engine's step on the rows [:bs] loaded now."""
+    return engine.runner.step_mode(DecodeMeta.columns(engine.runner.buf.meta[:bs]).slot.tolist())
+
+
 def full_step(engine: Engine, bs: int, timer: Timer) -> dict:
     """The engine's own step on the current meta rows: its captured graph and its eager body."""
     runner = engine.runner
     r = dict(name="full_step", graph=None, eager=None, same=None)
     meta, tables = runner.buf.meta[:bs].clone(), runner.buf.tables[:bs].clone()
+    mode = _step_mode(engine, bs)
 
     def restore():
         runner.buf.meta[:bs].copy_(meta)
         runner.buf.tables[:bs].copy_(tables)
 
     with torch.no_grad():
-        if runner.graphs is not None and runner.graphs.pad(bs) == bs:
+        if bs in runner.graph_buckets:
             restore()
-            r["graph"] = timer.graph(runner.graphs.graphs[bs])
+            r["graph"] = timer.graph(lambda: runner.run_step(bs, mode))
         restore()
-        r["eager"] = timer.eager(lambda: runner._decode_rows(bs))
+        r["eager"] = timer.eager(lambda: runner.decode_rows(bs, mode))
     return r
 
 
@@ -274,11 +276,12 @@ def trace_step(engine: Engine, bs: int, top: int = 25) -> tuple[list[str], str]:
     runner = engine.runner
     cuda = runner.device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    mode = _step_mode(engine, bs)
     with torch.no_grad():
-        runner._decode_rows(bs)  # warm
+        runner.decode_rows(bs, mode)  # warm
         sync(str(runner.device))
         with profile(activities=acts) as prof:
-            runner._decode_rows(bs)
+            runner.decode_rows(bs, mode)
             sync(str(runner.device))
     kernels, ops = [], []
     for e in prof.key_averages():

@@ -1,6 +1,7 @@
 """Voice cloning from reference audio (Base): reference wav -> (ref_codes, x-vector), spec f.
 
-Shared by `q3tts synth --ref-audio` and `Engine.add` (a `VoiceSpec.ref_audio` request). Mirrors
+`resolve_voice` is the one place a `VoiceSpec.ref_audio` becomes ref_codes / x-vector: `Engine.add`
+runs it (for serving and `q3tts synth --requests`), and so does `q3tts synth --ref-audio`. Mirrors
 the official `Qwen3TTSModel.create_voice_clone_prompt`: the audio is resampled to 24 kHz with soxr
 HQ (librosa.resample's default), encoded by the codec encoder (first 16 quantizers, ceil(n/1920)
 frames) and embedded by the Base checkpoint's speaker encoder (`speaker_encoder.*` weights,
@@ -9,11 +10,42 @@ frames) and embedded by the Base checkpoint's speaker encoder (`speaker_encoder.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
 import numpy as np
 import torch
 
-from q3tts.codec.audio import SAMPLE_RATE, resample
-from q3tts.core import InvalidRequest
+from q3tts.codec.audio import SAMPLE_RATE, read_wav, resample
+from q3tts.core import InvalidRequest, VoiceSpec
+
+
+def read_reference(path: str | Path) -> tuple[np.ndarray, int]:
+    """A reference recording from a file -> (mono float32 samples [n], sample rate).
+    Raises InvalidRequest naming the file when it is missing or unreadable."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidRequest(f"reference audio {path}: no such file")
+    try:
+        return read_wav(path)
+    except RuntimeError as err:  # soundfile's errors (unknown format, truncated file) are RuntimeErrors
+        raise InvalidRequest(f"reference audio {path}: cannot read: {err}") from err
+
+
+def resolve_voice(voice: VoiceSpec, model, make_encoder: Callable[[], object]) -> VoiceSpec:
+    """`voice` with the ref_codes / xvector it lacks encoded from its `ref_audio` (given ones are kept).
+
+    A voice without ref_audio, or with nothing left to fill, comes back as is. `make_encoder()` gives
+    the codec encoder (see `encode_reference`); it is called only when something is encoded, so a
+    caller can build the encoder on first use. Raises InvalidRequest as `encode_reference` does.
+    """
+    if voice.ref_audio is None or (voice.xvector is not None
+                                   and (voice.ref_codes is not None or voice.xvector_only)):
+        return voice
+    codes, xvector = encode_reference(model, make_encoder(), voice.ref_audio, voice.ref_sample_rate)
+    return dataclasses.replace(voice, ref_codes=codes if voice.ref_codes is None else voice.ref_codes,
+                               xvector=xvector if voice.xvector is None else voice.xvector)
 
 
 def encode_reference(model, codec, wav: np.ndarray,

@@ -21,12 +21,16 @@ from typing import Any
 
 import numpy as np
 
+from q3tts.codec.audio import SAMPLE_RATE
+from q3tts.codec.voice import read_reference
 from q3tts.core import SamplingParams, VoiceSpec
+
 from .config import EngineConfig
 
+_SAMPLING = {"greedy": bool, "seed": int, "max_frames": int, "temperature": float, "top_k": int, "top_p": float,
+             "repetition_penalty": float}  # field -> type; over the checkpoint's generation_config.json
 _KNOWN = {"id", "text", "speaker", "language", "instruct", "ref_codes", "ref_text", "xvector",
-          "ref_audio", "xvector_only", "text_mode", "greedy", "seed", "max_frames", "temperature",
-          "top_k", "top_p", "repetition_penalty", "codes_out", "out", "start_step"}
+          "ref_audio", "xvector_only", "text_mode", "codes_out", "out", "start_step", *_SAMPLING}
 
 
 @dataclass
@@ -53,7 +57,6 @@ class BatchResult:
 def parse_requests(path: str | Path, generation: dict | None = None) -> list[BatchRequest]:
     """Read and validate a requests JSONL file (errors name the line)."""
     path = Path(path)
-    gen = generation or {}
     requests = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
@@ -63,7 +66,7 @@ def parse_requests(path: str | Path, generation: dict | None = None) -> list[Bat
             unknown = sorted(set(d) - _KNOWN)
             if unknown:
                 raise ValueError(f"unknown fields {unknown}")
-            requests.append(_request(d, path.parent, gen, f"req{lineno}"))
+            requests.append(_request(d, path.parent, generation, f"req{lineno}"))
         except (ValueError, KeyError, OSError) as exc:
             raise ValueError(f"{path}:{lineno}: {exc}") from exc
     ids = [r.seq_id for r in requests]
@@ -72,7 +75,7 @@ def parse_requests(path: str | Path, generation: dict | None = None) -> list[Bat
     return requests
 
 
-def _request(d: dict, root: Path, gen: dict, default_id: str) -> BatchRequest:
+def _request(d: dict, root: Path, gen: dict | None, default_id: str) -> BatchRequest:
     def path(key: str) -> Path | None:
         return None if d.get(key) is None else (root / d[key])
 
@@ -80,22 +83,11 @@ def _request(d: dict, root: Path, gen: dict, default_id: str) -> BatchRequest:
         p = path(key)
         return None if p is None else np.load(p)
 
-    ref_audio, ref_sr = None, 24000
+    ref_audio, ref_sr = None, SAMPLE_RATE
     if d.get("ref_audio") is not None:
-        from q3tts.codec.audio import read_wav
-
-        if not path("ref_audio").is_file():
-            raise ValueError(f"ref_audio {path('ref_audio')}: no such file")
-        ref_audio, ref_sr = read_wav(path("ref_audio"))
-    greedy = bool(d.get("greedy", not gen.get("do_sample", True)))
-    sampling = SamplingParams(
-        greedy=greedy, temperature=d.get("temperature", gen.get("temperature", 0.9)),
-        top_k=d.get("top_k", gen.get("top_k", 50)), top_p=d.get("top_p", gen.get("top_p", 1.0)),
-        repetition_penalty=d.get("repetition_penalty", gen.get("repetition_penalty", 1.05)),
-        subtalker_greedy=greedy or not gen.get("subtalker_dosample", True),
-        subtalker_temperature=gen.get("subtalker_temperature", 0.9),
-        subtalker_top_k=gen.get("subtalker_top_k", 50), subtalker_top_p=gen.get("subtalker_top_p", 1.0),
-        seed=int(d.get("seed", 0)), max_frames=int(d.get("max_frames", SamplingParams.max_frames)))
+        ref_audio, ref_sr = read_reference(path("ref_audio"))
+    sampling = SamplingParams.from_generation_config(
+        gen, **{k: cast(d[k]) for k, cast in _SAMPLING.items() if d.get(k) is not None})
     voice = VoiceSpec(speaker=d.get("speaker"), language=d.get("language", "auto"),
                       instruct=d.get("instruct"), ref_text=d.get("ref_text"), ref_codes=npy("ref_codes"),
                       xvector=npy("xvector"), ref_audio=ref_audio, ref_sample_rate=ref_sr,

@@ -1,36 +1,82 @@
-"""CUDA graphs for the decode step: capture / pad / replay.
+"""CUDA graphs for the decode step: capture / pad / replay, and the step's static buffers.
 
 One graph per batch bucket, captured largest first into one shared memory pool, after a warm-up run
 of the same bucket (so lazily built buffers, autotuned kernels and the allocator are settled). Every
 input and output of the step lives in one `GraphBuffers`; the step reads rows [:bucket] of it.
-During capture all rows are padding (dummy slot, slot_mapping -1, dummy page), so capturing
-touches only the dummy state.
+`DecodeMeta` is the one definition of the per-row metadata layout (`pack` writes it, `columns`
+reads it). During capture all rows are padding (dummy slot, slot_mapping -1, dummy page), so
+capturing touches only the dummy state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 from q3tts import kernels
 
-META_SLOT, META_POS, META_SLOT_MAP, META_CTX, META_FRAME, META_PAGES = range(6)
-META_COLS = META_PAGES  # block table columns follow
+
+@dataclass
+class DecodeRow:
+    """One sequence of a decode step, as the engine gives it."""
+
+    slot: int
+    position: int      # KV position of the token this step writes (= prompt_len + frame)
+    frame: int         # index of the frame this step makes
+    pages: list[int]   # the sequence's pages, in order
+
+
+class DecodeColumns(NamedTuple):
+    """The columns of one row of `GraphBuffers.meta`, in order (ints when packing, [B] views when read)."""
+
+    slot: int | torch.Tensor          # state slot (the dummy slot on padding rows)
+    position: int | torch.Tensor      # KV position this step writes
+    slot_mapping: int | torch.Tensor  # KV cache slot of that position (-1 = padding row)
+    context_len: int | torch.Tensor   # tokens attended (= position + 1)
+    frame: int | torch.Tensor         # index of the frame this step makes
+
+
+@dataclass(frozen=True)
+class DecodeMeta:
+    """Packs decode rows into the step's metadata: meta [B, 5] int64 (`DecodeColumns`) and the block
+    table [B, max_pages] int32 (the paged attention kernel's contract), padded with the dummy page.
+    Rows past the real ones are padding rows: dummy slot, slot_mapping -1, the dummy page."""
+
+    page_size: int
+    max_pages: int
+    dummy_slot: int
+    dummy_page: int
+
+    NUM_COLUMNS = len(DecodeColumns._fields)
+
+    def pack(self, rows: list[DecodeRow], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """`rows` then padding up to `num_rows` -> (meta [num_rows, 5] int64, tables [num_rows, P] int32)."""
+        meta = np.empty((num_rows, self.NUM_COLUMNS), dtype=np.int64)
+        meta[:] = DecodeColumns(slot=self.dummy_slot, position=0, slot_mapping=-1, context_len=1, frame=0)
+        tables = np.full((num_rows, self.max_pages), self.dummy_page, dtype=np.int32)
+        for i, r in enumerate(rows):
+            page = r.pages[r.position // self.page_size]
+            meta[i] = DecodeColumns(slot=r.slot, position=r.position,
+                                    slot_mapping=page * self.page_size + r.position % self.page_size,
+                                    context_len=r.position + 1, frame=r.frame)
+            tables[i, :len(r.pages)] = r.pages
+        return meta, tables
+
+    @staticmethod
+    def columns(meta: torch.Tensor) -> DecodeColumns:
+        """meta [B, 5] -> its columns as [B] views (strided: kernels read index vectors by stride)."""
+        return DecodeColumns(*meta.unbind(1))
 
 
 @dataclass
 class GraphBuffers:
-    """Static inputs/outputs of one decode step, sized for the largest bucket.
+    """Static inputs/outputs of one decode step, sized for the largest bucket."""
 
-    meta [Bmax, 5] int64 per row: slot, position, slot_mapping (-1 = padding), context_len, frame
-    index; tables [Bmax, P] int32: the block table (padded with the dummy page; int32 = the paged
-    attention kernel's contract).
-    """
-
-    meta: torch.Tensor      # [Bmax, 5] int64
-    tables: torch.Tensor    # [Bmax, P] int32
+    meta: torch.Tensor      # [Bmax, 5] int64, rows of `DecodeColumns`
+    tables: torch.Tensor    # [Bmax, P] int32 block tables
     frames: torch.Tensor    # [Bmax, 16] int64 codes of the frame made this step
     c0_next: torch.Tensor   # [Bmax] int64 first code of the next frame (EOS = finished)
     pcm: torch.Tensor       # [Bmax, samples_per_frame] float32
@@ -38,11 +84,17 @@ class GraphBuffers:
     @classmethod
     def allocate(cls, max_batch: int, max_pages: int, groups: int, samples: int,
                  device: torch.device) -> GraphBuffers:
-        return cls(meta=torch.zeros(max_batch, META_COLS, dtype=torch.int64, device=device),
+        return cls(meta=torch.zeros(max_batch, DecodeMeta.NUM_COLUMNS, dtype=torch.int64, device=device),
                    tables=torch.zeros(max_batch, max_pages, dtype=torch.int32, device=device),
                    frames=torch.zeros(max_batch, groups, dtype=torch.int64, device=device),
                    c0_next=torch.zeros(max_batch, dtype=torch.int64, device=device),
                    pcm=torch.zeros(max_batch, samples, dtype=torch.float32, device=device))
+
+    def load(self, start: int, meta: np.ndarray, tables: np.ndarray) -> None:
+        """Rows [start, start + len(meta)) = packed `DecodeMeta` rows (two host-to-device copies)."""
+        stop = start + meta.shape[0]
+        self.meta[start:stop].copy_(torch.from_numpy(meta))
+        self.tables[start:stop].copy_(torch.from_numpy(tables))
 
 
 class GraphRunner:

@@ -4,7 +4,7 @@ The runner makes no policy decision: the engine tells it which slots to prefill 
 which rows (slot, position, pages, frame index) to decode. The sequences started in one step are
 prefilled together (`start_batch`): one ragged talker forward over their prompts back to back (see
 `models.step.prefill_batch`), then one batched draw of their first c0s, its row count padded to the
-decode bucket like a decode step. One decode step, for rows [:bucket] of
+decode bucket like a decode step. One decode step (`decode_rows`), for rows [:bucket] of
 `GraphBuffers` (all state in place, no host sync, so it is one CUDA graph per bucket on CUDA):
 
     c1..c15 = code_predictor(past_hidden[slot], last_c0[slot])        uniforms(seed, t)[:, 1:]
@@ -15,27 +15,24 @@ decode bucket like a decode step. One decode step, for rows [:bucket] of
 
 Padding rows (graph buckets, and on CPU too, so that a row's arithmetic never depends on how many
 real rows share the step) use the dummy slot `max_slots`, the dummy page `num_pages` and
-slot_mapping -1.
+slot_mapping -1. `use_graphs(False)` runs the eager step body instead of the captured graphs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
 from q3tts.models import step
 from q3tts.models.attention import PagedKVCache
-from q3tts.models.sampling import FULL, TOPK, SamplingTensors, row_mode, sampling_mode, uniforms
+from q3tts.models.sampling import (FULL, TOPK, SamplingTensors, UniformSource, row_mode, sampling_mode,
+                                  uniforms)
 
 from .config import EngineConfig
-from .cuda_graph import (META_COLS, META_CTX, META_FRAME, META_POS, META_SLOT, META_SLOT_MAP,
-                         GraphBuffers, GraphRunner)
+from .cuda_graph import DecodeMeta, DecodeRow, GraphBuffers, GraphRunner
 from .slots import SlotState
-
-UniformSource = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (seeds [B], counters [B]) -> [B, 16]
 
 
 @dataclass
@@ -47,12 +44,31 @@ class PrefillRow:
     codec_context: np.ndarray | None = None  # [F, 16] frames primed into the codec stream
 
 
-@dataclass
-class DecodeRow:
-    slot: int
-    position: int      # KV position of the token this step writes (= prompt_len + frame)
-    frame: int         # index of the frame this step makes
-    pages: list[int]   # the sequence's pages, in order
+def make_codec(ckpt, config: EngineConfig):
+    """The streaming codec decoder with one state slot per engine slot (+ the scratch slot)."""
+    from q3tts.codec.decoder import CodecDecoder
+    from q3tts.codec.streaming import StreamingDecoder
+
+    decoder = CodecDecoder.from_weights(ckpt.codec_config, ckpt.codec_weights)
+    return StreamingDecoder(decoder, config.max_slots, getattr(torch, config.dtype), config.device,
+                            use_kernels=config.codec_kernels)
+
+
+def resolve_config(model, config: EngineConfig) -> EngineConfig:
+    """`config` checked against the model, with `num_pages` filled in: the KV memory fraction of the
+    device memory free now (so call it once the rest of the device state, e.g. the codec's, exists;
+    on CPU: see EngineConfig.resolve)."""
+    positions = model.talker.model.max_positions
+    if config.max_prompt_tokens + config.max_frames > positions:
+        # NOTE: the RoPE kernel reads its table without bounds checks: refuse configs that could overrun it
+        raise ValueError(f"max_prompt_tokens + max_frames = {config.max_prompt_tokens + config.max_frames} "
+                         f"exceeds the talker's {positions} positions")
+    lc = model.config.talker.layers
+    itemsize = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
+    bytes_per_page = 2 * lc.num_layers * lc.num_kv_heads * lc.head_dim * itemsize * config.page_size  # K, V
+    device = torch.device(config.device)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    return config.resolve(bytes_per_page, free)
 
 
 class ModelRunner:
@@ -70,93 +86,119 @@ class ModelRunner:
                                lc.head_dim, self.dtype, self.device)
         self.dummy_page, self.dummy_slot = config.num_pages, config.max_slots
         assert codec is None or codec.scratch_slot == self.dummy_slot, "padding rows share one slot id"
-        self.max_pages = config.pages_for(config.max_prompt_tokens + config.max_frames)
+        max_pages = config.pages_for(config.max_prompt_tokens + config.max_frames)
+        self.meta = DecodeMeta(config.page_size, max_pages, self.dummy_slot, self.dummy_page)
         self.state = SlotState.allocate(config.max_slots, tc.hidden_size, tc.vocab_size,
                                         config.max_text_tokens, self.dtype, self.device)
         self.pad_row = pad_row.to(self.dtype).reshape(-1)  # [H] E_pad
         self.uniform_source = uniform_source or uniforms
         self.buckets = tuple(b for b in config.graph_batch_sizes if b <= config.max_graph_batch)
         self.max_batch = max(config.max_graph_batch, config.max_slots)
-        self.buf = GraphBuffers.allocate(self.max_batch, self.max_pages, self.groups,
+        self.buf = GraphBuffers.allocate(self.max_batch, max_pages, self.groups,
                                          max(self.samples_per_frame, 1), self.device)
-        self.graphs: GraphRunner | None = None  # steps whose rows all allow the TOPK sampling mode
-        self.graphs_full: GraphRunner | None = None  # the same steps with the reference (FULL) sampling
+        # captured decode steps per sampling mode: TOPK (every row allows it) and FULL (the reference)
+        self.graphs: dict[str, GraphRunner] = {}
+        self._graphs_on = True
         # host copy of each slot's sampling mode (talker, code predictor); the dummy slot is greedy
         self.slot_modes: list[tuple[str, str]] = [(TOPK, TOPK)] * (config.max_slots + 1)
         self.num_decode_steps = 0
 
+    # --- graphs -----------------------------------------------------------------------------------
+
     @property
     def num_graph_replays(self) -> int:
         """Decode steps run as one graph replay (either sampling variant)."""
-        return sum(g.num_replays for g in (self.graphs, self.graphs_full) if g is not None)
+        return sum(g.num_replays for g in self.graphs.values())
+
+    @property
+    def graph_buckets(self) -> tuple[int, ...]:
+        """The decode batch sizes captured as CUDA graphs (none on CPU or with use_cuda_graphs off)."""
+        return tuple(sorted(self.graphs[TOPK].graphs)) if self.graphs else ()
+
+    def use_graphs(self, on: bool) -> None:
+        """Replay the captured graphs (True, the default) or run the eager step body (False), for both
+        sampling variants; e.g. to compare the two on the same rows. No effect when none were captured."""
+        self._graphs_on = on
 
     def capture_graphs(self) -> None:
-        """Capture the decode step for every bucket (CUDA only)."""
+        """Capture the decode step for every bucket and both sampling variants (CUDA only)."""
         if self.device.type != "cuda" or not self.config.use_cuda_graphs:
             return
         # NOTE: kernels tune on their first launch; GraphRunner.capture warms every bucket up first
-        self.graphs = GraphRunner(self._decode_rows, self._fill_padding, self.buckets)
-        self.graphs_full = GraphRunner(lambda bs: self._decode_rows(bs, fast=False), self._fill_padding,
-                                       self.buckets)
+        pool = None
         with torch.no_grad():
-            self.graphs.capture()
-            self.graphs_full.pool = self.graphs.pool  # one variant replays at a time: share the pool
-            self.graphs_full.capture()
+            for mode in (TOPK, FULL):
+                graphs = GraphRunner(lambda bs, mode=mode: self.decode_rows(bs, mode), self._fill_padding,
+                                     self.buckets)
+                graphs.pool = pool  # one variant replays at a time: they share one pool
+                graphs.capture()
+                pool = graphs.pool
+                self.graphs[mode] = graphs
 
     # --- per sequence -----------------------------------------------------------------------------
 
     @torch.no_grad()
     def start_batch(self, rows: list[PrefillRow]) -> None:
-        """`start` for several sequences (distinct slots) with one talker forward over all prompts.
+        """Start several sequences (distinct slots) with one talker forward over all prompts.
 
         A sequence's result does not depend on the others as far as the talker's GEMMs give a row the
         same bits whatever the row count (true on the CPU test sizes; on CUDA and for large CPU
         GEMMs only up to rounding); the sampling head is padded to the decode bucket for that."""
         if not rows:
             return
-        st, page_size = self.state, self.kv.page_size
-        st.load_sampling([r.slot for r in rows], [r.sampling for r in rows])
-        for r in rows:
-            self.slot_modes[r.slot] = (
-                row_mode(r.sampling.greedy, r.sampling.top_k, _f32(r.sampling.top_p)),
-                row_mode(r.sampling.cp_greedy, r.sampling.subtalker_top_k, _f32(r.sampling.subtalker_top_p)))
-        n = len(rows)
+        st, n = self.state, len(rows)
+        self._load_sampling(rows)
         sl = torch.tensor([r.slot for r in rows], device=self.device)
         st.rep_mask[sl] = False
         st.text_len[sl] = 0
         if self.codec is not None:
-            self.codec.reset([r.slot for r in rows])
-            by_frames: dict[int, list[int]] = {}  # contexts of equal length primed in one call
-            for i, r in enumerate(rows):
-                if r.codec_context is not None and len(r.codec_context):
-                    by_frames.setdefault(len(r.codec_context), []).append(i)
-            for idx in by_frames.values():
-                context = torch.stack([torch.as_tensor(rows[i].codec_context, device=self.device).T
-                                       for i in idx])  # [G, 16, F]
-                # padded to the decode bucket on the dummy slot (= the codec's scratch slot), so a
-                # stream's bits do not depend on how many others are primed with it
-                pad = (self.config.bucket_for(len(idx)) or len(idx)) - len(idx)
-                slots = torch.cat((sl[idx], sl.new_full((pad,), self.dummy_slot)))
-                context = torch.cat((context, context.new_zeros((pad, *context.shape[1:]))))
-                self.codec.decode_chunk(slots, context)
-        lens = [r.prefill.shape[0] for r in rows]
-        slot_mapping = np.concatenate([
-            np.asarray(r.pages, dtype=np.int64)[np.arange(L) // page_size] * page_size + np.arange(L) % page_size
-            for r, L in zip(rows, lens)])
-        embeds = torch.cat([r.prefill.to(self.device, self.dtype) for r in rows])
-        # sampling head rows: the decode bucket, padding rows on the dummy slot (greedy)
-        bucket = self.config.bucket_for(n)
-        head = bucket if bucket is not None else n
-        head_sl = torch.cat((sl, sl.new_full((head - n,), self.dummy_slot)))
+            self._prime_codec(rows, sl)
+        head_sl = self._pad_slots(sl)  # sampling head rows: the decode bucket, padding rows greedy
         mode = sampling_mode(self.slot_modes[r.slot][0] for r in rows)
-        c0, hidden = step.prefill_batch(self.talker, self.kv, embeds, lens,
-                                        torch.from_numpy(slot_mapping).to(self.device),
-                                        self._talker_params(head_sl, mode), st.seed[head_sl],
-                                        self.uniform_source)
+        embeds = torch.cat([r.prefill.to(self.device, self.dtype) for r in rows])  # [sum L0, H]
+        c0, hidden = step.prefill_batch(self.talker, self.kv, embeds, [r.prefill.shape[0] for r in rows],
+                                        self._slot_mapping(rows), self.talker_params(head_sl, mode),
+                                        st.seed[head_sl], self.uniform_source)
         c0, hidden = c0[:n], hidden[:n]
         st.last_c0[sl] = c0
         st.past_hidden[sl] = hidden
         _mark_generated(st.rep_mask, sl, c0)
+
+    def _load_sampling(self, rows: list[PrefillRow]) -> None:
+        """The rows' SamplingParams into their slots' state, and each slot's host sampling modes."""
+        self.state.load_sampling([r.slot for r in rows], [r.sampling for r in rows])
+        for r in rows:
+            p = r.sampling
+            self.slot_modes[r.slot] = (row_mode(p.greedy, p.top_k, _f32(p.top_p)),
+                                       row_mode(p.cp_greedy, p.subtalker_top_k, _f32(p.subtalker_top_p)))
+
+    def _prime_codec(self, rows: list[PrefillRow], sl: torch.Tensor) -> None:
+        """Reset the rows' codec streams; Base ICL: decode each one's reference frames into it first
+        (contexts of equal length in one call, padded to the decode bucket on the scratch slot, so a
+        stream's bits do not depend on how many others are primed with it)."""
+        self.codec.reset([r.slot for r in rows])
+        by_frames: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            if r.codec_context is not None and len(r.codec_context):
+                by_frames.setdefault(len(r.codec_context), []).append(i)
+        for idx in by_frames.values():
+            context = torch.stack([torch.as_tensor(rows[i].codec_context, device=self.device).T
+                                   for i in idx])  # [G, 16, F]
+            slots = self._pad_slots(sl[idx])
+            context = torch.cat((context, context.new_zeros((len(slots) - len(idx), *context.shape[1:]))))
+            self.codec.decode_chunk(slots, context)
+
+    def _pad_slots(self, sl: torch.Tensor) -> torch.Tensor:
+        """slots [n] -> [bucket]: padded to the decode bucket with the dummy slot."""
+        n = sl.shape[0]
+        return torch.cat((sl, sl.new_full(((self.config.bucket_for(n) or n) - n,), self.dummy_slot)))
+
+    def _slot_mapping(self, rows: list[PrefillRow]) -> torch.Tensor:
+        """[sum L0]: each prompt row's KV cache slot (position p of a row -> its page p // page_size)."""
+        ps = self.kv.page_size
+        mapping = [np.asarray(r.pages, dtype=np.int64)[np.arange(n) // ps] * ps + np.arange(n) % ps
+                   for r, n in ((r, r.prefill.shape[0]) for r in rows)]
+        return torch.from_numpy(np.concatenate(mapping)).to(self.device)
 
     @torch.no_grad()
     def push_text(self, slot: int, start: int, rows: torch.Tensor) -> None:
@@ -173,71 +215,57 @@ class ModelRunner:
         n = len(rows)
         bucket = self.config.bucket_for(n) if n <= self.max_batch else None
         bucket = bucket if bucket is not None and bucket <= self.max_batch else n
-        meta = np.zeros((bucket, META_COLS), dtype=np.int64)
-        tables = np.zeros((bucket, self.max_pages), dtype=np.int32)
-        self._padding_meta(meta, tables)
-        for i, r in enumerate(rows):
-            page = r.pages[r.position // self.kv.page_size]
-            meta[i] = (r.slot, r.position, page * self.kv.page_size + r.position % self.kv.page_size,
-                       r.position + 1, r.frame)
-            tables[i, :len(r.pages)] = r.pages
-        self.buf.meta[:bucket].copy_(torch.from_numpy(meta))
-        self.buf.tables[:bucket].copy_(torch.from_numpy(tables))
-        fast = sampling_mode(m for r in rows for m in self.slot_modes[r.slot]) != FULL
-        graphs = self.graphs if fast else self.graphs_full
-        if graphs is not None and graphs.pad(bucket) == bucket:
-            graphs.replay(bucket)
-        else:
-            self._decode_rows(bucket, fast)
+        self.buf.load(0, *self.meta.pack(rows, bucket))
+        self.run_step(bucket, self.step_mode([r.slot for r in rows]))
         self.num_decode_steps += 1
         frames = self.buf.frames[:n].cpu().numpy()
         c0_next = self.buf.c0_next[:n].cpu().numpy()
         pcm = self.buf.pcm[:n].cpu().numpy() if self.codec is not None else np.zeros((n, 0), np.float32)
         return frames, c0_next, pcm
 
-    def _padding_meta(self, meta: np.ndarray, tables: np.ndarray) -> None:
-        meta[:, META_SLOT] = self.dummy_slot
-        meta[:, META_POS] = 0
-        meta[:, META_SLOT_MAP] = -1
-        meta[:, META_CTX] = 1
-        meta[:, META_FRAME] = 0
-        tables[:] = self.dummy_page
+    def step_mode(self, slots: list[int]) -> str:
+        """The sampling variant of a step over these slots: TOPK when every row allows it, else FULL."""
+        return FULL if sampling_mode(m for s in slots for m in self.slot_modes[s]) == FULL else TOPK
+
+    def run_step(self, bucket: int, mode: str) -> None:
+        """The step on rows [:bucket] as loaded: a graph replay when one is captured (and on), else eager."""
+        graphs = self.graphs.get(mode) if self._graphs_on else None
+        if graphs is not None and graphs.pad(bucket) == bucket:
+            graphs.replay(bucket)
+        else:
+            self.decode_rows(bucket, mode)
 
     def _fill_padding(self, start: int, stop: int) -> None:
-        meta = np.zeros((stop - start, META_COLS), dtype=np.int64)
-        tables = np.zeros((stop - start, self.max_pages), dtype=np.int32)
-        self._padding_meta(meta, tables)
-        self.buf.meta[start:stop].copy_(torch.from_numpy(meta))
-        self.buf.tables[start:stop].copy_(torch.from_numpy(tables))
+        self.buf.load(start, *self.meta.pack([], stop - start))
 
-    def _talker_params(self, sl: torch.Tensor, mode: str = FULL) -> SamplingTensors:
+    def talker_params(self, sl: torch.Tensor, mode: str = FULL) -> SamplingTensors:
+        """The talker's sampling parameters of slots `sl` [B], as tensors of the given mode."""
         st = self.state
         return SamplingTensors(st.temperature[sl], st.top_k[sl], st.top_p[sl],
                                st.repetition_penalty[sl], st.greedy[sl]).with_mode(mode)
 
-    def _sub_params(self, sl: torch.Tensor, mode: str = FULL) -> SamplingTensors:
+    def sub_params(self, sl: torch.Tensor, mode: str = FULL) -> SamplingTensors:
+        """The code predictor's sampling parameters of slots `sl` [B] (no repetition penalty)."""
         st = self.state
         return SamplingTensors(st.sub_temperature[sl], st.sub_top_k[sl], st.sub_top_p[sl],
                                torch.ones_like(st.sub_temperature[sl]), st.sub_greedy[sl]).with_mode(mode)
 
-    def _decode_rows(self, bs: int, fast: bool = True) -> None:
-        """The step body on rows [:bs] of the static buffers (captured as-is into a CUDA graph).
-
-        fast: sample in the TOPK mode (the caller vouches every row allows it), else FULL."""
+    def decode_rows(self, bs: int, mode: str = TOPK) -> None:
+        """The step body on rows [:bs] of the static buffers (captured as-is into a CUDA graph), sampling
+        in `mode` (TOPK: the caller vouches every row allows it; FULL: any row)."""
         st, buf = self.state, self.buf
-        meta = buf.meta[:bs]
-        sl, pos, frame = meta[:, META_SLOT], meta[:, META_POS], meta[:, META_FRAME]  # [B] each
-        queue_row = frame.clamp(max=st.text_queue.shape[1] - 1)
-        text = st.text_queue[sl, queue_row]  # [B, H]
-        text = torch.where((frame < st.text_len[sl])[:, None], text, self.pad_row[None, :])
+        row = DecodeMeta.columns(buf.meta[:bs])  # [B] each
+        queue_row = row.frame.clamp(max=st.text_queue.shape[1] - 1)
+        text = st.text_queue[row.slot, queue_row]  # [B, H]
+        text = torch.where((row.frame < st.text_len[row.slot])[:, None], text, self.pad_row[None, :])
+        sl = row.slot
         batch = step.DecodeBatch(
-            c0=st.last_c0[sl], past_hidden=st.past_hidden[sl], text=text, positions=pos,
-            slot_mapping=meta[:, META_SLOT_MAP], block_tables=buf.tables[:bs],
-            context_lens=meta[:, META_CTX].int(), generated=st.rep_mask[sl], num_generated=frame + 1,
-            seeds=st.seed[sl], counters=frame)
-        mode = TOPK if fast else FULL
-        result = step.decode_step(self.talker, self.kv, batch, self._talker_params(sl, mode),
-                                  self._sub_params(sl, mode), self.uniform_source)
+            c0=st.last_c0[sl], past_hidden=st.past_hidden[sl], text=text, positions=row.position,
+            slot_mapping=row.slot_mapping, block_tables=buf.tables[:bs],
+            context_lens=row.context_len.int(), generated=st.rep_mask[sl], num_generated=row.frame + 1,
+            seeds=st.seed[sl], counters=row.frame)
+        result = step.decode_step(self.talker, self.kv, batch, self.talker_params(sl, mode),
+                                  self.sub_params(sl, mode), self.uniform_source)
         frames, c0_next, hidden = result.codes, result.next_c0, result.hidden  # [B, 16], [B], [B, H]
         buf.frames[:bs] = frames
         buf.c0_next[:bs] = c0_next

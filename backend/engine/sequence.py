@@ -1,4 +1,7 @@
-"""`Sequence`: the host-side record of one request, shared by the scheduler and the engine (torch-free)."""
+"""`Sequence`: the host-side record of one request, shared by the scheduler and the engine (torch-free).
+
+It owns its text (`feed`: the pieces, the trailing ids, the Base ICL split) and, once the prompt can be
+built, the prompt's rows until the prefill takes them."""
 
 from __future__ import annotations
 
@@ -7,7 +10,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from q3tts.core import SamplingParams, VoiceSpec
+import numpy as np
+
+from q3tts.core import SamplingParams, StepOutput, VoiceSpec
+
+from .text_feed import TextFeed
 
 _arrivals = itertools.count()
 
@@ -23,18 +30,14 @@ class Sequence:
     seq_id: Any
     voice: VoiceSpec
     sampling: SamplingParams
-    text_mode: str                 # 'whole' | 'incremental'
+    feed: TextFeed                 # the text as it arrives and the trailing ids taken from it
     max_frames: int                # min(sampling.max_frames, EngineConfig.max_frames)
     prompt_len: int = 0            # L0 (known once the prompt can be built)
     status: Status = Status.WAITING
     slot: int = -1
     num_frames: int = 0            # frames made so far
-    text_ids: list[int] = field(default_factory=list)  # committed text ids T0, T1, ...
-    text_done: bool = False
-    prompt_ready: bool = False     # the prefill input can be built (set by the engine)
+    prompt_ready: bool = False     # the prefill input is built and fits (set by the engine)
     ready_at: float = 0.0          # time.monotonic() when prompt_ready was set (queue-wait metric)
-    trailing_ids: list[int] = field(default_factory=list)  # trailing text ids known so far
-    num_queued_text: int = 0       # trailing ids already copied into the slot's text queue
     arrival: int = field(default_factory=lambda: next(_arrivals))
     finish_reason: str | None = None
     error: str | None = None
@@ -51,9 +54,10 @@ class Sequence:
 
     @property
     def is_decodable(self) -> bool:
-        """The next frame's trailing text is known (or can only be padding): it may step now.
+        """The next frame's trailing text is known (or can only be padding): it may step now."""
+        return self.feed.covers(self.num_frames)
 
-        Frame t adds trailing[t] to the talker input (spec b.4); past the end of the trailing list
-        that is E_pad, which is only right once the text has ended.
-        """
-        return self.text_mode == "whole" or self.text_done or len(self.trailing_ids) > self.num_frames
+    def final_output(self) -> StepOutput:
+        """The output that ends a finished sequence without a frame (abort, error, pool exhaustion)."""
+        return StepOutput(self.seq_id, codes=np.zeros((0, 16), np.int64), pcm=np.zeros(0, np.float32),
+                          finished=True, reason=self.finish_reason, error=self.error)

@@ -47,5 +47,11 @@ class StepTimes:
     decode_seconds: float = 0.0
     queue_wait_seconds: float = 0.0
 
+    def add_prefill(self, seconds: float, sequences: int) -> None:
+        """One step's prefill forward, which started `sequences` sequences."""
+        self.prefill_seconds += seconds
+        self.prefill_steps += 1
+        self.prefilled_sequences += sequences
+
     def as_stats(self) -> dict[str, float]:
         return dataclasses.asdict(self)

@@ -5,7 +5,8 @@ Decode step t adds `trailing[t]` (or `pad` once the queue is empty) to the talke
 "incremental" = the reference's streaming-text mode (`non_streaming_mode=False`: one text token
 enters per frame), "whole" = all text in the prefill. Embeddings are computed with the same
 groupings as the official model so the results match it bit for bit in fp32.
-`embed_text(ids)` is exposed for engines that append text tokens to a live queue.
+`embed_text(ids)` is exposed for engines that append text tokens to a live queue; `ref_ids`,
+`is_icl` and `icl_prefill_rows` for engines that feed Base ICL text as it arrives (the same split).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from q3tts.core import TEXT_MODES, InvalidRequest, VoiceSpec
 from q3tts.models.tts_model import Qwen3TTS
 
 DEFAULT_TEXT_MODE = {"custom_voice": "whole", "voice_design": "whole", "base": "incremental"}
-ROLE_TOKENS = 3  # <|im_start|> assistant \n
-TARGET_TAIL = 5  # <|im_end|> \n <|im_start|> assistant \n
-REF_TAIL = 2  # <|im_end|> \n
+_ROLE_TOKENS = 3  # <|im_start|> assistant \n
+_TARGET_TAIL = 5  # <|im_end|> \n <|im_start|> assistant \n
+_REF_TAIL = 2  # <|im_end|> \n
 
 
 @dataclass
@@ -44,6 +45,14 @@ def ref_string(text: str) -> str:
 
 def instruct_string(instruct: str) -> str:
     return f"<|im_start|>user\n{instruct}<|im_end|>\n"
+
+
+def icl_prefill_rows(num_ref_frames: int) -> int:
+    """Base ICL, streamed text: how many rows of the text track x = ref ids ⧺ text ids ⧺ [tts_eos]
+    enter the prefill, added row by row to the codec track y = [codec_bos] ⧺ reference frames
+    (F + 1 rows, spec b.3). The rows of x past them trail, one per frame; a shorter x is padded
+    with E_pad. The one definition of the split, for prompts (embedding rows) and engines (ids)."""
+    return num_ref_frames + 1
 
 
 class PromptBuilder:
@@ -78,6 +87,14 @@ class PromptBuilder:
     def target_ids(self, text: str) -> list[int]:
         """Token ids of the full target string; [3:-5] are the text tokens."""
         return self.tokenizer.encode(target_string(text))
+
+    def ref_ids(self, ref_text: str) -> list[int]:
+        """Base ICL: the text ids of the reference transcript (the head of the text track)."""
+        return self.tokenizer.encode(ref_string(ref_text))[_ROLE_TOKENS:-_REF_TAIL]
+
+    def is_icl(self, voice: VoiceSpec) -> bool:
+        """Base voice cloning with the reference in the prompt (not x-vector only)."""
+        return self.config.variant == "base" and not voice.xvector_only
 
     # ------------------------------------------------------------------ validation
 
@@ -151,14 +168,14 @@ class PromptBuilder:
         self._check_voice(voice)
         mode = self.text_mode(voice)
         ids = self.target_ids(text)
-        if len(ids) <= ROLE_TOKENS + TARGET_TAIL:
+        if len(ids) <= _ROLE_TOKENS + _TARGET_TAIL:
             raise InvalidRequest("text is empty")
         bos, eos, pad = self.special_embeds()
         codec = self._codec_prefix(voice)  # [K, H]
-        rows = [self._instruct_rows(voice), self.embed_text(ids[:ROLE_TOKENS]),
+        rows = [self._instruct_rows(voice), self.embed_text(ids[:_ROLE_TOKENS]),
                 torch.cat((pad.expand(codec.shape[0] - 2, -1), bos)) + codec[:-1]]
-        text_ids = ids[ROLE_TOKENS:-TARGET_TAIL]
-        if self.config.variant == "base" and not voice.xvector_only:
+        text_ids = ids[_ROLE_TOKENS:-_TARGET_TAIL]
+        if self.is_icl(voice):
             body, trailing = self._icl_rows(text_ids, voice, eos, pad, mode == "whole")
         elif mode == "whole":
             body = torch.cat((torch.cat((self.embed_text(text_ids), eos))
@@ -206,14 +223,15 @@ class PromptBuilder:
 
     def _icl_rows(self, text_ids: list[int], voice: VoiceSpec, eos: torch.Tensor, pad: torch.Tensor,
                   whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        ref_ids = self.tokenizer.encode(ref_string(voice.ref_text))[ROLE_TOKENS:-REF_TAIL]
-        x = torch.cat((self.embed_text(ref_ids + text_ids), eos))  # [n_r + n + 1, H]
+        track = self.ref_ids(voice.ref_text) + text_ids
+        x = torch.cat((self.embed_text(track), eos))  # [n_r + n + 1, H]
         y = torch.cat((self._codec([self.tcfg.codec_bos_id]),
                        self.ref_code_embeds(voice.ref_codes)))  # [F + 1, H]
         if whole:
             body = torch.cat((x + self._codec([self.tcfg.codec_pad_id] * x.shape[0]), y + pad))
             return body, pad
-        if x.shape[0] > y.shape[0]:
-            return x[:y.shape[0]] + y, x[y.shape[0]:]
-        x = torch.cat((x, pad.expand(y.shape[0] - x.shape[0], -1)))
+        cut = icl_prefill_rows(len(voice.ref_codes))  # = y.shape[0]
+        if x.shape[0] > cut:
+            return x[:cut] + y, x[cut:]
+        x = torch.cat((x, pad.expand(cut - x.shape[0], -1)))
         return x + y, pad

@@ -165,10 +165,11 @@ def test_requests_equal_single_synth(synth, ckpt_dirs, ref_wav, tmp_path):
 
 
 def test_engine_ref_audio_equals_precomputed(ckpt_dirs, ref_wav):
+    from q3tts.codec import CodecEncoder
+    from q3tts.codec.voice import encode_reference
     from q3tts.engine.batch import BatchRequest, run_requests
     from q3tts.engine.config import EngineConfig
     from q3tts.engine.engine import Engine
-    from q3tts.codec.voice import encode_reference
 
     cfg = EngineConfig(device="cpu", dtype="float32", num_pages=32, max_slots=2, max_frames=32,
                        use_cuda_graphs=False)
@@ -177,7 +178,8 @@ def test_engine_ref_audio_equals_precomputed(ckpt_dirs, ref_wav):
     params = SamplingParams(greedy=True, max_frames=12)
     from_audio = run_requests(engine, [BatchRequest("a", TEXT, VoiceSpec(
         ref_audio=wav, ref_sample_rate=sr, ref_text=REF_TEXT), params)], write=False)["a"]
-    codes, xvector = encode_reference(engine.model, engine._ref_encoder, wav, sr)
+    encoder = CodecEncoder.from_weights(engine.checkpoint.codec_config, engine.checkpoint.codec_weights)
+    codes, xvector = encode_reference(engine.model, encoder, wav, sr)
     precomputed = run_requests(engine, [BatchRequest("b", TEXT, VoiceSpec(
         ref_codes=codes, xvector=xvector, ref_text=REF_TEXT), params)], write=False)["b"]
     assert from_audio.reason == precomputed.reason == "max_frames"

@@ -49,7 +49,7 @@ def _four(speakers):
 def test_same_step_prefill_equals_alone(tiny_ckpt, prefill_calls):
     eng = make_engine(tiny_ckpt)
     reqs = _four(sorted(tiny_ckpt.config.talker.speaker_ids))
-    lens = [eng.builder.build(r["text"], r["voice"]).prefill.shape[0] for r in reqs]
+    lens = [eng.inputs.builder.build(r["text"], r["voice"]).prefill.shape[0] for r in reqs]
     assert len(set(lens)) == 4, lens
     together = run(eng, reqs)
     assert prefill_calls == [lens]  # all four in one forward
@@ -95,7 +95,7 @@ def test_same_step_prefill_icl_equals_alone(tmp_path_factory):
 def test_max_prefill_tokens_caps_a_step(tiny_ckpt, prefill_calls):
     reqs = _four(sorted(tiny_ckpt.config.talker.speaker_ids))
     probe = make_engine(tiny_ckpt)
-    lens = [probe.builder.build(r["text"], r["voice"]).prefill.shape[0] for r in reqs]
+    lens = [probe.inputs.builder.build(r["text"], r["voice"]).prefill.shape[0] for r in reqs]
     ref = run(probe, reqs)
     prefill_calls.clear()
     # room for the first two and the fourth: the third waits, and the fourth behind it (FIFO)

@@ -102,7 +102,7 @@ def test_injected_uniforms_batched_equals_alone(tiny_ckpt, speaker):
 def test_engine_equals_synth(tiny_ckpt, speaker, mode):
     from q3tts.models.tts_model import Qwen3TTS
     from q3tts.models.prompt import PromptBuilder
-    from q3tts.synth import generate_codes
+    from q3tts.models.generate import generate_codes
 
     model = Qwen3TTS.from_checkpoint(tiny_ckpt)
     voice = VoiceSpec(speaker=speaker, text_mode=mode)
@@ -183,7 +183,7 @@ def test_page_exhaustion_aborts_newest(tiny_ckpt, speaker):
     eng = make_engine(tiny_ckpt, num_pages=2, page_size=16, kv_policy="on_demand")  # 32 tokens
     v = VoiceSpec(speaker=speaker)
     SHORT = "Hello."
-    prompt = eng.builder.build(SHORT, v).prefill.shape[0]
+    prompt = eng.inputs.builder.build(SHORT, v).prefill.shape[0]
     frames = 2 * 16 - prompt  # each fits alone; together both start (1 page each), then run dry
     assert prompt < 16 and frames >= 3
     reqs = [dict(id="old", voice=v, sampling=SamplingParams(greedy=True, max_frames=frames), text=SHORT),
@@ -222,16 +222,21 @@ def test_step_phase_times_are_counted(tiny_ckpt, speaker):
     assert s["queue_wait_seconds"] >= 0.25 * s["decode_seconds"]
 
 
-def test_failed_add_leaves_no_text_behind(tiny_ckpt, speaker, monkeypatch):
-    """Whatever add() fails on (not only EngineError), the sequence's text buffers are dropped."""
+def test_failed_add_leaves_nothing_behind(tiny_ckpt, speaker, monkeypatch):
+    """Whatever add() fails on (not only EngineError), nothing of the sequence stays: its id is free
+    again and the pools are at baseline."""
     engine = make_engine(tiny_ckpt)
+    real = engine.inputs.builder.build
 
     def broken(*args, **kwargs):
         raise RuntimeError("tokenizer exploded")
 
-    monkeypatch.setattr(engine.builder, "build", broken)
+    monkeypatch.setattr(engine.inputs.builder, "build", broken)
     for mode in ("whole", "incremental"):
         with pytest.raises(RuntimeError, match="exploded"):
             engine.add(f"x-{mode}", VoiceSpec(speaker=speaker, text_mode=mode), SamplingParams(), TEXT, True)
-    assert engine._streams == {} and engine._whole_text == {}
+    assert not engine.scheduler.seqs and not engine.has_work()
     baseline(engine)
+    monkeypatch.setattr(engine.inputs.builder, "build", real)
+    out = run(engine, [req("x-whole", speaker, max_frames=2, greedy=True)])  # the id is free again
+    assert out["x-whole"][2] == ("max_frames", None)

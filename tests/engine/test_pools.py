@@ -7,12 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from q3tts.core import AdmissionRejected, SamplingParams, VoiceSpec
+from q3tts.core import AdmissionRejected, InvalidRequest, SamplingParams, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.kv_pool import KVPool, OutOfPages
 from q3tts.engine.scheduler import Scheduler
 from q3tts.engine.sequence import Sequence, Status
 from q3tts.engine.slots import SlotPool, SlotState
+from q3tts.engine.text_feed import TextFeed
 
 
 def cfg(**kw) -> EngineConfig:
@@ -23,9 +24,8 @@ def cfg(**kw) -> EngineConfig:
 
 
 def seq(sid, prompt_len=5, max_frames=10, mode="whole", done=True) -> Sequence:
-    s = Sequence(sid, VoiceSpec(speaker="x"), SamplingParams(), text_mode=mode, max_frames=max_frames,
-                 prompt_len=prompt_len, text_done=done, prompt_ready=True)
-    return s
+    return Sequence(sid, VoiceSpec(speaker="x"), SamplingParams(), TextFeed(mode, done=done),
+                    max_frames=max_frames, prompt_len=prompt_len, prompt_ready=True)
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def test_text_starved_sequence_waits_without_blocking_others():
     started, decode, _ = sch.schedule()
     assert {s.seq_id for s in started} == {"inc", "w"}
     assert [s.seq_id for s in decode] == ["w"]
-    inc.trailing_ids.append(7)  # T1 arrives: frame 0 can be made
+    inc.feed.trailing.append(7)  # T1 arrives: frame 0 can be made
     _, decode, _ = sch.schedule()
     assert {s.seq_id for s in decode} == {"inc", "w"}
     # not-yet-prefillable sequences (no text at all) are skipped, not waited on
@@ -236,6 +236,57 @@ def test_text_stream_matches_whole_tokenization(tiny_tokenizer, text, seed):
     for ch in text:
         got += stream.append(ch)
     assert got + stream.end() == whole
+
+
+def _feed(tokenizer, head=(), prompt_rows=1, max_trailing=None) -> TextFeed:
+    from q3tts.engine.text_stream import TextStream
+
+    return TextFeed("incremental", TextStream(tokenizer.encode), list(head), prompt_rows, eos_id=-7,
+                    max_trailing=max_trailing)
+
+
+def test_text_feed_trailing_ids(tiny_tokenizer):
+    """Incremental: the track is head + text ids + tts_eos (once ended); its first prompt_rows rows are
+    the prompt's, the rest trail one per frame."""
+    from q3tts.engine.text_stream import TARGET_HEAD, TARGET_TAIL
+
+    text = TEXTS[0]
+    ids = tiny_tokenizer.encode(TARGET_HEAD + text + TARGET_TAIL)[3:-5]
+    plain = _feed(tiny_tokenizer)
+    assert not plain.is_ready and not plain.covers(0)
+    plain.add(text)
+    assert plain.is_ready and plain.trailing == plain.stream.ids[1:] and not plain.covers(len(plain.trailing))
+    plain.add("", done=True)
+    assert plain.trailing == ids[1:] + [-7] and plain.covers(len(ids) + 5)
+    # Base ICL, transcript longer than the prompt's rows: ready before any text, the transcript's rest trails
+    icl = _feed(tiny_tokenizer, head=[1, 2, 3, 4, 5], prompt_rows=3)
+    assert icl.is_ready and icl.trailing == [] and not icl.covers(0)
+    icl.add("", done=True)  # ended without text: refused when the prompt is built
+    with pytest.raises(InvalidRequest, match="empty"):
+        icl.prompt_text()
+    icl = _feed(tiny_tokenizer, head=[1, 2, 3, 4, 5], prompt_rows=3)
+    icl.add(text, done=True)
+    assert icl.trailing == [4, 5] + ids + [-7]
+    # transcript shorter: the first text ids fill the prompt's rows; tts_eos inside the prompt when short
+    short = _feed(tiny_tokenizer, head=[1], prompt_rows=len(ids) + 2)
+    short.add(text)
+    assert not short.is_ready
+    short.add("", done=True)
+    assert short.is_ready and short.trailing == []
+    with pytest.raises(InvalidRequest, match="max_text_tokens=3"):
+        _feed(tiny_tokenizer, max_trailing=3).add(text, done=True)
+
+
+def test_text_feed_whole_mode():
+    feed = TextFeed("whole")
+    feed.add("Hello ")
+    assert not feed.is_ready and feed.covers(100)  # nothing trails: every frame adds E_pad
+    feed.add("world.", done=True)
+    assert feed.is_ready and feed.prompt_text() == "Hello world." and feed.trailing == []
+    blank = TextFeed("whole")
+    blank.add("  ", done=True)
+    with pytest.raises(InvalidRequest, match="empty"):
+        blank.prompt_text()
 
 
 def test_load_sampling_writes_only_the_given_slots():

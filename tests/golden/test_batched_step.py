@@ -8,7 +8,7 @@ from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.models.attention import PagedKVCache
 from q3tts.models.step import DecodeBatch, decode_step, prefill
 from q3tts.models.sampling import SamplingTensors, uniforms
-from q3tts.synth import generate_codes
+from q3tts.models.generate import generate_codes
 
 FRAMES = 8
 PAGE = 16

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from q3tts.core import SamplingParams, VoiceSpec
-from q3tts.synth import generate_codes
+from q3tts.models.generate import generate_codes
 from reference_runner import run_reference
 
 FRAMES = 30

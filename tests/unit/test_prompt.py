@@ -109,3 +109,29 @@ def test_embed_text_is_the_trailing_row(builders):
     ids = b.target_ids(TEXT)[3:-5]
     # one row vs a batch of rows: same math, GEMM blocking may differ in the last bit
     assert torch.allclose(b.embed_text(ids[1:2])[0], prompt.trailing[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("ref_text, frames", [("Hi there, this is a much longer transcript of it.", 2),
+                                              ("Hi.", 5), ("Hi.", 40)])
+def test_icl_split_matches_the_engine_text_feed(builders, ref_text, frames):
+    """Streamed Base ICL: the engine's text feed (ids, `TextFeed`) and the prompt (embedding rows)
+    split the text track ref ⧺ text ⧺ tts_eos at the same row (`icl_prefill_rows`)."""
+    from q3tts.engine.text_feed import TextFeed
+    from q3tts.engine.text_stream import TextStream
+    from q3tts.models.prompt import icl_prefill_rows
+
+    b = builders["base06"]
+    voice = VoiceSpec(xvector=np.zeros(48, np.float32), ref_codes=np.zeros((frames, 16), np.int64),
+                      ref_text=ref_text, text_mode="incremental")
+    prompt = b.build(TEXT, voice)
+    feed = TextFeed("incremental", TextStream(b.tokenizer.encode), b.ref_ids(ref_text),
+                    icl_prefill_rows(frames), eos_id=b.config.tts_eos_id)
+    feed.add(TEXT, done=True)
+    assert prompt.prefill.shape[0] == 3 + 5 + icl_prefill_rows(frames)  # tags + x-vector + pad/bos, then x + y
+    if not feed.trailing:  # the whole track fits in the prompt: E_pad from frame 0
+        assert len(b.ref_ids(ref_text)) + len(b.target_ids(TEXT)) - 8 + 1 <= icl_prefill_rows(frames)
+        assert prompt.trailing.shape[0] == 1 and torch.equal(prompt.trailing[0], prompt.pad)
+        return
+    assert feed.trailing[-1] == b.config.tts_eos_id and prompt.trailing.shape[0] == len(feed.trailing)
+    rows = torch.cat((b.embed_text(feed.trailing[:-1]), b.special_embeds()[1]))  # the feed's ids, embedded
+    torch.testing.assert_close(rows, prompt.trailing, rtol=0, atol=1e-6)

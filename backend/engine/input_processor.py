@@ -1,0 +1,104 @@
+"""`InputProcessor`: requests -> `Sequence`s, and the model inputs the engine takes from them.
+
+A request's voice is resolved (reference audio encoded: `q3tts.codec.voice.resolve_voice`) and
+checked, its text gets a `TextFeed` (Base ICL: split as `q3tts.models.prompt.icl_prefill_rows`
+says), its prompt rows are built once the feed allows, and the feed's trailing ids are embedded for
+the slot's device text queue. Nothing here touches the scheduler or the model runner.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import numpy as np
+import torch
+
+from q3tts.codec.voice import resolve_voice
+from q3tts.core import SamplingParams, VoiceSpec
+from q3tts.models.prompt import PromptBuilder, icl_prefill_rows
+
+from .config import EngineConfig
+from .sequence import Sequence
+from .text_feed import TextFeed
+from .text_stream import TextStream
+
+EMBED_ROWS = 16  # text rows are embedded in groups of >= 16 so their bits do not depend on the count
+
+
+class InputProcessor:
+    def __init__(self, model, checkpoint, config: EngineConfig) -> None:
+        self.model, self.checkpoint, self.config = model, checkpoint, config
+        self.builder = PromptBuilder(model, checkpoint.tokenizer)
+        with torch.no_grad():
+            _, self.eos_row, self.pad_row = self.builder.special_embeds()  # [1, H] each
+        self._encoder = None  # the codec encoder, built when a reference recording first needs it
+
+    def new_sequence(self, seq_id: Hashable, voice: VoiceSpec, sampling: SamplingParams) -> Sequence:
+        """A sequence with a resolved, checked voice and an empty text feed; raises InvalidRequest."""
+        sampling.validate()
+        voice = resolve_voice(voice, self.model, self._reference_encoder)
+        self.builder.validate(voice)
+        return Sequence(seq_id, voice, sampling, self._feed(voice),
+                        max_frames=min(sampling.max_frames, self.config.max_frames))
+
+    def _feed(self, voice: VoiceSpec) -> TextFeed:
+        mode = self.builder.text_mode(voice)
+        if mode == "whole":
+            return TextFeed(mode)
+        head, prompt_rows = [], 1
+        if self.builder.is_icl(voice):
+            head, prompt_rows = self.builder.ref_ids(voice.ref_text), icl_prefill_rows(len(voice.ref_codes))
+        return TextFeed(mode, TextStream(self.builder.tokenizer.encode), head, prompt_rows,
+                        eos_id=self.checkpoint.config.tts_eos_id, max_trailing=self.config.max_text_tokens)
+
+    def _reference_encoder(self):
+        if self._encoder is None:
+            from q3tts.codec.encoder import CodecEncoder
+
+            self._encoder = CodecEncoder.from_weights(
+                self.checkpoint.codec_config, self.checkpoint.codec_weights,
+                getattr(torch, self.config.dtype), self.config.device)
+        return self._encoder
+
+    # --- prompts ----------------------------------------------------------------------------------
+
+    def build_prompt(self, seq: Sequence) -> None:
+        """seq.prompt [L0, H] and seq.prompt_len from the feed's text (call once `feed.is_ready`)."""
+        prompt = self.builder.build(seq.feed.prompt_text(), seq.voice)
+        seq.prompt, seq.prompt_len = prompt.prefill, prompt.prefill.shape[0]
+
+    def estimate_prompt_len(self, seq: Sequence) -> int:
+        """L0 before the text allows the prompt: that of a one-token text (never-fits rejects early)."""
+        return self.builder.build("a", seq.voice).prefill.shape[0]
+
+    def codec_context(self, seq: Sequence) -> np.ndarray | None:
+        """Base ICL: the reference codes [F, 16] that precede the generated frames in the codec's
+        input (spec e.1), so streamed audio continues the reference like the official decode."""
+        if not self.builder.is_icl(seq.voice) or seq.voice.ref_codes is None:
+            return None
+        return np.asarray(seq.voice.ref_codes, dtype=np.int64)
+
+    # --- trailing text ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def trailing_rows(self, seq: Sequence) -> tuple[int, torch.Tensor] | None:
+        """(start, rows [k, H]): the trailing ids not yet in the slot's text queue, embedded (they
+        count as queued from now on); None when there are none."""
+        feed = seq.feed
+        start, ids = feed.num_queued, feed.trailing
+        if start >= len(ids):
+            return None
+        rows = self._embed_trailing(ids[start:])
+        feed.num_queued = len(ids)
+        return start, rows
+
+    def _embed_trailing(self, ids: list[int]) -> torch.Tensor:
+        eos_at_end = ids[-1] == self.checkpoint.config.tts_eos_id
+        body = ids[:-1] if eos_at_end else ids
+        parts = []
+        if body:
+            padded = body + [self.checkpoint.config.tts_pad_id] * max(0, EMBED_ROWS - len(body))
+            parts.append(self.builder.embed_text(padded)[:len(body)])
+        if eos_at_end:
+            parts.append(self.eos_row)
+        return torch.cat(parts)  # [k, H]
