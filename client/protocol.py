@@ -6,7 +6,7 @@ One sequence (correlation ID) = one utterance session:
 
 | request | flags | carries |
 |---|---|---|
-| first | START (+END if it is the only one) | voice inputs, sampling parameters, first TEXT piece |
+| first | START (+END if it is the only one) | voice inputs (or VOICE), sampling parameters, first TEXT piece |
 | middle | - | TEXT piece appended to the session's text |
 | last | END | last TEXT piece (may be empty) |
 
@@ -40,6 +40,7 @@ INPUT_INSTRUCT = "INSTRUCT"
 INPUT_REF_AUDIO = "REF_AUDIO"
 INPUT_REF_SAMPLE_RATE = "REF_SAMPLE_RATE"
 INPUT_REF_TEXT = "REF_TEXT"
+INPUT_VOICE = "VOICE"  # a registered voice (`q3tts voice add`, VOICES_MODEL): no reference audio travels
 INPUTS = {
     INPUT_TEXT: ("TYPE_STRING", [1], "object"),
     INPUT_SPEAKER: ("TYPE_STRING", [1], "object"),
@@ -48,6 +49,7 @@ INPUTS = {
     INPUT_REF_AUDIO: ("TYPE_FP32", [-1], "float32"),
     INPUT_REF_SAMPLE_RATE: ("TYPE_INT32", [1], "int32"),
     INPUT_REF_TEXT: ("TYPE_STRING", [1], "object"),
+    INPUT_VOICE: ("TYPE_STRING", [1], "object"),
 }
 OPTIONAL_INPUTS = tuple(name for name in INPUTS if name != INPUT_TEXT)
 
@@ -99,6 +101,21 @@ SESSION_PARAMS = {
 PARAMS = {**SAMPLING_PARAMS, **SESSION_PARAMS}
 
 DEFAULT_CHUNK_SCHEDULE = (1, 2, 4, 8, 12)  # frames: first response = 1 frame (80 ms), then growing
+
+REF_SAMPLE_RATES = (8000, 192000)  # Hz, inclusive: reference recordings (REF_AUDIO, voice registration)
+MAX_REF_SECONDS = 60  # the longest recording a voice is registered from
+
+# The voices model: one request = one action (not decoupled, no sequence). Registers, lists and removes the
+# voices the sequence model's VOICE input names, while serving. Errors: INVALID_ARG, NOT_FOUND (unknown
+# voice), ALREADY_EXISTS (the name is taken), INTERNAL (the voices directory could not be written).
+VOICES_MODEL = "qwen3_tts_voices"
+INPUT_ACTION = "ACTION"  # add (VOICE, REF_AUDIO, REF_SAMPLE_RATE, REF_TEXT | xvector_only) | list | rm (VOICE)
+VOICE_ACTIONS = ("add", "list", "rm")
+VOICES_INPUTS = {INPUT_ACTION: ("TYPE_STRING", [1], "object"),
+                 **{name: INPUTS[name] for name in (INPUT_VOICE, INPUT_REF_AUDIO, INPUT_REF_SAMPLE_RATE,
+                                                    INPUT_REF_TEXT)}}
+OUTPUT_VOICES = "VOICES"  # JSON: add / rm -> the voice; list -> {"variant", "speakers", "voices"}
+VOICES_OUTPUTS = {OUTPUT_VOICES: ("TYPE_STRING", [1], "object")}
 
 
 def parse_chunk_schedule(text: str) -> tuple[int, ...]:

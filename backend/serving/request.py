@@ -74,8 +74,9 @@ def _ref_audio(inputs: dict[str, np.ndarray]) -> tuple[np.ndarray | None, int]:
         if rate.size != 1:
             raise BadRequest(f"input {P.INPUT_REF_SAMPLE_RATE} must hold one value, got {rate.size}")
         sr = int(rate[0])
-        if not 8000 <= sr <= 192000:
-            raise BadRequest(f"input {P.INPUT_REF_SAMPLE_RATE} must be in 8000..192000, got {sr}")
+        lo, hi = P.REF_SAMPLE_RATES
+        if not lo <= sr <= hi:
+            raise BadRequest(f"input {P.INPUT_REF_SAMPLE_RATE} must be in {lo}..{hi}, got {sr}")
     return ref_audio, sr
 
 

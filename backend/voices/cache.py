@@ -1,0 +1,61 @@
+"""`VoiceCache`: name -> resolved `Voice` for a serving model, least recently used first out.
+
+A hit costs one `os.stat` of the voice file: a file replaced or removed by another process (a registration
+while serving, `q3tts voice rm`) is noticed on the next use, never served stale. The family check runs on
+load, so a voice made for another checkpoint is refused before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+
+from q3tts.voices.store import Family, UnknownVoice, Voice, VoiceStore, check_name, from_file
+
+DEFAULT_MAX_ENTRIES = 64
+
+
+class VoiceCache:
+    """LRU of at most `max_entries` voices read from `store` and checked against `family`."""
+
+    def __init__(self, store: VoiceStore, family: Family, max_entries: int = DEFAULT_MAX_ENTRIES):
+        if max_entries < 1:
+            raise ValueError(f"voice cache size must be >= 1, got {max_entries}")
+        self.store, self.family, self.max_entries = store, family, int(max_entries)
+        self._entries: OrderedDict[str, tuple[tuple, Voice]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def resolve(self, name: str) -> Voice:
+        """The voice `name`, checked for this family; raises UnknownVoice or VoiceError."""
+        name = check_name(name)
+        path = self.store.path(name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            with self._lock:
+                self._entries.pop(name, None)
+            raise UnknownVoice(f"voice {name!r} is not registered") from None
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is not None and entry[0] == stamp:
+                self._entries.move_to_end(name)
+                self.hits += 1
+                return entry[1]
+        voice = from_file(path)
+        self.family.check(voice)
+        with self._lock:
+            self.misses += 1
+            self._entries[name] = (stamp, voice)
+            self._entries.move_to_end(name)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return voice
+
+    def stats(self) -> dict[str, int]:
+        """Entries held, the bound, and running hit/miss totals (serving metrics)."""
+        with self._lock:
+            return {"voice_cache_entries": len(self._entries), "voice_cache_capacity": self.max_entries,
+                    "voice_cache_hits": self.hits, "voice_cache_misses": self.misses}
