@@ -34,6 +34,7 @@ from pathlib import Path
 from q3tts_client import protocol
 from q3tts.serving import runtime
 from q3tts.serving.repository import pbtxt_string, render_repository
+from q3tts.voices.store import default_voices_dir
 
 
 def free_ports(n: int) -> list[int]:
@@ -105,7 +106,7 @@ class TritonServer:
                  max_slots: int | None = None, pool: dict | None = None, idle_s: float = 30.0,
                  chunk_schedule: str | None = None, stub_env: Path | runtime.StubEnvSpec | None = None,
                  ready_timeout_s: float = 300.0, exit_timeout_s: int = 10, log_verbose: int = 0,
-                 bind: str = "127.0.0.1"):
+                 bind: str = "127.0.0.1", voices_dir: Path | None = None, voice_cache_size: int | None = None):
         self.model = str(Path(model).resolve()) if Path(model).exists() else model
         self.run_dir = (Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="q3tts-serve-"))).resolve()
         self.gpus = detect_gpus() if gpus is None else list(gpus)
@@ -119,6 +120,8 @@ class TritonServer:
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
         self.bind = bind  # 127.0.0.1 everywhere except inside a container (docker/Dockerfile)
+        self.voices_dir = Path(voices_dir or default_voices_dir()).resolve()  # registered voices (q3tts.voices)
+        self.voice_cache_size = voice_cache_size
         ports = free_ports(3)
         self.http_port = http_port or ports[0]
         self.grpc_port = grpc_port or ports[1]
@@ -155,6 +158,8 @@ class TritonServer:
             group = f"{{ count: 1, kind: KIND_GPU, gpus: [ {', '.join(map(str, self.gpus))} ] }}"
         else:
             group = "{ count: 1, kind: KIND_CPU }"
+        # the voices model encodes references on the first GPU (one instance is enough)
+        voices_group = f"{{ count: 1, kind: KIND_GPU, gpus: [ {self.gpus[0]} ] }}" if self.gpus else group
         env_param = (f', {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: {pbtxt_string(str(rt.execution_env))} }} }}'
                      if rt.use_execution_env else "")  # only for a venv: Triton sources <env>/bin/activate
         return {
@@ -166,6 +171,9 @@ class TritonServer:
             "chunk_schedule": pbtxt_string(self.chunk_schedule),
             "idle_s": pbtxt_string(str(self.idle_s)),
             "execution_env_param": env_param,
+            "voices_dir": pbtxt_string(str(self.voices_dir)),
+            "voice_cache_size": pbtxt_string(str(self.voice_cache_size or "")),
+            "voices_instance_group": voices_group,
         }
 
     def command(self, rt: runtime.Runtime) -> list[str]:
@@ -280,7 +288,7 @@ class TritonServer:
             except OSError:
                 continue
             if argv and Path(argv[0].decode(errors="replace")).name in SERVER_PROGRAMS \
-                    and any(needle in a for a in argv) and _alive(int(d.name)):
+                    and any(a == needle or a.startswith(needle + b"/") for a in argv) and _alive(int(d.name)):
                 pids.append(int(d.name))
         return pids
 
@@ -326,6 +334,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--bind", default="127.0.0.1", help="listen address (keep 127.0.0.1 outside a container)")
+    p.add_argument("--voices-dir", type=Path, default=None,
+                   help=f"registered voices, read by VOICE inputs (default {default_voices_dir()})")
+    p.add_argument("--voice-cache-size", type=int, default=None, help="voices held resolved per engine (LRU)")
+    p.add_argument("--openai-port", type=int, default=0, help="also serve POST /v1/audio/speech on this port")
+    p.add_argument("--openai-bind", default="127.0.0.1", help="listen address of the OpenAI endpoint")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -333,7 +346,8 @@ def run(args: argparse.Namespace) -> int:
                           metrics_port=args.metrics_port, gpus=parse_gpus(args.gpus), dtype=args.dtype,
                           max_slots=args.max_slots, pool=parse_pool(args.pool), idle_s=args.idle_s,
                           chunk_schedule=args.chunk_schedule, stub_env=args.stub_env,
-                          ready_timeout_s=args.ready_timeout_s, log_verbose=args.log_verbose, bind=args.bind)
+                          ready_timeout_s=args.ready_timeout_s, log_verbose=args.log_verbose, bind=args.bind,
+                          voices_dir=args.voices_dir, voice_cache_size=args.voice_cache_size)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -348,12 +362,20 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({"grpc_port": server.grpc_port, "http_port": server.http_port,
                       "metrics_port": server.metrics_port, "pid": server.proc.pid,
                       "run_dir": str(server.run_dir)}), flush=True)
+    openai = None
     try:
+        if args.openai_port:
+            from q3tts.openai_api.server import OpenAIServer
+
+            openai = OpenAIServer(server.grpc_url, args.openai_port, args.openai_bind).start()
+            print(f"[q3tts] OpenAI endpoint: {openai.url}/v1/audio/speech", flush=True)
         while not stop.is_set() and server.running:
             stop.wait(0.5)
     finally:
         code = 0 if server.running else 1
         print("[q3tts] stopping", flush=True)
+        if openai is not None:
+            openai.stop()
         server.stop()
     return code
 
