@@ -78,12 +78,17 @@ def _bytes_input(name: str, value: str) -> grpcclient.InferInput:
     return t
 
 
-def start_inputs(text: str, speaker=None, language=None, instruct=None, ref_audio=None, ref_sample_rate=None,
-                 ref_text=None) -> list:
-    """Inputs of a START request: TEXT plus the voice fields that are set."""
-    inputs = [_bytes_input(P.INPUT_TEXT, text)]
+def start_inputs(text: str, **voice) -> list:
+    """Inputs of a START request: TEXT plus the voice fields that are set (`voice_inputs`)."""
+    return [_bytes_input(P.INPUT_TEXT, text), *voice_inputs(**voice)]
+
+
+def voice_inputs(speaker=None, language=None, instruct=None, ref_audio=None, ref_sample_rate=None,
+                 ref_text=None, voice=None) -> list:
+    """The voice fields that are set, as inputs; `voice` names a registered voice (protocol.INPUT_VOICE)."""
+    inputs = []
     for name, value in ((P.INPUT_SPEAKER, speaker), (P.INPUT_LANGUAGE, language),
-                        (P.INPUT_INSTRUCT, instruct), (P.INPUT_REF_TEXT, ref_text)):
+                        (P.INPUT_INSTRUCT, instruct), (P.INPUT_REF_TEXT, ref_text), (P.INPUT_VOICE, voice)):
         if value:
             inputs.append(_bytes_input(name, value))
     if ref_audio is not None:
@@ -108,6 +113,7 @@ class _Session:
         self.chunks: list[tuple[int, np.ndarray]] = []
         self.t0: float | None = None
         self.sent_end = threading.Event()
+        self.send_error: Exception | None = None  # a send failed: no more responses will come
         self.cancelled = False
 
     def send(self, k: int, text: str, end: bool) -> None:
@@ -124,15 +130,21 @@ class _Session:
         if end:
             self.sent_end.set()
 
-    def feed(self, pieces: Iterable[str]) -> None:
-        """Each piece as its own request as soon as it is produced, then an empty END."""
-        k = -1
-        for k, piece in enumerate(pieces):
-            self.send(k, piece, end=False)
-        if k < 0:  # no text at all: one START|END with empty text
-            self.send(0, "", end=True)
-        else:
-            self.send(k + 1, "", end=True)
+    def feed(self, pieces: Iterable[str], events: queue.Queue) -> None:
+        """Each piece as its own request as soon as it is produced, then an empty END; a list of at most
+        one piece is ONE START|END request (the common case). Never raises: a failed send (a broken
+        stream, whose cause the stream callback reports first) goes to `events` as an error."""
+        try:
+            if isinstance(pieces, (list, tuple)) and len(pieces) <= 1:
+                self.send(0, pieces[0] if pieces else "", end=True)
+                return
+            k = -1
+            for k, piece in enumerate(pieces):
+                self.send(k, piece, end=False)
+            self.send(k + 1, "", end=True)  # k = -1 (no text at all): one START|END with empty text
+        except Exception as e:  # noqa: BLE001 - reported as the sequence's error, not a crash of the caller
+            self.send_error = e
+            self.sent_end.set()
 
     def fold(self, t: float, result) -> None:
         """Fold one data/final response into the result."""
@@ -175,7 +187,7 @@ class _Session:
     def collect(self, events: queue.Queue, timeout_s: float) -> None:
         """Consume responses until every request has its final (or an error, cancel, timeout)."""
         res, deadline = self.res, time.monotonic() + timeout_s
-        while not (self.sent_end.is_set() and res.finals >= res.requests):
+        while not (self.sent_end.is_set() and (res.finals >= res.requests or self.send_error)):
             try:
                 t, result, error = events.get(timeout=max(0.01, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
@@ -192,6 +204,21 @@ class _Session:
             self.fold(t, result)
             if self.cancelled:
                 return
+        if self.send_error is not None and res.error is None:
+            res.error = self._stream_error(events) or f"sending a request failed: {self.send_error}"
+
+    @staticmethod
+    def _stream_error(events: queue.Queue, wait_s: float = 2.0) -> str | None:
+        """The stream callback's error that broke the stream (it may come just after a send failed)."""
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                error = events.get(timeout=left)[2]
+            except queue.Empty:
+                return None
+            if error is not None:
+                return str(error)
+        return None
 
     def audio(self) -> np.ndarray:
         """The chunks in FIRST_FRAME order, concatenated."""
@@ -221,11 +248,11 @@ def synthesize(url: str, pieces: Iterable[str], voice: dict | None = None, param
     client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
     done = False
     try:
-        # NOTE: the common case (a list of text) is sent as ONE START|END request when it has one piece.
-        if isinstance(pieces, (list, tuple)) and len(pieces) <= 1:
-            session.send(0, pieces[0] if pieces else "", end=True)
-        else:
-            threading.Thread(target=session.feed, args=(pieces,), name="q3tts-client-feed", daemon=True).start()
+        if isinstance(pieces, (list, tuple)):
+            session.feed(pieces, events)
+        else:  # a generator may wait on its producer: the responses are collected meanwhile
+            threading.Thread(target=session.feed, args=(pieces, events), name="q3tts-client-feed",
+                             daemon=True).start()
         session.collect(events, timeout_s)
         session.res.total_s = time.perf_counter() - (session.t0 or time.perf_counter())
         done = True
