@@ -130,10 +130,10 @@ class _Session:
         if end:
             self.sent_end.set()
 
-    def feed(self, pieces: Iterable[str], events: queue.Queue) -> None:
+    def feed(self, pieces: Iterable[str]) -> None:
         """Each piece as its own request as soon as it is produced, then an empty END; a list of at most
         one piece is ONE START|END request (the common case). Never raises: a failed send (a broken
-        stream, whose cause the stream callback reports first) goes to `events` as an error."""
+        stream) is kept in `send_error`, and `collect` reports the cause the stream callback gives."""
         try:
             if isinstance(pieces, (list, tuple)) and len(pieces) <= 1:
                 self.send(0, pieces[0] if pieces else "", end=True)
@@ -249,9 +249,9 @@ def synthesize(url: str, pieces: Iterable[str], voice: dict | None = None, param
     done = False
     try:
         if isinstance(pieces, (list, tuple)):
-            session.feed(pieces, events)
+            session.feed(pieces)
         else:  # a generator may wait on its producer: the responses are collected meanwhile
-            threading.Thread(target=session.feed, args=(pieces, events), name="q3tts-client-feed",
+            threading.Thread(target=session.feed, args=(pieces,), name="q3tts-client-feed",
                              daemon=True).start()
         session.collect(events, timeout_s)
         session.res.total_s = time.perf_counter() - (session.t0 or time.perf_counter())
