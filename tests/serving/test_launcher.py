@@ -7,17 +7,22 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from q3tts_client import protocol as P
+from q3tts.serving import runtime
 from q3tts.serving.launcher import TritonServer
 from q3tts.serving.repository import render_repository
 
 ROW = re.compile(r'\{ name: "(\w+)" data_type: (\w+) dims: \[ ([-\d, ]+) \]( optional: true)? \}')
-VALUES = {"max_candidate_sequences": "8", "max_sequence_idle_microseconds": "1", "instance_group": "{ }",
-          "checkpoint": '"c"', "engine_config": '"{}"', "chunk_schedule": '"1"', "idle_s": '"1"',
-          "execution_env_param": ""}
+
+
+def values(tmp_path) -> dict[str, str]:
+    """What `q3tts serve` renders the templates with, for a CPU server."""
+    rt = runtime.Runtime(Path("/x/bin/tritonserver"), Path("/x/backends"), (), Path(sys.prefix), "3.11")
+    return TritonServer("ckpt", run_dir=tmp_path / "run", gpus=[]).template_values(rt)
 
 
 def tables(config: str) -> dict[str, dict]:
@@ -31,7 +36,7 @@ def tables(config: str) -> dict[str, dict]:
 
 @pytest.mark.parametrize("model", [P.MODEL, P.ONESHOT_MODEL])
 def test_config_tables_are_the_protocol(tmp_path, model):
-    render_repository(tmp_path / "repo", VALUES)
+    render_repository(tmp_path / "repo", values(tmp_path))
     got = tables((tmp_path / "repo" / model / "config.pbtxt").read_text())
     assert got["input"] == {n: (t, d, n in P.OPTIONAL_INPUTS) for n, (t, d, _) in P.INPUTS.items()}
     assert got["output"] == {n: (t, d, False) for n, (t, d, _) in P.OUTPUTS.items()}
@@ -39,10 +44,11 @@ def test_config_tables_are_the_protocol(tmp_path, model):
 
 
 def test_rendering_is_strict(tmp_path):
+    good = values(tmp_path)
     with pytest.raises(KeyError, match="idle_s"):
-        render_repository(tmp_path / "repo", {k: v for k, v in VALUES.items() if k != "idle_s"})
+        render_repository(tmp_path / "repo", {k: v for k, v in good.items() if k != "idle_s"})
     with pytest.raises(ValueError, match="unrendered placeholder"):
-        render_repository(tmp_path / "repo", {**VALUES, "idle_s": "${later}"})
+        render_repository(tmp_path / "repo", {**good, "idle_s": "${later}"})
 
 
 def test_leftover_server_processes_of_the_run_dir_are_stopped(tmp_path):
