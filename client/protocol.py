@@ -114,6 +114,7 @@ VOICE_ACTIONS = ("add", "list", "rm")
 VOICES_INPUTS = {INPUT_ACTION: ("TYPE_STRING", [1], "object"),
                  **{name: INPUTS[name] for name in (INPUT_VOICE, INPUT_REF_AUDIO, INPUT_REF_SAMPLE_RATE,
                                                     INPUT_REF_TEXT)}}
+VOICES_OPTIONAL_INPUTS = tuple(name for name in VOICES_INPUTS if name != INPUT_ACTION)
 OUTPUT_VOICES = "VOICES"  # JSON: add / rm -> the voice; list -> {"variant", "speakers", "voices"}
 VOICES_OUTPUTS = {OUTPUT_VOICES: ("TYPE_STRING", [1], "object")}
 

@@ -25,6 +25,8 @@ class SessionOptions:
     audio_format: str = "float32"
     chunk_schedule: tuple[int, ...] = P.DEFAULT_CHUNK_SCHEDULE
     ack_pieces: bool = False  # non-END requests get their FINAL at once; audio streams on the END request
+    voice_name: str | None = None  # the VOICE input: a registered voice, resolved on START (`voice` keeps
+    # only its language / text_mode / xvector_only)
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ import time
 import traceback
 from typing import Callable
 
-from q3tts.core import AdmissionRejected, EngineError, InvalidRequest, StepOutput
+from q3tts.core import AdmissionRejected, EngineError, InvalidRequest, StepOutput, VoiceSpec
 from q3tts.serving import request as R
-from q3tts.serving.commands import Abort, Append, Cancel, Command, Refuse, Shutdown, Start
+from q3tts.serving.commands import Abort, Append, Cancel, Command, Refuse, SessionOptions, Shutdown, Start
 from q3tts.serving.session import Reply, Session, SessionTable, refuse
 
 TICK_S = 0.2  # engine thread housekeeping period
@@ -37,13 +37,16 @@ class EngineLoop:
     whether Triton still serves the model; it is only trusted after it was once True (not while loading)."""
 
     def __init__(self, make_engine: Callable, default_schedule: tuple[int, ...], idle_s: float, metrics=None,
-                 log: Callable[[str, str], None] = _no_log, model_ready: Callable[[], bool] = lambda: True):
+                 log: Callable[[str, str], None] = _no_log, model_ready: Callable[[], bool] = lambda: True,
+                 make_voices: Callable | None = None):
         self.commands: queue.Queue = queue.Queue()
         self.responses: queue.Queue = queue.Queue()
         self.default_schedule, self.idle_s, self.metrics, self.log = default_schedule, idle_s, metrics, log
         self.table = SessionTable()
         self.engine = None
         self.defaults = None  # engine.default_sampling: request parameters override it field by field
+        self.voices = None  # make_voices(engine): the VoiceCache that resolves VOICE inputs (None: no voices)
+        self._make_voices = make_voices
         self.draining = False  # the model is being unloaded: new sequences are refused
         self._make_engine, self._model_ready, self._was_ready = make_engine, model_ready, False
         self._ids = itertools.count(1)
@@ -85,6 +88,7 @@ class EngineLoop:
         try:
             self.engine = self._make_engine()
             self.defaults = self.engine.default_sampling
+            self.voices = self._make_voices(self.engine) if self._make_voices else None
         except BaseException as e:
             self._start_error = e
             self._started.set()
@@ -166,7 +170,7 @@ class EngineLoop:
             return
         engine_id, o = next(self._ids), cmd.options
         try:
-            self.engine.add(engine_id, o.voice, o.sampling, text=cmd.text, text_done=cmd.end)
+            self.engine.add(engine_id, self._voice(o), o.sampling, text=cmd.text, text_done=cmd.end)
         except (InvalidRequest, AdmissionRejected, EngineError, ValueError) as e:
             code = "UNAVAILABLE" if isinstance(e, AdmissionRejected) else "INVALID_ARG"
             refuse(cmd.reply, code, f"sequence {cmd.key}: {e}", self.metrics)
@@ -176,6 +180,14 @@ class EngineLoop:
         s = Session(cmd.key, engine_id, o, started_at=cmd.at, metrics=self.metrics, ended=cmd.end)
         self.table.add(s)
         s.attach(cmd.reply, cmd.end)
+
+    def _voice(self, o: SessionOptions) -> VoiceSpec:
+        """The START request's voice: a VOICE input comes from the voice cache (nothing to encode)."""
+        if o.voice_name is None:
+            return o.voice
+        if self.voices is None:
+            raise InvalidRequest("input VOICE: this server has no voices directory")
+        return self.voices.resolve(o.voice_name).spec(o.voice.language, o.voice.text_mode, o.voice.xvector_only)
 
     def _append(self, cmd: Append) -> None:
         s = self.table.get(cmd.key)
@@ -274,7 +286,8 @@ class EngineLoop:
         self.table.expire(now - limit)
         self._check_unload()
         if self.metrics is not None:
-            self.metrics.update(self.engine.stats(), len(self.table))
+            voices = self.voices.stats() if self.voices is not None else {}
+            self.metrics.update({**self.engine.stats(), **voices}, len(self.table))
 
     def _check_unload(self) -> None:
         ready = self._model_ready()

@@ -18,6 +18,8 @@ engine thread's periodic tick (each update is an IPC round trip, so never per fr
 | q3tts_prefilled_sequences_total | counter | sequences those forwards started |
 | q3tts_decode_seconds_total / q3tts_decode_steps_total | counter | time in / number of batched decode steps |
 | q3tts_queue_wait_seconds_total | counter | complete prompt -> started, summed over started sequences |
+| q3tts_voice_cache_entries / q3tts_voice_cache_capacity | gauge | registered voices held resolved / the LRU bound |
+| q3tts_voice_cache_hits_total / q3tts_voice_cache_misses_total | counter | VOICE inputs served from / read into it |
 
 The step counters are GPU time on a GPU (CUDA events), wall time on CPU; with the TTFA histogram they split
 time to first audio into queue wait, prefill and the first decode step.
@@ -34,6 +36,8 @@ GAUGES = {  # metric name -> Engine.stats() key (None = set by the serving layer
     "q3tts_kv_pages_total": "kv_pages_total",
     "q3tts_slots_used": "slots_used",
     "q3tts_slots_total": "slots_total",
+    "q3tts_voice_cache_entries": "voice_cache_entries",  # VoiceCache.stats(), merged in by the engine loop
+    "q3tts_voice_cache_capacity": "voice_cache_capacity",
 }
 
 
@@ -44,6 +48,8 @@ COUNTERS = {  # metric name -> cumulative Engine.stats() key (sent to Triton as 
     "q3tts_decode_seconds_total": "decode_seconds",
     "q3tts_decode_steps_total": "decode_steps",
     "q3tts_queue_wait_seconds_total": "queue_wait_seconds",
+    "q3tts_voice_cache_hits_total": "voice_cache_hits",
+    "q3tts_voice_cache_misses_total": "voice_cache_misses",
 }
 
 

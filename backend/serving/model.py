@@ -1,5 +1,6 @@
 """The Triton python-backend models (loaded by model_repository/*/1/model.py): `TritonPythonModel`, the
-sequence model `qwen3_tts`, and `OneShotModel`, `qwen3_tts_oneshot`, a BLS relay for HTTP generate_stream.
+sequence model `qwen3_tts`, `OneShotModel`, `qwen3_tts_oneshot`, a BLS relay for HTTP generate_stream, and
+`VoicesModel`, `qwen3_tts_voices`, which registers voices while serving.
 
 Style of vllm_backend: `execute()` validates and enqueues, then returns None; the work happens on the
 threads of `EngineLoop` (serving/loop.py). Audio routing and the FINAL rules: serving/session.py and
@@ -57,11 +58,19 @@ class TritonPythonModel:
 
             return Engine.from_checkpoint(checkpoint, EngineConfig.from_dict(engine_cfg))
 
+        voices_dir = params.get("voices_dir")
+
+        def make_voices(engine):
+            from q3tts.voices.cache import VoiceCache
+
+            return VoiceCache.for_engine(engine, voices_dir, params.get("voice_cache_size"))
+
         name, version = args["model_name"], args["model_version"]
         instance = args.get("model_instance_name", "0").replace("/", "_")
         self.metrics = ServingMetrics(pb_utils, {"model": name, "version": version, "instance": instance})
         self.loop = EngineLoop(make_engine, schedule, float(params.get("idle_s") or 30), self.metrics, log,
-                               model_ready=lambda: model_ready(name, version))
+                               model_ready=lambda: model_ready(name, version),
+                               make_voices=make_voices if voices_dir else None)
         log("info", f"loading {checkpoint} ({json.dumps(engine_cfg)})")
         self.loop.start()
         log("info", f"ready: instance {instance}, chunk schedule {list(schedule)}")
@@ -76,6 +85,37 @@ class TritonPythonModel:
         self.loop.shutdown()
         self.metrics.finalize()
         log("info", "finalize: done")
+
+
+class VoicesModel:
+    """`qwen3_tts_voices`: add, list and remove registered voices while serving (q3tts.voices.service)."""
+
+    def initialize(self, args: dict) -> None:
+        from q3tts.voices.service import VoiceService
+
+        params = model_parameters(args)
+        gpu = args.get("model_instance_kind") == "GPU"
+        device = f"cuda:{args['model_instance_device_id']}" if gpu else "cpu"
+        self.service = VoiceService(params["checkpoint"], params["voices_dir"], device)
+        log("info", f"voices: {params['voices_dir']} ({len(self.service.store.names())} registered)")
+
+    def execute(self, requests):
+        return [self._answer(request) for request in requests]
+
+    def _answer(self, request):
+        from q3tts.voices.service import error_code
+        from q3tts.voices.store import VoiceError
+
+        try:
+            args = R.parse_voices_request(request)
+            document = self.service.handle(**args)
+        except R.BadRequest as e:
+            return pb_utils.InferenceResponse(error=R.triton_error("INVALID_ARG", str(e)))
+        except VoiceError as e:
+            return pb_utils.InferenceResponse(error=R.triton_error(error_code(e), str(e)))
+        if args["action"] != "list":
+            log("info", f"voices: {args['action']} {document['name']}")
+        return R.json_response(P.OUTPUT_VOICES, document)
 
 
 class OneShotModel:

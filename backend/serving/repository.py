@@ -2,8 +2,8 @@
 `config.pbtxt` rendered from `config.pbtxt.tmpl`.
 
 The input and output tables come from `q3tts_client.protocol` (the one definition of the wire protocol):
-templates say `${inputs}` and `${outputs}`. Rendering is strict: `string.Template.substitute` raises on an
-unknown name, and no `${` may remain.
+templates say `${inputs}` and `${outputs}` (the voices model: `${voices_inputs}`, `${voices_outputs}`).
+Rendering is strict: `string.Template.substitute` raises on an unknown name, and no `${` may remain.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def tensor_table(tensors: dict[str, tuple[str, list[int], str]], optional: tuple
 def protocol_values() -> dict[str, str]:
     """The template values that are facts of the wire protocol."""
     return {"inputs": tensor_table(P.INPUTS, P.OPTIONAL_INPUTS), "outputs": tensor_table(P.OUTPUTS),
-            "sequence_model": pbtxt_string(P.MODEL)}
+            "sequence_model": pbtxt_string(P.MODEL),
+            "voices_inputs": tensor_table(P.VOICES_INPUTS, P.VOICES_OPTIONAL_INPUTS),
+            "voices_outputs": tensor_table(P.VOICES_OUTPUTS)}
 
 
 def render_repository(out_dir: Path, values: dict[str, str], template_dir: Path = TEMPLATE_DIR) -> Path:

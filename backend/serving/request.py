@@ -96,6 +96,18 @@ def parse_voice(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> VoiceS
     )
 
 
+def _voice_name(inputs: dict[str, np.ndarray]) -> str | None:
+    """The VOICE input (a registered voice), which replaces every input that describes a voice."""
+    if P.INPUT_VOICE not in inputs:
+        return None
+    clash = [name for name in (P.INPUT_SPEAKER, P.INPUT_INSTRUCT, P.INPUT_REF_AUDIO, P.INPUT_REF_SAMPLE_RATE,
+                               P.INPUT_REF_TEXT) if name in inputs]
+    if clash:
+        raise BadRequest(f"input {P.INPUT_VOICE} names a registered voice: it cannot be combined with "
+                         f"{', '.join(clash)}")
+    return _one_string(P.INPUT_VOICE, inputs[P.INPUT_VOICE])
+
+
 def parse_options(inputs: dict[str, np.ndarray], params: dict[str, Any], default_schedule,
                   defaults: SamplingParams) -> SessionOptions:
     """What a START request fixes: the voice, sampling (`defaults` = the checkpoint's generation config,
@@ -115,7 +127,7 @@ def parse_options(inputs: dict[str, np.ndarray], params: dict[str, Any], default
         except ValueError as e:
             raise BadRequest(str(e)) from None
     return SessionOptions(parse_voice(inputs, params), sampling, fmt, schedule,
-                          bool(params.get(P.PARAM_ACK_PIECES, False)))
+                          bool(params.get(P.PARAM_ACK_PIECES, False)), _voice_name(inputs))
 
 
 def parse_request(request, default_schedule, defaults: SamplingParams) -> Start | Append | Abort:
@@ -140,6 +152,18 @@ def parse_request(request, default_schedule, defaults: SamplingParams) -> Start 
     if not start:
         return Append(key, text, end)
     return Start(key, text, end, parse_options(inputs, params, default_schedule, defaults))
+
+
+def parse_voices_request(request) -> dict[str, Any]:
+    """A request of the voices model (protocol.VOICES_INPUTS) -> `VoiceService.handle` keyword arguments."""
+    inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+    if P.INPUT_ACTION not in inputs:
+        raise BadRequest(f"input {P.INPUT_ACTION} is required ({' | '.join(P.VOICE_ACTIONS)})")
+    ref_audio, sr = _ref_audio(inputs)
+    name, text = (_one_string(n, inputs[n]) if n in inputs else None for n in (P.INPUT_VOICE, P.INPUT_REF_TEXT))
+    return {"action": _one_string(P.INPUT_ACTION, inputs[P.INPUT_ACTION]), "name": name, "ref_audio": ref_audio,
+            "sample_rate": sr, "ref_text": text,
+            "xvector_only": bool(parse_parameters(request).get(P.PARAM_XVECTOR_ONLY, False))}
 
 
 # --- responses --------------------------------------------------------------------------------------------
@@ -174,6 +198,11 @@ def audio_response(chunk: Chunk | None, finish_reason: str | None = None):
     if finish_reason is not None:
         tensors.append(_strings(P.OUTPUT_FINISH_REASON, finish_reason))
     return pb.InferenceResponse(output_tensors=tensors)
+
+
+def json_response(name: str, document: Any):
+    """A response of one TYPE_STRING output holding `document` as JSON (the voices model)."""
+    return _pb().InferenceResponse(output_tensors=[_strings(name, json.dumps(document))])
 
 
 def triton_error(code: str, message: str):

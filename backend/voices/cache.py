@@ -27,6 +27,13 @@ class VoiceCache:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
+    @classmethod
+    def for_engine(cls, engine, voices_dir: str, max_entries: int | str | None = None) -> VoiceCache:
+        """The cache a serving engine uses: the voices of `voices_dir`, checked for its checkpoint
+        (`max_entries` as a model parameter may be text; empty = DEFAULT_MAX_ENTRIES)."""
+        return cls(VoiceStore(voices_dir), Family.of(engine.checkpoint.config),
+                   int(max_entries or DEFAULT_MAX_ENTRIES))
+
     def resolve(self, name: str) -> Voice:
         """The voice `name`, checked for this family; raises UnknownVoice or VoiceError."""
         name = check_name(name)

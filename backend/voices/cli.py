@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from q3tts.voices.store import VoiceError, VoiceStore, default_voices_dir
+from q3tts_client.voices import VoicesClient, VoicesError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,8 +79,6 @@ def _add(args) -> dict:
         raise UsageError("voice add needs --model (the Base checkpoint) or --url (a running server)")
     wav, sr, text, source, prompt = _reference(args)
     if args.url:
-        from q3tts_client.voices import VoicesClient
-
         with VoicesClient(args.url) as client:
             return client.add(args.name, wav, sr, text, args.xvector_only)
     from q3tts.voices.enroll import Enroller
@@ -104,30 +103,33 @@ def _print_table(voices: list[dict]) -> None:
               f"{(v.get('ref_text') or '')[:40]!r}")
 
 
+def _list(args) -> list[dict]:
+    if args.url:
+        with VoicesClient(args.url) as client:
+            return client.catalogue()["voices"]
+    return _store(args).list()
+
+
+def _remove(args) -> None:
+    if args.url:
+        with VoicesClient(args.url) as client:
+            client.remove(args.name)
+    else:
+        _store(args).remove(args.name)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "add":
             info = _add(args)
             print(f"registered voice {info['name']!r} ({info['sha256'][:12]})")
         elif args.action == "rm":
-            if args.url:
-                from q3tts_client.voices import VoicesClient
-
-                with VoicesClient(args.url) as client:
-                    client.remove(args.name)
-            else:
-                _store(args).remove(args.name)
+            _remove(args)
             print(f"removed voice {args.name!r}")
         else:
-            if args.url:
-                from q3tts_client.voices import VoicesClient
-
-                with VoicesClient(args.url) as client:
-                    voices = client.catalogue()["voices"]
-            else:
-                voices = _store(args).list()
+            voices = _list(args)
             print(json.dumps(voices, indent=2)) if args.json else _print_table(voices)
-    except VoiceError as e:
+    except (VoiceError, VoicesError) as e:
         print(f"q3tts voice: {e}", file=sys.stderr)
         return 1
     return 0

@@ -114,10 +114,12 @@ class Voice:
     def xvector_only(self) -> bool:
         return self.ref_codes is None
 
-    def spec(self, language: str = "auto", text_mode: str | None = None) -> VoiceSpec:
-        """The engine's VoiceSpec for this voice: nothing left to encode."""
+    def spec(self, language: str = "auto", text_mode: str | None = None, xvector_only: bool = False) -> VoiceSpec:
+        """The engine's VoiceSpec for this voice (nothing left to encode); `xvector_only` drops the ICL part
+        of an ICL voice."""
         return VoiceSpec(language=language, ref_text=self.ref_text, ref_codes=self.ref_codes,
-                         xvector=self.xvector, xvector_only=self.xvector_only, text_mode=text_mode)
+                         xvector=self.xvector, xvector_only=xvector_only or self.xvector_only,
+                         text_mode=text_mode)
 
     def info(self) -> dict:
         """JSON-able description (no tensors)."""
