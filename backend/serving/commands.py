@@ -1,12 +1,12 @@
 """What `execute()` and the response thread hand to the engine thread: one typed command per event.
 
-The engine thread applies them in arrival order, which keeps each sequence's requests ordered. `reply` and
-`at` are filled in by `EngineLoop.submit` (parse_request knows neither). No pb_utils here.
+The engine thread applies them in arrival order, which keeps each sequence's requests ordered. No pb_utils
+here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from q3tts_client import protocol as P
@@ -30,40 +30,42 @@ class SessionOptions:
 
 
 @dataclass(frozen=True)
-class Start:
+class Received:
+    """A command made from one request: `reply` and `at` are filled in by EngineLoop.submit."""
+
+    reply: Reply | None = field(default=None, kw_only=True)
+    at: float = field(default=0.0, kw_only=True)  # time.monotonic() when execute() received it
+
+
+@dataclass(frozen=True)
+class Start(Received):
     """A START request: opens sequence `key` (restarting a live one) with its first text piece."""
 
     key: Any  # correlation ID (int or str)
     text: str
     end: bool  # START|END: the whole utterance in one request
     options: SessionOptions
-    reply: Reply | None = None
-    at: float = 0.0  # time.monotonic() when execute() received it
 
 
 @dataclass(frozen=True)
-class Append:
+class Append(Received):
     """A later request of sequence `key`: one more text piece (`end`: the last one)."""
 
     key: Any
     text: str
     end: bool
-    reply: Reply | None = None
-    at: float = 0.0
 
 
 @dataclass(frozen=True)
-class Abort:
+class Abort(Received):
     """A request with protocol.PARAM_ABORT: drop sequence `key` now (its open request ends 'aborted')."""
 
     key: Any
     end: bool
-    reply: Reply | None = None
-    at: float = 0.0
 
 
 @dataclass(frozen=True)
-class Refuse:
+class Refuse(Received):
     """A request the parser could not read: it gets one clear error. Its START/END flags still open or close
     the sequence in Triton, so a live session of `key` is closed and later requests are told why."""
 
@@ -71,8 +73,6 @@ class Refuse:
     start: bool
     end: bool
     message: str
-    reply: Reply | None = None
-    at: float = 0.0
 
 
 @dataclass(frozen=True)
