@@ -213,11 +213,18 @@ class TritonServer:
         return self
 
     def is_ready(self) -> bool:
+        """Strict readiness: Triton's /v2/health/ready, and every engine instance's `q3tts_instance_ready` is
+        1 (a python model cannot make Triton 2.51 answer NOT READY: an instance restarting after a device
+        fault shows only in that gauge)."""
         try:
             with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
+                if r.status != 200:
+                    return False
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as r:
+                values = instance_ready_values(r.read().decode())
         except OSError:
             return False
+        return len(values) >= max(len(self.gpus), 1) and all(v == 1 for v in values)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -304,6 +311,12 @@ class TritonServer:
                     os.kill(p, signal.SIGKILL)
                 except OSError:
                     pass
+
+
+def instance_ready_values(metrics_text: str) -> list[float]:
+    """The `q3tts_instance_ready` value of each engine instance in a Prometheus metrics page."""
+    return [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+            if line.startswith(("q3tts_instance_ready{", "q3tts_instance_ready "))]
 
 
 def _alive(pid: int) -> bool:

@@ -5,6 +5,12 @@ The engine thread applies commands in arrival order, steps the engine while it h
 output's PCM to its session, and every TICK_S does the housekeeping: idle sequences, cancellations while
 no audio flows, metrics, and the unload check (once Triton unloads the model, every open sequence ends at
 once with "the server is shutting down" and new ones are refused, so unloading never waits on a client).
+
+A `DeviceFault` from any engine call (the engine runs in a child process, serving/engine_process.py, whose
+device context failed or which died) heals the instance: new sequences are refused at once, every open
+sequence ends with one "instance restarting after a device fault: ..." error, the instance reports not
+ready (`q3tts_instance_ready` 0), a new engine process starts, and once it is built the instance is ready
+again.
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ from typing import Callable
 from q3tts.core import AdmissionRejected, EngineError, InvalidRequest, StepOutput, VoiceSpec
 from q3tts.serving import request as R
 from q3tts.serving.commands import Abort, Append, Cancel, Command, Refuse, SessionOptions, Shutdown, Start
+from q3tts.serving.engine_process import DeviceFault
 from q3tts.serving.session import Reply, Session, SessionTable, refuse
 
 TICK_S = 0.2  # engine thread housekeeping period
 IDLE_MARGIN_S = 1.0  # after Triton's own idle timeout: Triton has dropped the sequence by then
 CANCEL_CHECK_S = 0.5  # how often a session's open request is asked is_cancelled() between responses
 SHUTTING_DOWN = "the server is shutting down"
+RESTARTING = "instance restarting after a device fault"
+RESPAWN_RETRY_S = 5.0  # a replacement engine that failed to start is tried again after this long
 
 
 def _no_log(level: str, msg: str) -> None:
@@ -33,8 +42,9 @@ def _no_log(level: str, msg: str) -> None:
 
 
 class EngineLoop:
-    """`make_engine()` runs on the engine thread (a failure is raised from start()). `model_ready()` says
-    whether Triton still serves the model; it is only trusted after it was once True (not while loading)."""
+    """`make_engine()` runs on the engine thread (a failure is raised from start()); it returns an engine or an
+    `EngineProcess` (then the loop waits for its child, and replaces it after a device fault). `model_ready()`
+    says whether Triton still serves the model; it is only trusted after it was once True (not while loading)."""
 
     def __init__(self, make_engine: Callable, default_schedule: tuple[int, ...], idle_s: float, metrics=None,
                  log: Callable[[str, str], None] = _no_log, model_ready: Callable[[], bool] = lambda: True,
@@ -48,6 +58,9 @@ class EngineLoop:
         self.voices = None  # make_voices(engine): the VoiceCache that resolves VOICE inputs (None: no voices)
         self._make_voices = make_voices
         self.draining = False  # the model is being unloaded: new sequences are refused
+        self.restarting: str | None = None  # after a device fault, until the new engine is built: why
+        self.health = {"device_faults": 0, "instance_restarts": 0}  # cumulative, for the metrics
+        self._respawn_at: float | None = None  # when to try again to start a replacement engine
         self._make_engine, self._model_ready, self._was_ready = make_engine, model_ready, False
         self._ids = itertools.count(1)
         self._started = threading.Event()
@@ -87,6 +100,8 @@ class EngineLoop:
     def _engine_main(self) -> None:
         try:
             self.engine = self._make_engine()
+            if hasattr(self.engine, "wait_ready"):
+                self.engine.wait_ready()
             self.defaults = self.engine.default_sampling
             self.voices = self._make_voices(self.engine) if self._make_voices else None
         except BaseException as e:
@@ -99,6 +114,8 @@ class EngineLoop:
             self._maybe_tick()
             if self.engine.has_work():
                 self._step()
+        if hasattr(self.engine, "close"):
+            self.engine.close()
         self.log("info", "engine thread stopped")
 
     def _next_commands(self) -> list[Command]:
@@ -125,6 +142,10 @@ class EngineLoop:
                 return False
             try:
                 handlers[type(cmd)](cmd)
+            except DeviceFault as e:
+                self._device_fault(e)
+                if not cmd.reply.done:
+                    refuse(cmd.reply, "UNAVAILABLE", f"sequence {cmd.key}: {self.restarting}", self.metrics)
             except Exception as e:  # never let one request kill the engine thread
                 self.log("error", f"{type(cmd).__name__} of sequence {cmd.key} failed: {traceback.format_exc()}")
                 if not cmd.reply.done:
@@ -135,6 +156,9 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except DeviceFault as e:
+            self._device_fault(e)
+            return
         except Exception as e:  # an engine bug: fail every live session, keep serving
             self.log("error", f"engine step failed: {traceback.format_exc()}")
             self._close_all("error", f"engine step failed: {e}")
@@ -165,8 +189,9 @@ class EngineLoop:
         if old is not None:
             self._close(old, "cancelled", "restarted by a new START request")
         self.table.forget_why(cmd.key)
-        if self.draining:
-            refuse(cmd.reply, "UNAVAILABLE", f"sequence {cmd.key}: {SHUTTING_DOWN}", self.metrics)
+        if self.draining or self.restarting:
+            why = SHUTTING_DOWN if self.draining else self.restarting
+            refuse(cmd.reply, "UNAVAILABLE", f"sequence {cmd.key}: {why}", self.metrics)
             return
         engine_id, o = next(self._ids), cmd.options
         try:
@@ -258,6 +283,45 @@ class EngineLoop:
         for s in self.table.sessions():
             self._close(s, reason, error, why=f"it was closed: {error}")
 
+    # --- device faults ------------------------------------------------------------------------------------
+    def _device_fault(self, fault: DeviceFault) -> None:
+        """The engine is gone: end every open sequence with one error, report not ready, start a new one."""
+        self.restarting = f"{RESTARTING}: {fault}"
+        self.health["device_faults"] += 1
+        self.log("error", f"{self.restarting}; closing {len(self.table)} open sequences")
+        for s in self.table.sessions():
+            self.table.stop(s)  # nothing to abort: the engine process is gone
+            s.close("unavailable", self.restarting)
+            self.table.remove(s, why=f"it was closed: {self.restarting}")
+        self.engine.close()
+        self._respawn()
+        self._update_metrics()
+
+    def _respawn(self) -> None:
+        try:
+            self.engine, self._respawn_at = self._make_engine(), None
+        except Exception:  # noqa: BLE001 - e.g. the spawn itself failed: try again later
+            self.log("error", f"starting a new engine process failed: {traceback.format_exc()}")
+            self._respawn_at = time.monotonic() + RESPAWN_RETRY_S
+
+    def _check_recovery(self, now: float) -> None:
+        """While restarting: ready once the new engine is built; a failed start is tried again."""
+        if self._respawn_at is not None:
+            if now >= self._respawn_at:
+                self._respawn()
+            return
+        try:
+            ready = self.engine.poll_ready()
+        except Exception as e:  # noqa: BLE001 - the new engine could not start
+            self.log("error", f"the new engine process failed: {e}")
+            self._respawn_at = now + RESPAWN_RETRY_S
+            return
+        if ready:
+            self.log("info", f"instance ready again after: {self.restarting}")
+            self.restarting = None
+            self.health["instance_restarts"] += 1
+            self._update_metrics()
+
     def _forget_if_over(self, s: Session) -> None:
         if s.ended and s.finished:  # END seen and the outcome delivered: nothing more can come
             self.table.remove(s)
@@ -270,10 +334,16 @@ class EngineLoop:
         self._last_tick = now
         try:
             self._tick(now)
+        except DeviceFault as e:
+            self._device_fault(e)
         except Exception:
             self.log("error", f"tick failed: {traceback.format_exc()}")
 
     def _tick(self, now: float) -> None:
+        if self.restarting:
+            self._check_recovery(now)
+        elif hasattr(self.engine, "alive") and not self.engine.alive():
+            raise DeviceFault("the engine process exited")
         limit = self.idle_s + IDLE_MARGIN_S
         for s in self.table.sessions():
             if not s.ended and now - s.last_request > limit:  # Triton expired it silently
@@ -285,9 +355,15 @@ class EngineLoop:
                     self._close(s, "cancelled", "the request was cancelled", why="it was cancelled")
         self.table.expire(now - limit)
         self._check_unload()
-        if self.metrics is not None:
-            voices = self.voices.stats() if self.voices is not None else {}
-            self.metrics.update({**self.engine.stats(), **voices}, len(self.table))
+        self._update_metrics()
+
+    def _update_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        engine = {} if self.restarting else self.engine.stats()
+        voices = self.voices.stats() if self.voices is not None else {}
+        health = {**self.health, "instance_ready": 0 if self.restarting else 1}
+        self.metrics.update({**engine, **voices, **health}, len(self.table))
 
     def _check_unload(self) -> None:
         ready = self._model_ready()

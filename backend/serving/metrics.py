@@ -20,6 +20,8 @@ engine thread's periodic tick (each update is an IPC round trip, so never per fr
 | q3tts_queue_wait_seconds_total | counter | complete prompt -> started, summed over started sequences |
 | q3tts_voice_cache_entries / q3tts_voice_cache_capacity | gauge | registered voices held resolved / the LRU bound |
 | q3tts_voice_cache_hits_total / q3tts_voice_cache_misses_total | counter | VOICE inputs served from / read into it |
+| q3tts_instance_ready | gauge | 1 = the instance serves; 0 = restarting after a device fault (strict readiness) |
+| q3tts_device_faults_total / q3tts_instance_restarts_total | counter | device faults / recoveries since load |
 
 The step counters are GPU time on a GPU (CUDA events), wall time on CPU; with the TTFA histogram they split
 time to first audio into queue wait, prefill and the first decode step.
@@ -38,6 +40,7 @@ GAUGES = {  # metric name -> Engine.stats() key (None = set by the serving layer
     "q3tts_slots_total": "slots_total",
     "q3tts_voice_cache_entries": "voice_cache_entries",  # VoiceCache.stats(), merged in by the engine loop
     "q3tts_voice_cache_capacity": "voice_cache_capacity",
+    "q3tts_instance_ready": "instance_ready",  # EngineLoop.health, merged in by the engine loop
 }
 
 
@@ -50,6 +53,8 @@ COUNTERS = {  # metric name -> cumulative Engine.stats() key (sent to Triton as 
     "q3tts_queue_wait_seconds_total": "queue_wait_seconds",
     "q3tts_voice_cache_hits_total": "voice_cache_hits",
     "q3tts_voice_cache_misses_total": "voice_cache_misses",
+    "q3tts_device_faults_total": "device_faults",
+    "q3tts_instance_restarts_total": "instance_restarts",
 }
 
 
@@ -82,10 +87,12 @@ class ServingMetrics:
                 self.gauges[name].set(value)
                 self._last[name] = value
         for name, key in COUNTERS.items():
-            total = float(stats.get(key, 0))
-            if total > self._last.get(name, 0.0):
-                self.counters[name].increment(total - self._last.get(name, 0.0))
-                self._last[name] = total
+            total, last = float(stats.get(key, 0)), self._last.get(name, 0.0)
+            if total < last:  # a new engine (after a device fault) counts from 0 again
+                last = 0.0
+            if total > last:
+                self.counters[name].increment(total - last)
+            self._last[name] = total
 
     def finalize(self) -> None:
         self.gauges.clear()

@@ -19,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 
 from q3tts_client import protocol as P
 from q3tts.serving import request as R
+from q3tts.serving.engine_process import EngineProcess
 from q3tts.serving.loop import EngineLoop
 from q3tts.serving.metrics import ServingMetrics
 
@@ -53,10 +54,8 @@ class TritonPythonModel:
         schedule = P.parse_chunk_schedule(params.get("chunk_schedule") or "1")
         checkpoint = params["checkpoint"]
 
-        def make_engine():
-            from q3tts.engine import Engine, EngineConfig
-
-            return Engine.from_checkpoint(checkpoint, EngineConfig.from_dict(engine_cfg))
+        def make_engine():  # in a child process: this stub never initializes CUDA (serving/engine_process.py)
+            return EngineProcess(checkpoint, engine_cfg).start()
 
         voices_dir = params.get("voices_dir")
 

@@ -1,0 +1,225 @@
+"""The engine in a child process of the python stub, so that a device fault costs one process, not the
+instance.
+
+A CUDA device-side fault poisons the CUDA context of its process for good, and Triton 2.51's python backend
+does not restart the stub of a decoupled model (its /v2/health/ready stays 200). So the stub never touches
+CUDA: `EngineProcess` starts a child (`python -m q3tts.serving.engine_process`: a fresh interpreter, a fresh
+CUDA context) that builds the `Engine` and answers calls over a socket pair (a multiprocessing Connection), and the serving loop talks to it through today's engine
+API (`add`, `append_text`, `end_text`, `abort`, `step`, `has_work`, `stats`, `default_sampling`). One call is
+one round trip; each answer carries `has_work`, so asking it costs nothing.
+
+When a call fails with an error that poisons the device context (engine/faults.py), or the child dies, the
+call raises `DeviceFault` and the child is gone; the serving loop then ends every open request and starts a
+new `EngineProcess`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from q3tts.core import EngineError
+
+STOP_TIMEOUT_S = 10.0
+
+
+class DeviceFault(Exception):
+    """The engine's device context is unusable or its process died; the text says what happened."""
+
+
+class EngineProcessError(RuntimeError):
+    """An unexpected error of the child's engine (not one of its request errors), as text."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What the serving side reads of the child's checkpoint (the voice cache checks voices against it)."""
+
+    config: Any  # q3tts.config.ModelConfig
+
+
+def _python() -> str:
+    """The interpreter the child runs: inside the stub `sys.executable` may be the stub binary."""
+    exe = Path(sys.executable)
+    if exe.name.startswith("python"):
+        return str(exe)
+    return str(Path(sys.prefix) / "bin" / "python3")
+
+
+class EngineProcess:
+    """An Engine in a child process. `start()` returns at once; `wait_ready()` / `poll_ready()` take the
+    child's hello (its defaults), or raise the child's start error.
+
+    NOTE: a plain subprocess, not multiprocessing's spawn: spawn re-imports the parent's `__main__` in the
+    child, which inside the stub is Triton's loader, not ours."""
+
+    def __init__(self, checkpoint: str, engine_config: dict[str, Any]):
+        self.checkpoint_path, self.engine_config = checkpoint, dict(engine_config)
+        self.default_sampling = None
+        self.checkpoint: CheckpointInfo | None = None
+        self._work = False
+        self._ready = False
+        self._conn = self._proc = None
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+    def start(self) -> EngineProcess:
+        ours, theirs = socket.socketpair()
+        fd = theirs.fileno()
+        self._proc = subprocess.Popen([_python(), "-m", __name__, str(fd), self.checkpoint_path,
+                                       json.dumps(self.engine_config)], pass_fds=(fd,))
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def poll_ready(self) -> bool:
+        """Whether the child's engine is built (non-blocking); raises its start error."""
+        if not self._ready and self._conn.poll():
+            self._take_hello()
+        return self._ready
+
+    def wait_ready(self) -> None:
+        """Block until the child's engine is built; raises its start error."""
+        if not self._ready:
+            self._take_hello()
+
+    def _take_hello(self) -> None:
+        kind, *body = self._recv()
+        if kind != "ready":
+            self.close()
+            raise RuntimeError(f"the engine process could not start: {body[0]}")
+        self.default_sampling, self.checkpoint = body[0], CheckpointInfo(body[1])
+        self._ready = True
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def close(self) -> None:
+        """Stop the child (ask, then kill by PID); nothing is raised."""
+        if self._proc is None:
+            return
+        try:
+            self._conn.send(None)
+        except (OSError, ValueError):
+            pass
+        try:
+            self._proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._conn.close()
+        self._proc = None
+
+    # --- the engine API -----------------------------------------------------------------------------------
+    def add(self, *args, **kwargs) -> None:
+        self._call("add", args, kwargs)
+
+    def append_text(self, seq_id, text: str) -> None:
+        self._call("append_text", (seq_id, text))
+
+    def end_text(self, seq_id) -> None:
+        self._call("end_text", (seq_id,))
+
+    def abort(self, seq_id) -> None:
+        self._call("abort", (seq_id,))
+
+    def step(self) -> list:
+        return self._call("step")
+
+    def has_work(self) -> bool:
+        return self._ready and self._work
+
+    def stats(self) -> dict[str, Any]:
+        return self._call("stats")
+
+    def _call(self, method: str, args: tuple = (), kwargs: dict | None = None):
+        try:
+            self._conn.send((method, args, kwargs or {}))
+        except (OSError, ValueError) as e:
+            raise self._died(e) from None
+        kind, value, self._work = self._recv()
+        if kind == "fault":
+            self.close()
+            raise DeviceFault(value)
+        if kind == "error":
+            raise value
+        return value
+
+    def _recv(self) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise self._died(e) from None
+
+    def _died(self, e: BaseException) -> DeviceFault:
+        try:
+            code = self._proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.close()
+        return DeviceFault(f"the engine process exited (exit code {code}, {type(e).__name__})")
+
+
+# --- the child ----------------------------------------------------------------------------------------------
+def child_main(conn, checkpoint: str, engine_config: dict[str, Any]) -> None:
+    """Build the engine, say hello, then answer calls until told to stop (None) or the parent goes away.
+    A call whose error poisoned the device is answered with ("fault", text) and the child exits."""
+    from q3tts.engine import Engine, EngineConfig
+
+    try:
+        engine = Engine.from_checkpoint(checkpoint, EngineConfig.from_dict(engine_config))
+    except BaseException as e:  # noqa: BLE001 - the parent raises it from wait_ready
+        conn.send(("start_error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", engine.default_sampling, engine.checkpoint.config))
+    while (msg := _next(conn)) is not None:
+        answer = _answer(engine, *msg)
+        conn.send(answer)
+        if answer[0] == "fault":
+            os._exit(1)  # the context is poisoned: nothing of this process can be trusted
+
+
+def _next(conn):
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
+
+
+def _answer(engine, method: str, args: tuple, kwargs: dict) -> tuple:
+    """One call -> ("ok", result, has_work) | ("error", exception, has_work) | ("fault", text, False)."""
+    from q3tts.engine.faults import context_usable, is_device_fault
+
+    device = engine.runner.device
+    try:
+        result = getattr(engine, method)(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - every error goes back to the caller
+        if is_device_fault(e, device):
+            sys.stderr.write(f"[q3tts] engine process: device fault in {method}: {traceback.format_exc()}")
+            return "fault", f"{type(e).__name__}: {e}", False
+        return "error", _picklable(e), engine.has_work()
+    if method == "step" and any(out.reason == "error" for out in result) and not context_usable(device):
+        return "fault", "the device context failed after a step that ended sequences with errors", False
+    return "ok", result, engine.has_work()
+
+
+def _picklable(e: Exception) -> Exception:
+    """The engine's request errors travel as they are; anything else as an EngineProcessError with its text."""
+    if isinstance(e, (EngineError, ValueError, KeyError)) and type(e).__module__.startswith(("q3tts", "builtins")):
+        return e
+    return EngineProcessError(f"{type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":  # python -m q3tts.serving.engine_process FD CHECKPOINT ENGINE_CONFIG_JSON
+    child_main(Connection(int(sys.argv[1])), sys.argv[2], json.loads(sys.argv[3]))
