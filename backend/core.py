@@ -1,6 +1,7 @@
 """The package's core types: what `q3tts synth`, the Triton glue and perf scripts pass to the engine.
 
-Nothing here knows Triton or torch, and nothing here imports the rest of the package. `VoiceSpec`
+Nothing here knows Triton or torch, and nothing here imports the rest of the package (only the wire
+protocol's table of parameter ranges, `q3tts_client.protocol.FIELDS`, which `validate` enforces). `VoiceSpec`
 says who speaks and how text is fed, `SamplingParams` how codes are drawn (its defaults read from a
 checkpoint's generation_config.json by `from_generation_config`), `StepOutput` what one
 `Engine.step()` produced for one sequence.
@@ -13,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-TEXT_MODES = ("whole", "incremental")
+from q3tts_client.protocol import FIELDS, SAMPLING_FIELD_NAMES
+
+TEXT_MODES = FIELDS["text_mode"].choices  # ("whole", "incremental")
 
 
 class EngineError(Exception):
@@ -103,17 +106,29 @@ class SamplingParams:
         return self.greedy if self.subtalker_greedy is None else self.subtalker_greedy
 
     def validate(self) -> None:
-        """Raise InvalidRequest naming the first bad field."""
-        if self.temperature <= 0 and not self.greedy:
-            raise InvalidRequest(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_frames < 1:
-            raise InvalidRequest(f"max_frames must be >= 1, got {self.max_frames}")
+        """Raise InvalidRequest naming the first field that is not of its type, not finite or out of its
+        range (`q3tts_client.protocol.FIELDS`; a temperature a greedy draw does not use: finiteness only),
+        so no value that could make a device index go out of bounds reaches the slot tensors."""
+        draws_greedy = {"greedy": self.greedy, "subtalker_greedy": self.cp_greedy}
+        for name in SAMPLING_FIELD_NAMES:
+            value, f = getattr(self, name), FIELDS[name]
+            if value is None and name == "subtalker_greedy":
+                continue
+            if not _is_type(value, f.type):
+                raise InvalidRequest(f"parameter {name!r} must be {f.type.__name__}, got {value!r}")
+            try:
+                f.check(value, used=not draws_greedy.get(f.unused_when, False))
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
+
+
+def _is_type(value: Any, kind: type) -> bool:
+    """bool: a bool; int: an integer that is not a bool; float: any real number that is not a bool."""
+    if isinstance(value, (bool, np.bool_)):
+        return kind is bool
+    if kind is int:
+        return isinstance(value, (int, np.integer))
+    return kind is float and isinstance(value, (int, float, np.integer, np.floating))
 
 
 @dataclass

@@ -26,6 +26,10 @@ model) break on an error response that follows data responses.
 
 from __future__ import annotations
 
+import math
+import sys
+from dataclasses import dataclass
+
 MODEL = "qwen3_tts"  # sequence model: gRPC streaming
 ONESHOT_MODEL = "qwen3_tts_oneshot"  # one request = one utterance: gRPC streaming or HTTP generate_stream
 
@@ -70,40 +74,22 @@ OUTPUTS = {
 AUDIO_FORMATS = {"float32": OUTPUT_AUDIO, "int16": OUTPUT_AUDIO_INT16}
 
 # Request parameters (gRPC `parameters=`, perf_analyzer --request-parameter, HTTP generate top-level keys).
-# Read on START; ignored on later requests (perf_analyzer repeats them), except `abort`. name -> python type
+# Read on START; ignored on later requests (perf_analyzer repeats them), except `abort`. Their types, ranges
+# and defaults: FIELDS below.
 PARAM_TEXT_MODE = "text_mode"  # whole | incremental (default: the variant's reference default)
 PARAM_XVECTOR_ONLY = "xvector_only"
 PARAM_AUDIO_FORMAT = "audio_format"  # float32 | int16
 PARAM_CHUNK_SCHEDULE = "chunk_schedule"  # "1,2,4,8": frames per response, the last entry repeats
 PARAM_ABORT = "abort"  # any request: true = drop the sequence now (its open request ends with FINISH_REASON aborted)
 PARAM_ACK_PIECES = "ack_pieces"  # true: non-END requests end at once, audio streams on END (perf_analyzer)
-SAMPLING_PARAMS = {
-    "greedy": bool,
-    "temperature": float,
-    "top_k": int,
-    "top_p": float,
-    "repetition_penalty": float,
-    "subtalker_greedy": bool,
-    "subtalker_temperature": float,
-    "subtalker_top_k": int,
-    "subtalker_top_p": float,
-    "seed": int,
-    "max_frames": int,
-}
-SESSION_PARAMS = {
-    PARAM_TEXT_MODE: str,
-    PARAM_XVECTOR_ONLY: bool,
-    PARAM_AUDIO_FORMAT: str,
-    PARAM_CHUNK_SCHEDULE: str,
-    PARAM_ABORT: bool,
-    PARAM_ACK_PIECES: bool,
-}
-PARAMS = {**SAMPLING_PARAMS, **SESSION_PARAMS}
 
-DEFAULT_CHUNK_SCHEDULE = (1, 2, 4, 8, 12)  # frames: first response = 1 frame (80 ms), then growing
+DEFAULT_CHUNK_SCHEDULE = (1, 2, 4, 8, 12)
+SAMPLING_FIELD_NAMES = ("greedy", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_greedy",
+                        "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "seed", "max_frames")  # frames: first response = 1 frame (80 ms), then growing
 
 REF_SAMPLE_RATES = (8000, 192000)  # Hz, inclusive: reference recordings (REF_AUDIO, voice registration)
-MAX_REF_SECONDS = 60  # the longest recording a voice is registered from
+MAX_REF_SECONDS = 60  # the longest reference recording (REF_AUDIO of a request, voice registration)
+MAX_TEXT_CHARS = 10000  # TEXT of one request (the engine's token limits apply after tokenization)
 
 # The voices model: one request = one action (not decoupled, no sequence). Registers, lists and removes the
 # voices the sequence model's VOICE input names, while serving. Errors: INVALID_ARG, NOT_FOUND (unknown
@@ -119,6 +105,137 @@ OUTPUT_VOICES = "VOICES"  # JSON: add / rm -> the voice; list -> {"variant", "sp
 VOICES_OUTPUTS = {OUTPUT_VOICES: ("TYPE_STRING", [1], "object")}
 
 
+# --- every request input and parameter: the one table the validator enforces and the README shows ----------
+VARIANTS = ("custom_voice", "voice_design", "base")  # a checkpoint's tts_model_type
+ALL = VARIANTS
+VARIANT_NAMES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base",
+                 "custom_voice-1b7": "CustomVoice 1.7B"}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One request input or parameter. Numbers are checked finite and within [low, high] (`low_open`: low
+    excluded); strings against `choices`; `high` of a TEXT/REF_AUDIO input is a size in `unit`. `variants`:
+    the checkpoints it means something for ("variant" or "variant-size"), refused on the others. `unused_when`:
+    a bool parameter that makes this one unused (then only its type and finiteness are checked)."""
+
+    name: str
+    kind: str  # "input" (a tensor) | "parameter" (START) | "control" (any request)
+    type: type  # bool | int | float | str (an input: its element type)
+    default: str
+    meaning: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    choices: tuple[str, ...] = ()
+    unit: str = ""
+    variants: tuple[str, ...] = ALL
+    unused_when: str | None = None
+
+    def bounds(self) -> str:
+        """The accepted values, as the errors and the README say them."""
+        if self.choices:
+            return " | ".join(self.choices)
+        if self.type is bool:
+            return "true | false"
+        if self.low is None and self.high is None:
+            return ""
+        if self.low is None:
+            return f"<= {_num(self.high)} {self.unit}".strip()
+        return f"{'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}]"
+
+    def check(self, value, used: bool = True) -> None:
+        """Raise ValueError naming this field when `value` (already of `type`) is not finite or, when `used`,
+        out of its range."""
+        if self.type is float and not math.isfinite(value):
+            raise ValueError(f"{self.kind} {self.name!r} must be a finite number, got {value!r}")
+        if not used:
+            return
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{self.kind} {self.name!r} must be one of {self.bounds()}, got {value!r}")
+        if self.type in (int, float) and self.low is not None:
+            low_ok = value > self.low if self.low_open else value >= self.low
+            if not (low_ok and value <= self.high):
+                raise ValueError(f"{self.kind} {self.name!r} must be in {self.bounds()}, got {value!r}")
+
+
+def _num(x: float) -> str:
+    if isinstance(x, int) and x > 1 << 32 and (x + 1) & x == 0:
+        return f"2^{x.bit_length()} - 1"
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+_TEMPERATURE, _TOP_K, _TOP_P = (0.01, 100.0), (0, 65536), (0.0, 1.0)
+FIELDS = {f.name: f for f in (
+    Field(INPUT_TEXT, "input", str, "", "text of this request (every request; may be empty)", high=MAX_TEXT_CHARS,
+          unit="characters"),
+    Field(INPUT_SPEAKER, "input", str, "", "a built-in speaker", variants=("custom_voice",)),
+    Field(INPUT_LANGUAGE, "input", str, "auto", "language of the text (auto = detect)"),
+    Field(INPUT_INSTRUCT, "input", str, "", "voice description (VoiceDesign) or style instruction",
+          variants=("custom_voice-1b7", "voice_design")),
+    Field(INPUT_REF_AUDIO, "input", float, "", "reference recording, mono float32 samples (finite)",
+          high=MAX_REF_SECONDS, unit="seconds", variants=("base",)),
+    Field(INPUT_REF_SAMPLE_RATE, "input", int, str(SAMPLE_RATE), "sample rate of REF_AUDIO in Hz",
+          low=REF_SAMPLE_RATES[0], high=REF_SAMPLE_RATES[1], variants=("base",)),
+    Field(INPUT_REF_TEXT, "input", str, "", "transcript of REF_AUDIO (voice cloning in context)", variants=("base",)),
+    Field(INPUT_VOICE, "input", str, "", "a registered voice (replaces SPEAKER, INSTRUCT and the REF_ inputs)",
+          variants=("base",)),
+    Field("greedy", "parameter", bool, "checkpoint", "argmax instead of sampling (talker and code predictor)"),
+    Field("temperature", "parameter", float, "checkpoint (0.9)", "talker softmax temperature", *_TEMPERATURE,
+          low_open=False, unused_when="greedy"),
+    Field("top_k", "parameter", int, "checkpoint (50)", "talker top-k (0 = off)", *_TOP_K),
+    Field("top_p", "parameter", float, "checkpoint (1.0)", "talker nucleus mass", *_TOP_P, low_open=True),
+    Field("repetition_penalty", "parameter", float, "checkpoint (1.05)", "talker repetition penalty",
+          0.01, 100.0),
+    Field("subtalker_greedy", "parameter", bool, "= greedy", "argmax in the code predictor"),
+    Field("subtalker_temperature", "parameter", float, "checkpoint (0.9)", "code predictor temperature",
+          *_TEMPERATURE, unused_when="subtalker_greedy"),
+    Field("subtalker_top_k", "parameter", int, "checkpoint (50)", "code predictor top-k (0 = off)", *_TOP_K),
+    Field("subtalker_top_p", "parameter", float, "checkpoint (1.0)", "code predictor nucleus mass", *_TOP_P,
+          low_open=True),
+    Field("seed", "parameter", int, "0", "selects the sequence's random stream (same seed, same audio)",
+          0, 2 ** 63 - 1),
+    Field("max_frames", "parameter", int, "checkpoint (8191)", "frames (80 ms each) at most", 1, 8191),
+    Field(PARAM_TEXT_MODE, "parameter", str, "variant's", "how text is fed: all at once, or as it arrives",
+          choices=("whole", "incremental")),
+    Field(PARAM_XVECTOR_ONLY, "parameter", bool, "false", "clone from the x-vector alone (no REF_TEXT)",
+          variants=("base",)),
+    Field(PARAM_AUDIO_FORMAT, "parameter", str, "float32", "AUDIO (float32) or AUDIO_INT16 (int16)",
+          choices=tuple(AUDIO_FORMATS)),
+    Field(PARAM_CHUNK_SCHEDULE, "parameter", str, ",".join(map(str, DEFAULT_CHUNK_SCHEDULE)),
+          "frames per response, the last entry repeats (each 1..1000)"),
+    Field(PARAM_ABORT, "control", bool, "false", "drop the sequence now"),
+    Field(PARAM_ACK_PIECES, "control", bool, "false", "non-END requests end at once, audio streams on END"),
+)}
+SAMPLING_PARAMS = {name: f.type for name, f in FIELDS.items()
+                   if f.kind == "parameter" and name in SAMPLING_FIELD_NAMES}
+PARAMS = {name: f.type for name, f in FIELDS.items() if f.kind != "input"}
+SESSION_PARAMS = {name: kind for name, kind in PARAMS.items() if name not in SAMPLING_PARAMS}
+
+
+def check_variant(variant: str, size: str, names) -> None:
+    """Raise ValueError naming the first of `names` (inputs and parameters of a START request) that means
+    nothing for a `variant`-`size` checkpoint."""
+    for name in names:
+        f = FIELDS.get(name)
+        if f is not None and variant not in f.variants and f"{variant}-{size}" not in f.variants:
+            where = ", ".join(VARIANT_NAMES[v] for v in f.variants)
+            raise ValueError(f"{f.kind} {name!r} is for {where} checkpoints; this one is "
+                             f"{VARIANT_NAMES.get(variant, variant)} {size}")
+
+
+def markdown_table() -> str:
+    """FIELDS as the README's table (`python -m q3tts_client.protocol --markdown`)."""
+    rows = ["| name | kind | type | accepted | default | checkpoints | meaning |", "|---|---|---|---|---|---|---|"]
+    for f in FIELDS.values():
+        where = "all" if f.variants == ALL else ", ".join(VARIANT_NAMES[v] for v in f.variants)
+        accepted = f.bounds().replace("|", "\\|")
+        if f.unused_when:
+            accepted += f" (unused when {f.unused_when})"
+        rows.append(f"| `{f.name}` | {f.kind} | {f.type.__name__} | {accepted} | {f.default} | {where} | {f.meaning} |")
+    return "\n".join(rows)
+
+
 def parse_chunk_schedule(text: str) -> tuple[int, ...]:
     """'1,2,4' -> (1, 2, 4); raises ValueError naming the problem."""
     try:
@@ -131,10 +248,18 @@ def parse_chunk_schedule(text: str) -> tuple[int, ...]:
 
 
 def coerce_param(name: str, value):
-    """Convert a request parameter to its declared type; raises ValueError naming it."""
+    """Convert a request parameter to its declared type and check it (FIELDS; a parameter that another one
+    can make unused, e.g. temperature by greedy, only for finiteness here: SamplingParams.validate checks the
+    rest); raises ValueError naming it."""
     kind = PARAMS.get(name)
     if kind is None:
         raise ValueError(f"unknown request parameter {name!r}; known: {', '.join(sorted(PARAMS))}")
+    value = _coerce(name, kind, value)
+    FIELDS[name].check(value, used=FIELDS[name].unused_when is None)
+    return value
+
+
+def _coerce(name: str, kind: type, value):
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -158,3 +283,9 @@ def coerce_param(name: str, value):
         except (TypeError, ValueError):
             raise ValueError(f"parameter {name!r} must be a number, got {value!r}") from None
     return str(value)
+
+
+if __name__ == "__main__":  # python -m q3tts_client.protocol --markdown: the README's table of FIELDS
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m q3tts_client.protocol --markdown")
+    print(markdown_table())

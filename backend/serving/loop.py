@@ -55,6 +55,7 @@ class EngineLoop:
         self.table = SessionTable()
         self.engine = None
         self.defaults = None  # engine.default_sampling: request parameters override it field by field
+        self.checkpoint = None  # (variant, size): inputs that mean nothing for it are refused
         self.voices = None  # make_voices(engine): the VoiceCache that resolves VOICE inputs (None: no voices)
         self._make_voices = make_voices
         self.draining = False  # the model is being unloaded: new sequences are refused
@@ -90,7 +91,7 @@ class EngineLoop:
     def submit(self, request, sender) -> None:
         reply, now = Reply(sender, self.responses), time.monotonic()
         try:
-            cmd = R.parse_request(request, self.default_schedule, self.defaults)
+            cmd = R.parse_request(request, self.default_schedule, self.defaults, self.checkpoint)
         except Exception as e:  # noqa: BLE001 - whatever the parser could not read gets one clear error
             msg = str(e) if isinstance(e, R.BadRequest) else f"could not read the request: {type(e).__name__}: {e}"
             cmd = Refuse(*R.sequence_flags(request), msg)
@@ -103,6 +104,8 @@ class EngineLoop:
             if hasattr(self.engine, "wait_ready"):
                 self.engine.wait_ready()
             self.defaults = self.engine.default_sampling
+            config = self.engine.checkpoint.config if hasattr(self.engine, "checkpoint") else None
+            self.checkpoint = (config.variant, config.size) if config is not None else None
             self.voices = self._make_voices(self.engine) if self._make_voices else None
         except BaseException as e:
             self._start_error = e

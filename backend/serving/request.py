@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from q3tts_client import protocol as P
-from q3tts.core import TEXT_MODES, InvalidRequest, SamplingParams, VoiceSpec
+from q3tts.core import InvalidRequest, SamplingParams, VoiceSpec
 from q3tts.serving.chunker import Chunk
 from q3tts.serving.commands import Abort, Append, SessionOptions, Start
 
@@ -64,29 +64,38 @@ def parse_parameters(request) -> dict[str, Any]:
 
 
 def _ref_audio(inputs: dict[str, np.ndarray]) -> tuple[np.ndarray | None, int]:
-    ref_audio, sr = None, P.SAMPLE_RATE
-    if P.INPUT_REF_AUDIO in inputs:
-        ref_audio = np.asarray(inputs[P.INPUT_REF_AUDIO], dtype=np.float32).reshape(-1)
-        if ref_audio.size == 0 or not np.isfinite(ref_audio).all():
-            raise BadRequest(f"input {P.INPUT_REF_AUDIO} must be non-empty finite float32 samples")
+    """REF_AUDIO and REF_SAMPLE_RATE, checked (protocol.FIELDS: rate range, at most MAX_REF_SECONDS) before
+    any work is done on them."""
+    sr = P.SAMPLE_RATE
     if P.INPUT_REF_SAMPLE_RATE in inputs:
         rate = np.asarray(inputs[P.INPUT_REF_SAMPLE_RATE]).reshape(-1)
         if rate.size != 1:
             raise BadRequest(f"input {P.INPUT_REF_SAMPLE_RATE} must hold one value, got {rate.size}")
         sr = int(rate[0])
-        lo, hi = P.REF_SAMPLE_RATES
-        if not lo <= sr <= hi:
-            raise BadRequest(f"input {P.INPUT_REF_SAMPLE_RATE} must be in {lo}..{hi}, got {sr}")
+        _check(P.INPUT_REF_SAMPLE_RATE, sr)
+    if P.INPUT_REF_AUDIO not in inputs:
+        return None, sr
+    ref_audio = np.asarray(inputs[P.INPUT_REF_AUDIO], dtype=np.float32).reshape(-1)
+    if ref_audio.size > P.MAX_REF_SECONDS * sr:
+        raise BadRequest(f"input {P.INPUT_REF_AUDIO} holds {ref_audio.size / sr:.1f} s of audio at {sr} Hz; "
+                         f"at most {P.MAX_REF_SECONDS} s")
+    if ref_audio.size == 0 or not np.isfinite(ref_audio).all():
+        raise BadRequest(f"input {P.INPUT_REF_AUDIO} must be non-empty finite float32 samples")
     return ref_audio, sr
+
+
+def _check(name: str, value) -> None:
+    try:
+        P.FIELDS[name].check(value)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
 
 
 def parse_voice(inputs: dict[str, np.ndarray], params: dict[str, Any]) -> VoiceSpec:
     def opt_str(name: str) -> str | None:
         return _one_string(name, inputs[name]) if name in inputs else None
 
-    text_mode = params.get(P.PARAM_TEXT_MODE)
-    if text_mode is not None and text_mode not in TEXT_MODES:
-        raise BadRequest(f"parameter {P.PARAM_TEXT_MODE} must be one of {TEXT_MODES}, got {text_mode!r}")
+    text_mode = params.get(P.PARAM_TEXT_MODE)  # checked by parse_parameters (protocol.FIELDS)
     ref_audio, sr = _ref_audio(inputs)
     return VoiceSpec(
         speaker=opt_str(P.INPUT_SPEAKER) or None, language=opt_str(P.INPUT_LANGUAGE) or "auto",
@@ -109,17 +118,21 @@ def _voice_name(inputs: dict[str, np.ndarray]) -> str | None:
 
 
 def parse_options(inputs: dict[str, np.ndarray], params: dict[str, Any], default_schedule,
-                  defaults: SamplingParams) -> SessionOptions:
+                  defaults: SamplingParams, checkpoint: tuple[str, str] | None = None) -> SessionOptions:
     """What a START request fixes: the voice, sampling (`defaults` = the checkpoint's generation config,
-    overridden field by field), audio format, chunk schedule and ack mode."""
+    overridden field by field), audio format, chunk schedule and ack mode. `checkpoint` (variant, size):
+    inputs and parameters that mean nothing for it are refused by name."""
+    if checkpoint is not None:
+        try:
+            P.check_variant(*checkpoint, [*inputs, *params])
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
     sampling = dataclasses.replace(defaults, **{k: v for k, v in params.items() if k in P.SAMPLING_PARAMS})
     try:
         sampling.validate()
     except InvalidRequest as e:
         raise BadRequest(str(e)) from None
-    fmt = params.get(P.PARAM_AUDIO_FORMAT, "float32")
-    if fmt not in P.AUDIO_FORMATS:
-        raise BadRequest(f"parameter {P.PARAM_AUDIO_FORMAT} must be one of {sorted(P.AUDIO_FORMATS)}, got {fmt!r}")
+    fmt = params.get(P.PARAM_AUDIO_FORMAT, "float32")  # checked by parse_parameters (protocol.FIELDS)
     schedule = default_schedule
     if P.PARAM_CHUNK_SCHEDULE in params:
         try:
@@ -130,8 +143,10 @@ def parse_options(inputs: dict[str, np.ndarray], params: dict[str, Any], default
                           bool(params.get(P.PARAM_ACK_PIECES, False)), _voice_name(inputs))
 
 
-def parse_request(request, default_schedule, defaults: SamplingParams) -> Start | Append | Abort:
-    """Validate one request of the sequence model and turn it into its command (raises BadRequest)."""
+def parse_request(request, default_schedule, defaults: SamplingParams,
+                  checkpoint: tuple[str, str] | None = None) -> Start | Append | Abort:
+    """Validate one request of the sequence model and turn it into its command (raises BadRequest);
+    `checkpoint`: see parse_options."""
     key, start, end = sequence_flags(request)
     if key in (0, "", None):
         raise BadRequest("the request has no correlation ID (sequence_id): the sequence model needs one")
@@ -139,6 +154,8 @@ def parse_request(request, default_schedule, defaults: SamplingParams) -> Start 
     if P.INPUT_TEXT not in inputs:
         raise BadRequest(f"input {P.INPUT_TEXT} is required on every request (it may be empty)")
     text = _one_string(P.INPUT_TEXT, inputs[P.INPUT_TEXT])
+    if len(text) > P.MAX_TEXT_CHARS:
+        raise BadRequest(f"input {P.INPUT_TEXT} holds {len(text)} characters; at most {P.MAX_TEXT_CHARS} per request")
     params = parse_parameters(request)
     abort = bool(params.pop(P.PARAM_ABORT, False))
     if not start:
@@ -151,7 +168,7 @@ def parse_request(request, default_schedule, defaults: SamplingParams) -> Start 
         return Abort(key, end)
     if not start:
         return Append(key, text, end)
-    return Start(key, text, end, parse_options(inputs, params, default_schedule, defaults))
+    return Start(key, text, end, parse_options(inputs, params, default_schedule, defaults, checkpoint))
 
 
 def parse_voices_request(request) -> dict[str, Any]:

@@ -140,7 +140,7 @@ def _unreadable_parameters(req: FakeRequest) -> FakeRequest:
 @pytest.mark.parametrize("req, needle", [
     (FakeRequest(3, None, start=True, end=True), "input TEXT is required"),
     (FakeRequest(3, "x", start=True, end=True, params={"bogus": 1}), "unknown request parameter 'bogus'"),
-    (FakeRequest(3, "x", start=True, end=True, params={"top_p": 2.0}), "top_p must be in (0, 1]"),
+    (FakeRequest(3, "x", start=True, end=True, params={"top_p": 2.0}), "'top_p' must be in (0, 1]"),
     (FakeRequest(3, "x", start=True, end=True, params={"audio_format": "mp3"}), "audio_format"),
     (FakeRequest(3, "x", start=True, end=True, SPEAKER="nobody"), "unknown speaker 'nobody'"),
     (FakeRequest(3, "x", SPEAKER="ryan"), "can only be set on the START request"),
