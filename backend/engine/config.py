@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 KV_POLICIES = ("reserve", "on_demand")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TEST_HOOKS_ENV = "Q3TTS_TEST_HOOKS"  # =1 allows the test-only fields (fault_injection_seed)
 
 
 @dataclass(frozen=True)
@@ -42,11 +44,17 @@ class EngineConfig:
     graph_batch_sizes    decode batch buckets captured as CUDA graphs (padded up to the next bucket)
     dtype, device        model dtype and torch device
     use_cuda_graphs      capture/replay the decode step on CUDA (ignored on CPU: eager there)
+    prefill_graphs       capture/replay the prefill of the sequences a step starts (talker forward + first
+                         c0 draw, prompts packed into 64..1024-row token buckets, engine/prefill_graph.py)
+                         on CUDA; a step past the largest bucket runs eagerly (ignored on CPU)
     codec_kernels        run the codec's convs and SnakeBeta through q3tts.kernels (Triton conv timed
                          against cuDNN per shape in the graph warm-up, fused SnakeBeta). Off by default:
                          on the H200 it made the decode step 20-25% faster at batch 64-128, but served
                          greedy TTFA p50 at 16 streams rose from ~123 to ~198 ms in an A/B (4 runs each),
                          cause not yet found (perf/results/RESULTS.md)
+    fault_injection_seed TEST ONLY (refused unless Q3TTS_TEST_HOOKS=1): a decode step holding a sequence with
+                         this seed causes a device fault (engine/faults.py: on CUDA a real device-side
+                         assert, which poisons the context), to test the serving layer's healing
     """
 
     page_size: int = 16
@@ -63,7 +71,9 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str = "cuda"
     use_cuda_graphs: bool = True
+    prefill_graphs: bool = True
     codec_kernels: bool = False
+    fault_injection_seed: int | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -85,7 +95,9 @@ class EngineConfig:
         need(isinstance(bs, tuple) and len(bs) > 0, "graph_batch_sizes must be a non-empty tuple")
         need(all(isinstance(b, int) and b >= 1 for b in bs), f"graph_batch_sizes must be ints >= 1, got {bs}")
         need(list(bs) == sorted(set(bs)), f"graph_batch_sizes must be strictly increasing, got {bs}")
-        for name in ("use_cuda_graphs", "codec_kernels"):
+        need(self.fault_injection_seed is None or os.environ.get(TEST_HOOKS_ENV) == "1",
+             f"fault_injection_seed is a test hook: refused unless {TEST_HOOKS_ENV}=1")
+        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # --- derived values ---------------------------------------------------------------------------

@@ -98,11 +98,15 @@ class GraphBuffers:
 
 
 class GraphRunner:
-    """Captured decode steps keyed by bucket; `step_fn(bucket)` runs one step on rows [:bucket]."""
+    """Captured steps keyed by bucket; `step_fn(bucket)` runs one step on rows [:bucket].
+
+    what / switch: the captured work and the EngineConfig flag that turns it off (capture errors)."""
 
     def __init__(self, step_fn: Callable[[int], None], fill_padding: Callable[[int, int], None],
-                 batch_sizes: tuple[int, ...]) -> None:
+                 batch_sizes: tuple[int, ...], what: str = "the decode step",
+                 switch: str = "use_cuda_graphs") -> None:
         self.step_fn = step_fn
+        self.what, self.switch = what, switch
         self.fill_padding = fill_padding  # (start, stop): make rows [start, stop) padding rows
         self.batch_sizes = batch_sizes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -124,9 +128,9 @@ class GraphRunner:
                     self.step_fn(bs)
             except RuntimeError as exc:
                 raise RuntimeError(
-                    f"CUDA graph capture of the decode step failed at batch {bs}: {exc}. Check for host "
+                    f"CUDA graph capture of {self.what} failed at bucket {bs}: {exc}. Check for host "
                     "syncs (.item(), .cpu(), data-dependent shapes) in the step or set "
-                    "EngineConfig(use_cuda_graphs=False)") from exc
+                    f"EngineConfig({self.switch}=False)") from exc
             self.pool = graph.pool() if self.pool is None else self.pool
             self.graphs[bs] = graph
         torch.cuda.synchronize()

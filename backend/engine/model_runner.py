@@ -16,6 +16,8 @@ decode bucket like a decode step. One decode step (`decode_rows`), for rows [:bu
 Padding rows (graph buckets, and on CPU too, so that a row's arithmetic never depends on how many
 real rows share the step) use the dummy slot `max_slots`, the dummy page `num_pages` and
 slot_mapping -1. `use_graphs(False)` runs the eager step body instead of the captured graphs.
+On CUDA a prefill whose prompts fit a token bucket is one graph replay instead (`PrefillGraphs`,
+`EngineConfig.prefill_graphs`); the eager `prefill_batch` serves the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from q3tts.models.sampling import (FULL, TOPK, SamplingTensors, UniformSource, r
 
 from .config import EngineConfig
 from .cuda_graph import DecodeMeta, DecodeRow, GraphBuffers, GraphRunner
+from .prefill_graph import PrefillGraphs, token_buckets
 from .slots import SlotState
 
 
@@ -99,6 +102,7 @@ class ModelRunner:
         # captured decode steps per sampling mode: TOPK (every row allows it) and FULL (the reference)
         self.graphs: dict[str, GraphRunner] = {}
         self._graphs_on = True
+        self.prefill_graphs: PrefillGraphs | None = None  # the captured prefill buckets (CUDA)
         # host copy of each slot's sampling mode (talker, code predictor); the dummy slot is greedy
         self.slot_modes: list[tuple[str, str]] = [(TOPK, TOPK)] * (config.max_slots + 1)
         self.num_decode_steps = 0
@@ -121,8 +125,14 @@ class ModelRunner:
         self._graphs_on = on
 
     def capture_graphs(self) -> None:
-        """Capture the decode step for every bucket and both sampling variants (CUDA only)."""
-        if self.device.type != "cuda" or not self.config.use_cuda_graphs:
+        """Capture the prefill for every token bucket (`prefill_graphs`) and the decode step for every
+        bucket and both sampling variants (`use_cuda_graphs`); CUDA only."""
+        if self.device.type != "cuda":
+            return
+        if self.config.prefill_graphs:
+            self.prefill_graphs = self.packed_prefill()
+            self.prefill_graphs.capture()
+        if not self.config.use_cuda_graphs:
             return
         # NOTE: kernels tune on their first launch; GraphRunner.capture warms every bucket up first
         pool = None
@@ -135,6 +145,13 @@ class ModelRunner:
                 pool = graphs.pool
                 self.graphs[mode] = graphs
 
+    def packed_prefill(self) -> PrefillGraphs:
+        """The token-bucketed prefill over this runner's talker, KV and slots, for up to max_slots
+        sequences (it runs eagerly until captured)."""
+        return PrefillGraphs(self.talker, self.kv, lambda sl: (self.talker_params(sl), self.state.seed[sl]),
+                             self.uniform_source, self.config.max_slots, self.dummy_slot,
+                             token_buckets(self.config.max_prefill_tokens), self.dtype, self.device)
+
     # --- per sequence -----------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -146,23 +163,33 @@ class ModelRunner:
         GEMMs only up to rounding); the sampling head is padded to the decode bucket for that."""
         if not rows:
             return
-        st, n = self.state, len(rows)
+        st = self.state
         self._load_sampling(rows)
         sl = torch.tensor([r.slot for r in rows], device=self.device)
         st.rep_mask[sl] = False
         st.text_len[sl] = 0
         if self.codec is not None:
             self._prime_codec(rows, sl)
-        head_sl = self._pad_slots(sl)  # sampling head rows: the decode bucket, padding rows greedy
-        mode = sampling_mode(self.slot_modes[r.slot][0] for r in rows)
-        embeds = torch.cat([r.prefill.to(self.device, self.dtype) for r in rows])  # [sum L0, H]
-        c0, hidden = step.prefill_batch(self.talker, self.kv, embeds, [r.prefill.shape[0] for r in rows],
-                                        self._slot_mapping(rows), self.talker_params(head_sl, mode),
-                                        st.seed[head_sl], self.uniform_source)
-        c0, hidden = c0[:n], hidden[:n]
+        c0, hidden = self._prefill(rows, sl)
         st.last_c0[sl] = c0
         st.past_hidden[sl] = hidden
         _mark_generated(st.rep_mask, sl, c0)
+
+    def _prefill(self, rows: list[PrefillRow], sl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' prompts in one talker forward -> their first c0 [n] and hidden [n, H]: a prefill
+        graph replay when they fit a captured token bucket, else the eager `prefill_batch`."""
+        n, lens, mapping = len(rows), [r.prefill.shape[0] for r in rows], self._slot_mapping(rows)
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.bucket_for(sum(lens), n) is not None:
+            return graphs.run([r.prefill for r in rows], mapping, [r.slot for r in rows])
+        head_sl = self._pad_slots(sl)  # sampling head rows: the decode bucket, padding rows greedy
+        mode = sampling_mode(self.slot_modes[r.slot][0] for r in rows)
+        embeds = torch.cat([r.prefill.to(self.device, self.dtype) for r in rows])  # [sum L0, H]
+        c0, hidden = step.prefill_batch(self.talker, self.kv, embeds, lens,
+                                        torch.from_numpy(mapping).to(self.device),
+                                        self.talker_params(head_sl, mode), self.state.seed[head_sl],
+                                        self.uniform_source)
+        return c0[:n], hidden[:n]
 
     def _load_sampling(self, rows: list[PrefillRow]) -> None:
         """The rows' SamplingParams into their slots' state, and each slot's host sampling modes."""
@@ -193,12 +220,12 @@ class ModelRunner:
         n = sl.shape[0]
         return torch.cat((sl, sl.new_full(((self.config.bucket_for(n) or n) - n,), self.dummy_slot)))
 
-    def _slot_mapping(self, rows: list[PrefillRow]) -> torch.Tensor:
-        """[sum L0]: each prompt row's KV cache slot (position p of a row -> its page p // page_size)."""
+    def _slot_mapping(self, rows: list[PrefillRow]) -> np.ndarray:
+        """[sum L0] (host): each prompt row's KV cache slot (position p of a row -> its page p // page_size)."""
         ps = self.kv.page_size
         mapping = [np.asarray(r.pages, dtype=np.int64)[np.arange(n) // ps] * ps + np.arange(n) % ps
                    for r, n in ((r, r.prefill.shape[0]) for r in rows)]
-        return torch.from_numpy(np.concatenate(mapping)).to(self.device)
+        return np.concatenate(mapping)
 
     @torch.no_grad()
     def push_text(self, slot: int, start: int, rows: torch.Tensor) -> None:

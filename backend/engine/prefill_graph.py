@@ -130,7 +130,8 @@ class PrefillGraphs:
 
     def capture(self) -> None:
         """Capture every bucket (CUDA), largest first into one pool, each after a warm-up run."""
-        self.graphs = GraphRunner(self._body, self._fill_capture, self.buckets)
+        self.graphs = GraphRunner(self._body, self._fill_capture, self.buckets, "the prefill",
+                                  "prefill_graphs")
         self.graphs.capture()
 
     def _fill_capture(self, start: int, stop: int) -> None:

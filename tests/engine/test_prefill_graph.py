@@ -131,6 +131,28 @@ def test_run_refuses_what_fits_no_bucket(tiny_ckpt):
         graphs.run(prompts, slot_mapping([0], [prompts[0].shape[0]]), [0])
 
 
+def test_engine_through_packed_prefill(tiny_ckpt, monkeypatch):
+    """CPU engine whose runner prefills through PrefillGraphs (eagerly, as on CUDA before capture):
+    every sequence's codes and audio equal today's path, arrivals together and one by one."""
+    from test_engine import baseline, make_engine, req, run
+
+    spk = sorted(tiny_ckpt.config.talker.speaker_ids)
+    reqs = [req("g", spk[0], 0, greedy=True, max_frames=6),
+            req("s", spk[1], 0, text=TEXT[:30], seed=4, top_p=0.8, max_frames=5),
+            req("i", spk[2], 0, mode="incremental", text=TEXT[:50], seed=5, max_frames=7),
+            req("late", spk[3], 2, seed=6, max_frames=4)]
+    ref = run(make_engine(tiny_ckpt), reqs)
+    eng = make_engine(tiny_ckpt)
+    eng.runner.prefill_graphs = eng.runner.packed_prefill()
+    monkeypatch.setattr(step, "prefill_batch", None)  # the eager path is not taken
+    got = run(eng, reqs)
+    for r in reqs:
+        assert np.array_equal(got[r["id"]][0], ref[r["id"]][0]), r["id"]
+        assert np.array_equal(got[r["id"]][1], ref[r["id"]][1]), r["id"]
+        assert got[r["id"]][2] == ref[r["id"]][2], r["id"]
+    baseline(eng)
+
+
 # ------------------------------------------------------------------------------------------- GPU
 
 
