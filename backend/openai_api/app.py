@@ -1,0 +1,179 @@
+"""The OpenAI-compatible speech API in front of the Triton sequence model (FastAPI).
+
+    POST /v1/audio/speech   {model, input, voice, instructions?, response_format?, speed?, stream_format?}
+    GET  /v1/audio/voices   the registered voices and the checkpoint's CustomVoice speakers
+    GET  /health            200 when the sequence model is ready, else 503
+
+`voice` is a CustomVoice speaker or a registered voice (`q3tts voice add`), as a string or `{"id": ...}`; on a
+VoiceDesign checkpoint `instructions` is the voice description and `voice` is not used. Extra body fields may
+set the server's sampling parameters (client/protocol.py SAMPLING_PARAMS: greedy, seed, temperature, ...) and
+`language`. The status and headers wait for the first audio, so every refusal before it is an ordinary
+HTTP error in OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 bad input, 404 unknown
+voice, 429 too many requests (this endpoint's limit or the engine's wait queue), 503 the server cannot
+serve. A failure after audio has started ends the body early (SSE: an `error` event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from q3tts.openai_api import audio
+from q3tts.openai_api.bridge import Refusal, SpeechStream, TritonBridge
+from q3tts_client import protocol as P
+
+MAX_INPUT_CHARS = 4096  # OpenAI's limit for `input`
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "server_error"}
+EXTRA_FIELDS = (*P.SAMPLING_PARAMS, "language")
+
+
+class SpeechRequest(BaseModel):
+    """The body of POST /v1/audio/speech (unknown fields are checked against EXTRA_FIELDS)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    input: str
+    voice: str | dict[str, str]
+    instructions: str | None = None
+    response_format: str = "mp3"
+    speed: float = 1.0
+    stream_format: str = "audio"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> JSONResponse:
+    code = {404: "voice_not_found", 429: "rate_limit_exceeded"}.get(status)
+    return JSONResponse({"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+                                   "param": param, "code": code}}, status_code=status)
+
+
+def _check(req: SpeechRequest, formats: tuple[str, ...]) -> dict[str, Any]:
+    """Refusal (400) for a request this server cannot serve as asked; returns the sampling extras."""
+    if not req.input.strip():
+        raise Refusal(400, "input is empty", "input")
+    if len(req.input) > MAX_INPUT_CHARS:
+        raise Refusal(400, f"input is {len(req.input)} characters; the limit is {MAX_INPUT_CHARS}", "input")
+    if req.response_format not in formats:
+        raise Refusal(400, f"response_format {req.response_format!r} is not supported here; use one of "
+                      f"{', '.join(formats)}", "response_format")
+    if req.speed != 1.0:
+        raise Refusal(400, f"speed {req.speed:g} is not supported: Qwen3-TTS speaks at its own pace (use 1.0)",
+                      "speed")
+    if req.stream_format not in ("audio", "sse"):
+        raise Refusal(400, f"stream_format must be 'audio' or 'sse', got {req.stream_format!r}", "stream_format")
+    extras = dict(req.model_extra or {})
+    unknown = sorted(set(extras) - set(EXTRA_FIELDS))
+    if unknown:
+        raise Refusal(400, f"unknown field(s) {', '.join(unknown)}; extra fields may be {', '.join(EXTRA_FIELDS)}",
+                      unknown[0])
+    params = {}
+    for name, value in extras.items():
+        if name != "language":
+            try:
+                params[name] = P.coerce_param(name, value)
+            except ValueError as e:
+                raise Refusal(400, str(e), name) from None
+    return params
+
+
+async def _voice(bridge: TritonBridge, req: SpeechRequest) -> dict[str, Any]:
+    """The START request's voice inputs for `req` (Refusal 404 for a voice the server does not know)."""
+    name = req.voice.get("id", "") if isinstance(req.voice, dict) else req.voice
+    voice = {"language": (req.model_extra or {}).get("language"), "instruct": req.instructions}
+    catalogue = await bridge.catalogue()
+    if catalogue["variant"] == "voice_design":
+        return voice
+    for attempt in range(2):  # a miss re-reads the catalogue: the voice may have been registered just now
+        if name.lower() in (s.lower() for s in catalogue["speakers"]):
+            return {**voice, "speaker": name}
+        if name.lower() in (v["name"] for v in catalogue["voices"]):
+            return {**voice, "voice": name}
+        if attempt == 0:
+            catalogue = await bridge.catalogue(refresh=True)
+    known = catalogue["speakers"] + [v["name"] for v in catalogue["voices"]]
+    raise Refusal(404, f"voice {name!r} is not a speaker or registered voice of this server; known: "
+                  f"{', '.join(known) or 'none (register one with q3tts voice add)'}", "voice")
+
+
+async def _audio_body(stream: SpeechStream, first, fmt: str):
+    """The response body: streamed formats chunk by chunk, FLAC / MP3 once complete."""
+    try:
+        if fmt in audio.STREAMED:
+            yield (audio.wav_header() if fmt == "wav" else b"") + audio.pcm_bytes(first)
+            async for chunk in stream:
+                yield audio.pcm_bytes(chunk)
+        else:
+            import numpy as np
+
+            chunks = [first] + [chunk async for chunk in stream]
+            yield audio.encode_file(fmt, np.concatenate(chunks))
+    finally:
+        stream.close()
+
+
+def _event(doc: dict) -> bytes:
+    return f"data: {json.dumps(doc)}\n\n".encode()
+
+
+async def _sse_body(stream: SpeechStream, first, fmt: str):
+    """Server-sent events: `speech.audio.delta` (base64 of the format's bytes), then `speech.audio.done`."""
+    frames = first.size // P.SAMPLES_PER_FRAME
+    try:
+        async for piece in _audio_body(stream, first, fmt):
+            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(piece).decode()})
+        frames += stream.frames
+        yield _event({"type": "speech.audio.done",
+                      "usage": {"input_tokens": 0, "output_tokens": frames, "total_tokens": frames}})
+    except Refusal as e:
+        yield _event({"type": "error", "error": {"message": str(e), "type": ERROR_TYPES.get(e.status)}})
+
+
+def create_app(bridge: TritonBridge) -> FastAPI:
+    """The ASGI app serving `bridge`'s Triton server."""
+    app = FastAPI(title="Qwen3-TTS OpenAI-compatible speech API")
+    formats = audio.available_formats()
+
+    @app.exception_handler(Refusal)
+    async def refused(_request: Request, e: Refusal) -> JSONResponse:
+        return error_body(e.status, str(e), e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
+        return error_body(400, f"{field or 'body'}: {err.get('msg')}", field)
+
+    @app.post("/v1/audio/speech")
+    async def speech(req: SpeechRequest):
+        params = _check(req, formats)
+        voice = await _voice(bridge, req)
+        stream, first = await bridge.speak(req.input, voice, params)
+        if req.stream_format == "sse":
+            return StreamingResponse(_sse_body(stream, first, req.response_format), media_type="text/event-stream")
+        return StreamingResponse(_audio_body(stream, first, req.response_format),
+                                 media_type=audio.MEDIA_TYPES[req.response_format])
+
+    @app.get("/v1/audio/voices")
+    async def voices():
+        catalogue = await bridge.catalogue(refresh=True)
+        data = [{"id": s, "name": s, "object": "audio.voice", "type": "speaker", "created_at": 0}
+                for s in catalogue["speakers"]]
+        data += [{"id": v["name"], "name": v["name"], "object": "audio.voice",
+                  "type": "prompt" if v.get("source") == "design" else "audio_sample",
+                  "created_at": v.get("created", 0), "prompt": v.get("prompt")} for v in catalogue["voices"]]
+        return {"object": "list", "data": data, "variant": catalogue["variant"], "size": catalogue["size"]}
+
+    @app.get("/health")
+    async def health():
+        ready = await asyncio.get_running_loop().run_in_executor(bridge.executor, bridge.ready)
+        return JSONResponse({"status": "ok" if ready else "unavailable", "triton": bridge.url},
+                            status_code=200 if ready else 503)
+
+    return app
