@@ -66,9 +66,11 @@ def _cell(value) -> str:
     return str(value)
 
 
-def append_csv(path: str | Path, rows: list[dict], gpu: str | None = None) -> None:
-    """Append `rows` (dicts holding CSV_COLUMNS' measured keys; extra keys are ignored) to the CSV at `path`,
-    writing the header when the file is new, and stamping gpu (default `gpu_name()`), commit and date."""
+def append_csv(path: str | Path, rows: list[dict], gpu: str | None = None,
+               columns: tuple[str, ...] = CSV_COLUMNS) -> None:
+    """Append `rows` (dicts holding the measured keys of `columns`; extra keys are ignored) to the CSV at
+    `path`, writing the header when the file is new, and stamping gpu (default `gpu_name()`), commit and
+    date."""
     path = Path(path)
     stamp = {"gpu": gpu or gpu_name(), "commit": commit(),
              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
@@ -77,9 +79,9 @@ def append_csv(path: str | Path, rows: list[dict], gpu: str | None = None) -> No
     with path.open("a", newline="") as f:
         writer = csv.writer(f)
         if new:
-            writer.writerow(CSV_COLUMNS)
+            writer.writerow(columns)
         for row in rows:
-            writer.writerow([_cell({**row, **stamp}.get(c)) for c in CSV_COLUMNS])
+            writer.writerow([_cell({**row, **stamp}.get(c)) for c in columns])
 
 
 def read_csv(paths: list[str | Path]) -> list[dict]:

@@ -1,0 +1,144 @@
+"""Prefill device time: one ~60-token prompt and 16 arrivals, captured prefill graphs vs the eager path.
+
+H200 (the default): python3 perf/bench_prefill.py [--icl]
+    makes a real-size random 1.7B checkpoint (CustomVoice; Base with in-context-learning voices under
+    --icl) or takes --model DIR, builds one engine with prefill graphs, then for each n in --arrivals:
+    n sequences arrive on an idle engine and the step that starts them prefills them (one packed
+    talker forward + first c0 draw: one graph replay, or today's eager `prefill_batch` when the
+    runner's prefill graphs are set aside). Device time of that prefill from the engine's CUDA events
+    (stats()['prefill_seconds']; it includes the codec priming of ICL voices), median of --repeats
+    arrivals after one warm-up, graph and eager interleaved.
+CPU check:          python3 perf/bench_prefill.py --scale tiny --device cpu --repeats 2
+
+Appends `tokens,sequences,mode,device_ms,gpu,commit,date` rows to perf/results/prefill.csv (tokens =
+prompt rows of the step; commit: LOADTEST_COMMIT, else git) and copies that file to $OUT/prefill.csv
+when OUT is set (the device tool brings $OUT back; the repository copy there does not come back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench_engine import drain
+from report import append_csv, commit, emit, gpu_name, save
+from q3tts.core import SamplingParams, VoiceSpec
+from q3tts.engine.config import EngineConfig
+from q3tts.engine.engine import Engine
+from q3tts.models.prompt import PromptBuilder
+
+TEXT = "Hello world, this is a short benchmark sentence for the prefill of the speech engine."  # 61 rows
+REF_TEXT = "This reference recording is about three seconds long."
+REF_FRAMES = 36  # 3 s of reference codes at 12 Hz
+CSV = Path(__file__).resolve().parent / "results" / "prefill.csv"
+FIELDS = ("tokens", "sequences", "mode", "device_ms", "gpu", "commit", "date")
+
+
+def make_engine(args) -> Engine:
+    variant = "base" if args.icl else "custom_voice"
+    path = Path(args.model) if args.model else None
+    if path is None:
+        from q3tts.checkpoint.maker import make_checkpoint
+
+        t0 = time.perf_counter()
+        path = make_checkpoint(Path(tempfile.mkdtemp(prefix="q3tts_prefill_")) / f"{variant}_{args.scale}",
+                               variant, "1.7b", args.scale, seed=0)
+        print(f"checkpoint {path} in {time.perf_counter() - t0:.1f} s", flush=True)
+    most = max(args.arrivals)
+    cuda = args.device.startswith("cuda")
+    cfg = EngineConfig(device=args.device, dtype="bfloat16" if cuda else "float32", max_slots=most,
+                       max_queue=most, max_frames=64, max_prompt_tokens=512, max_text_tokens=256,
+                       num_pages=None if cuda else most * 40,
+                       graph_batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * most))
+    t0 = time.perf_counter()
+    engine = Engine(path, cfg)
+    graphs = engine.runner.prefill_graphs
+    print(f"engine up in {time.perf_counter() - t0:.1f} s; prefill graphs "
+          f"{sorted(graphs.graphs) if graphs and graphs.graphs else 'off (eager)'}", flush=True)
+    return engine
+
+
+def voices(engine: Engine, n: int, icl: bool) -> list[VoiceSpec]:
+    """n CustomVoice speakers, or n Base voices cloned in context (random reference codes)."""
+    if not icl:
+        spk = sorted(engine.checkpoint.config.talker.speaker_ids)
+        return [VoiceSpec(speaker=spk[i % len(spk)]) for i in range(n)]
+    rng = np.random.default_rng(0)
+    hidden = engine.checkpoint.config.talker.hidden_size
+    return [VoiceSpec(ref_codes=rng.integers(0, 2048, (REF_FRAMES, 16)), ref_text=REF_TEXT,
+                      xvector=rng.standard_normal(hidden).astype(np.float32)) for _ in range(n)]
+
+
+def prefill_ms(engine: Engine, batch: list[VoiceSpec], graph: bool, tag: str) -> float:
+    """Device ms of the prefill of `batch` arriving at once on an idle engine (one step starts all)."""
+    runner = engine.runner
+    saved = runner.prefill_graphs
+    runner.prefill_graphs = saved if graph else None
+    try:
+        ids = [f"{tag}_{i}" for i in range(len(batch))]
+        before = engine.stats()
+        for i, (sid, voice) in enumerate(zip(ids, batch)):
+            engine.add(sid, voice, SamplingParams(seed=i, max_frames=2), TEXT, True)
+        engine.step()
+        after = engine.stats()
+        drain(engine, ids)
+    finally:
+        runner.prefill_graphs = saved
+    started = after["prefilled_sequences"] - before["prefilled_sequences"]
+    assert started == len(batch), f"{started} of {len(batch)} arrivals started in the first step"
+    return 1e3 * (after["prefill_seconds"] - before["prefill_seconds"])
+
+
+def measure(engine: Engine, batch: list[VoiceSpec], repeats: int) -> dict[str, float]:
+    """Median ms per mode (graph: only when captured) over `repeats` arrivals after one warm-up each,
+    modes interleaved."""
+    modes = ("graph", "eager") if engine.runner.prefill_graphs is not None else ("eager",)
+    samples: dict[str, list[float]] = {mode: [] for mode in modes}
+    for r in range(repeats + 1):
+        for mode in samples:
+            ms = prefill_ms(engine, batch, mode == "graph", f"{mode}{len(batch)}_{r}")
+            if r:
+                samples[mode].append(ms)
+    return {mode: statistics.median(x) for mode, x in samples.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint folder (default: make a random one)")
+    p.add_argument("--scale", choices=("tiny", "full"), default="full")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--icl", action="store_true", help="Base checkpoint, in-context-learning voices")
+    p.add_argument("--arrivals", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--repeats", type=int, default=10)
+    args = p.parse_args(argv)
+    engine = make_engine(args)
+    builder = PromptBuilder(engine.model, engine.checkpoint.tokenizer)
+    gpu = gpu_name() if args.device.startswith("cuda") else "cpu"
+    rows, lines = [], []
+    for n in args.arrivals:
+        batch = voices(engine, n, args.icl)
+        tokens = sum(builder.build(TEXT, v).prefill.shape[0] for v in batch)
+        ms = measure(engine, batch, args.repeats)
+        for mode, value in ms.items():
+            rows.append(dict(tokens=tokens, sequences=n, mode=mode + ("_icl" if args.icl else ""),
+                             device_ms=value))
+        graph = ms.get("graph", float("nan"))
+        lines.append(f"| {n} | {tokens} | {graph:.2f} | {ms['eager']:.2f} | {ms['eager'] / graph:.1f}x |")
+    kind = "Base ICL" if args.icl else "CustomVoice"
+    emit(f"# Prefill device time ({args.scale} 1.7B {kind}, {engine.config.dtype}, {gpu}, {commit()}; medians "
+         f"of {args.repeats})\n\n| arrivals | prompt rows | graph ms | eager ms | speed-up |\n"
+         "|---:|---:|---:|---:|---:|\n" + "\n".join(lines) + "\n",
+         "prefill_bench_icl.md" if args.icl else "prefill_bench.md")
+    append_csv(CSV, rows, gpu, columns=FIELDS)
+    save(CSV.read_text(), "prefill.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
