@@ -195,19 +195,19 @@ def test_stop_ends_open_sequences_with_a_clear_reason(server):
     away without END (Triton holds it until idle), one whose client still waits for audio. The stop unloads
     the model through Triton: the waiting request ends at once with a clear reason, the vanished client's
     sequence does not hold the shutdown, and finalize() runs."""
+    assert baseline_ok(wait_metrics(server, baseline_ok))
     gone = grpcclient.InferenceServerClient(server.grpc_url)
     gone.start_stream(callback=lambda result, error: None)
     gone.async_stream_infer(P.MODEL, start_inputs("left open", **VOICE), sequence_id=777001,
                             sequence_start=True, enable_empty_final_response=True)
-    assert wait_metrics(server, lambda m: m.get("q3tts_open_sessions", 0) >= 1, 10)["q3tts_open_sessions"] >= 1
-    gone.stop_stream(cancel_requests=True)
-    gone.close()
     events: queue.Queue = queue.Queue()
     waiting = grpcclient.InferenceServerClient(server.grpc_url)
     waiting.start_stream(callback=lambda result, error: events.put((result, error)))
     waiting.async_stream_infer(P.MODEL, start_inputs("waiting for more text", **VOICE), sequence_id=777002,
                                sequence_start=True, enable_empty_final_response=True)
-    assert wait_metrics(server, lambda m: m.get("q3tts_open_sessions", 0) >= 1, 10)["q3tts_open_sessions"] >= 1
+    assert wait_metrics(server, lambda m: m.get("q3tts_open_sessions", 0) >= 2, 10)["q3tts_open_sessions"] >= 2
+    gone.stop_stream(cancel_requests=True)
+    gone.close()
     stopper = threading.Thread(target=server.stop)
     stopper.start()
     try:
