@@ -135,7 +135,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     assert k.dim() == 3 and v.shape == k.shape and k.shape[0] == rows and k.shape[2] == head_dim, \
         f"k {tuple(k.shape)} / v {tuple(v.shape)} must be [{rows}, KVH, {head_dim}]"
     assert num_heads % k.shape[1] == 0, f"{num_heads} q heads not a multiple of {k.shape[1]} kv heads"
-    assert k.dtype == q.dtype and v.dtype == q.dtype, f"q/k/v dtypes differ: {q.dtype} {k.dtype} {v.dtype}"
+    assert k.dtype == q.dtype and v.dtype == q.dtype, \
+        f"q/k/v dtypes differ: {q.dtype} {k.dtype} {v.dtype}"
     assert head_dim >= 16, f"head_dim {head_dim} < 16 (tl.dot minimum)"
     assert cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 2 and cu_seqlens.dtype in (
         torch.int32, torch.int64), f"cu_seqlens must be int32/int64 [S+1], got {cu_seqlens.dtype} " \

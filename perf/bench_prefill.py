@@ -33,7 +33,8 @@ from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 from q3tts.models.prompt import PromptBuilder
 
-TEXT = "Hello world, this is a short benchmark sentence for the prefill of the speech engine."  # 61 rows
+# 61 prompt rows with the random checkpoints' tokenizer
+TEXT = "Hello world, this is a short benchmark sentence for the prefill of the speech engine."
 REF_TEXT = "This reference recording is about three seconds long."
 REF_FRAMES = 36  # 3 s of reference codes at 12 Hz
 CSV = Path(__file__).resolve().parent / "results" / "prefill.csv"
@@ -47,8 +48,8 @@ def make_engine(args) -> Engine:
         from q3tts.checkpoint.maker import make_checkpoint
 
         t0 = time.perf_counter()
-        path = make_checkpoint(Path(tempfile.mkdtemp(prefix="q3tts_prefill_")) / f"{variant}_{args.scale}",
-                               variant, "1.7b", args.scale, seed=0)
+        out = Path(tempfile.mkdtemp(prefix="q3tts_prefill_")) / f"{variant}_{args.scale}"
+        path = make_checkpoint(out, variant, "1.7b", args.scale, seed=0)
         print(f"checkpoint {path} in {time.perf_counter() - t0:.1f} s", flush=True)
     most = max(args.arrivals)
     cuda = args.device.startswith("cuda")
@@ -109,7 +110,8 @@ def measure(engine: Engine, batch: list[VoiceSpec], repeats: int) -> dict[str, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint folder (default: make a random one)")
     p.add_argument("--scale", choices=("tiny", "full"), default="full")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -129,10 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(dict(tokens=tokens, sequences=n, mode=mode + ("_icl" if args.icl else ""),
                              device_ms=value))
         graph = ms.get("graph", float("nan"))
-        lines.append(f"| {n} | {tokens} | {graph:.2f} | {ms['eager']:.2f} | {ms['eager'] / graph:.1f}x |")
+        eager = ms["eager"]
+        lines.append(f"| {n} | {tokens} | {graph:.2f} | {eager:.2f} | {eager / graph:.1f}x |")
     kind = "Base ICL" if args.icl else "CustomVoice"
-    emit(f"# Prefill device time ({args.scale} 1.7B {kind}, {engine.config.dtype}, {gpu}, {commit()}; medians "
-         f"of {args.repeats})\n\n| arrivals | prompt rows | graph ms | eager ms | speed-up |\n"
+    emit(f"# Prefill device time ({args.scale} 1.7B {kind}, {engine.config.dtype}, {gpu}, {commit()}; "
+         f"medians of {args.repeats})\n\n| arrivals | prompt rows | graph ms | eager ms | speed-up |\n"
          "|---:|---:|---:|---:|---:|\n" + "\n".join(lines) + "\n",
          "prefill_bench_icl.md" if args.icl else "prefill_bench.md")
     append_csv(CSV, rows, gpu, columns=FIELDS)

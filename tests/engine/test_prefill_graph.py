@@ -220,8 +220,8 @@ def test_engine_graph_prefill_base_icl(tmp_path_factory):
     from q3tts.checkpoint.loader import load_checkpoint
     from q3tts.checkpoint.maker import make_checkpoint
 
-    ckpt = load_checkpoint(make_checkpoint(tmp_path_factory.mktemp("base") / "b", "base", "1.7b", "tiny",
-                                           seed=3), dtype=torch.float32)
+    path = make_checkpoint(tmp_path_factory.mktemp("base") / "b", "base", "1.7b", "tiny", seed=3)
+    ckpt = load_checkpoint(path, dtype=torch.float32)
     rng = np.random.default_rng(0)
     hidden = ckpt.config.talker.hidden_size
     requests = [dict(id=f"v{i}", text=TEXT[:30 + 20 * i],
