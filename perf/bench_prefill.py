@@ -61,7 +61,7 @@ def make_engine(args) -> Engine:
     engine = Engine(path, cfg)
     graphs = engine.runner.prefill_graphs
     print(f"engine up in {time.perf_counter() - t0:.1f} s; prefill graphs "
-          f"{sorted(graphs.graphs) if graphs and graphs.graphs else 'off (eager)'}", flush=True)
+          f"{sorted(graphs.graphs.graphs) if graphs and graphs.graphs else 'off (eager)'}", flush=True)
     return engine
 
 
