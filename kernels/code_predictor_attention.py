@@ -1,0 +1,231 @@
+"""The first launch of a code-predictor layer: RMSNorm -> QKV GEMM -> QK-norm -> RoPE -> K/V cache
+write -> attention over the row's <= 16 cached positions, all in one kernel.
+
+Grid (row blocks, QKV column tiles, K slices) runs the split-K GEMM of code_predictor_gemm.py into
+fp32 partials; the last program of each (row block, kv head) group (its GROUP q heads, its k and v
+columns, every slice) runs the epilogue for those rows: sum the partials, round to the model dtype,
+QK-norm, RoPE from the [positions, D] tables, store k and v at the row's position of the small
+contiguous cache [B, P, KVH, D], then online-softmax attention of the GROUP heads over positions
+0..pos (held in registers; no paging), written over the rotated q in `out`.
+Rows are (batch row b, token t) = (r // T, r % T) at position pos0 + t: T = 2 on the first pass
+(past hidden and c0 at positions 0, 1: a row block holds both tokens of a batch row, so position 1
+sees position 0's k/v written by the same program), T = 1 after.
+Roundings follow the eager layer (models/layers.py): bf16 GEMM output, rms_norm_ref's two roundings,
+rotary products rounded when the tables have the activation dtype (kernels/rotary.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cast import cast
+from ._launch import device_guard
+from .autotune import pick
+from .code_predictor_gemm import (BLOCK_M, NORM, GemmConfig, arrive, interpret_config,
+                                  candidates, counters_needed, dot_precision, load_sum,
+                                  mainloop, row_blocks, row_offsets, row_rstd, store_partial)
+
+_NEG = tl.constexpr(-1.0e30)  # finite "-inf": the first update has no inf - inf
+
+
+@triton.jit
+def _norm_rope(part_ptr, rows, col, M_PAD, NP, nw_ptr, c1, c2, s1, s2, eps,
+               DT: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
+    """One head of the GEMM result (columns col..col+2*HALF): rounded, RMS-normed over the head,
+    rotated. Returns the two halves [BLOCK_M, HALF] in DT."""
+    d = tl.arange(0, HALF)
+    x1 = cast(load_sum(part_ptr, rows, col + d, M_PAD, NP, SPLIT), DT).to(tl.float32)
+    x2 = cast(load_sum(part_ptr, rows, col + HALF + d, M_PAD, NP, SPLIT), DT).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+    w1 = tl.load(nw_ptr + d).to(tl.float32)[None, :]
+    w2 = tl.load(nw_ptr + HALF + d).to(tl.float32)[None, :]
+    n1 = cast(cast(x1 * rstd[:, None], DT).to(tl.float32) * w1, DT).to(tl.float32)
+    n2 = cast(cast(x2 * rstd[:, None], DT).to(tl.float32) * w2, DT).to(tl.float32)
+    a1, b1, a2, b2 = n1 * c1, n2 * s1, n2 * c2, n1 * s2
+    if ROUND:
+        a1 = cast(a1, DT).to(tl.float32)
+        b1 = cast(b1, DT).to(tl.float32)
+        a2 = cast(a2, DT).to(tl.float32)
+        b2 = cast(b2, DT).to(tl.float32)
+    return cast(a1 - b1, DT), cast(a2 + b2, DT)
+
+
+@triton.jit
+def _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, cache_rows, pos, last_pos, head, scale,
+            stride_out, stride_kp, stride_vp, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """Head `head` of each row over cache positions 0..pos (q read from, result written to out)."""
+    d = tl.arange(0, D)
+    o_offs = rows.to(tl.int64)[:, None] * stride_out + head * D + d[None, :]
+    q = tl.load(out_ptr + o_offs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for p in range(0, last_pos + 1):
+        k = tl.load(k_ptr + (cache_rows + p * stride_kp)[:, None] + d[None, :],
+                    mask=row_mask[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + (cache_rows + p * stride_vp)[:, None] + d[None, :],
+                    mask=row_mask[:, None], other=0.0).to(tl.float32)
+        s = tl.where(p <= pos, tl.sum(q * k, 1) * scale, _NEG)
+        m_new = tl.maximum(m_i, s)
+        alpha = tl.exp(m_i - m_new)
+        w = tl.where(p <= pos, tl.exp(s - m_new), 0.0)
+        l_i = l_i * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * v
+        m_i = m_new
+    tl.store(out_ptr + o_offs, cast(acc / l_i[:, None], out_ptr.dtype.element_ty),
+             mask=row_mask[:, None])
+
+
+@triton.jit
+def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
+                    rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
+                    stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+                    stride_cos, stride_sin,
+                    DT: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
+                    D: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
+    HALF: tl.constexpr = D // 2
+    pos = pos0 + rows % T  # [BLOCK_M]
+    b = (rows // T).to(tl.int64)
+    d = tl.arange(0, HALF)
+    c_offs = pos.to(tl.int64)[:, None] * stride_cos + d[None, :]
+    s_offs = pos.to(tl.int64)[:, None] * stride_sin + d[None, :]
+    c1 = tl.load(cos_ptr + c_offs).to(tl.float32)
+    c2 = tl.load(cos_ptr + c_offs + HALF).to(tl.float32)
+    s1 = tl.load(sin_ptr + s_offs).to(tl.float32)
+    s2 = tl.load(sin_ptr + s_offs + HALF).to(tl.float32)
+    mask = row_mask[:, None]
+    r64 = rows.to(tl.int64)[:, None]
+    for j in tl.static_range(GROUP):  # rotated q parked in out, where its attention output goes
+        head = g * GROUP + j
+        r1, r2 = _norm_rope(part_ptr, rows, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2, eps, DT,
+                            HALF, SPLIT, ROUND)
+        tl.store(out_ptr + r64 * stride_out + head * D + d[None, :], r1, mask=mask)
+        tl.store(out_ptr + r64 * stride_out + head * D + HALF + d[None, :], r2, mask=mask)
+    k_rows = b * stride_kb + pos.to(tl.int64) * stride_kp + g * stride_kh
+    v_rows = b * stride_vb + pos.to(tl.int64) * stride_vp + g * stride_vh
+    r1, r2 = _norm_rope(part_ptr, rows, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2, s1, s2,
+                        eps, DT, HALF, SPLIT, ROUND)
+    tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=mask)
+    tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=mask)
+    dd = tl.arange(0, D)
+    v = load_sum(part_ptr, rows, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
+    tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=mask)
+    tl.debug_barrier()  # this program's k/v and q stores are read below by its other threads
+    last_pos = pos0 + T - 1
+    for j in tl.static_range(GROUP):
+        _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, b * stride_kb + g * stride_kh, pos,
+                last_pos, g * GROUP + j, scale, stride_out, stride_kp, stride_vp, BLOCK_M, D)
+
+
+@triton.jit(do_not_specialize=["M", "pos0", "M_PAD"])
+def _qkv_attention_kernel(
+    # pointers
+    x_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, out_ptr, part_ptr,
+    cnt_ptr,
+    # sizes
+    M, K, pos0, eps, scale, M_PAD,
+    # strides
+    stride_xm, stride_w, stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
+    stride_vh, stride_cos, stride_sin,
+    # meta
+    NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+    ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, 1, 0, stride_xm, 0, NORM)
+    rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M, BLOCK_K)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, cols.to(tl.int64) * stride_w, split, K, nw_ptr,
+                   rstd, NORM, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION)
+    NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
+    store_partial(part_ptr, acc, split, rows, cols, M_PAD, NP)
+    # the kv group of this tile: q heads g*GROUP.., then k head g, then v head g
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
+    col0 = tile * BLOCK_N
+    g = tl.where(col0 < NUM_HEADS * D, col0 // (GROUP * D),
+                 (col0 - NUM_HEADS * D) // D % NUM_KV)
+    TILES_PER_GROUP: tl.constexpr = (GROUP + 2) * D // BLOCK_N
+    if arrive(cnt_ptr + m * NUM_KV + g, TILES_PER_GROUP * SPLIT):
+        _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
+                        rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
+                        stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
+                        stride_vh, stride_cos, stride_sin,
+                        w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, T, SPLIT, ROUND, BLOCK_M)
+
+
+def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache,
+            out, counters, pos0, tokens, eps, scale) -> None:
+    rows, num_heads, d = x.shape[0], out.shape[1] // k_cache.shape[3], k_cache.shape[3]
+    m_pad = row_blocks(rows) * BLOCK_M
+    part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
+    _qkv_attention_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
+        x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, out, part, counters,
+        rows, x.shape[1], pos0, eps, scale, m_pad,
+        x.stride(0), qkv_w.stride(0), out.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        cos.stride(0), sin.stride(0),
+        NUM_HEADS=num_heads, NUM_KV=k_cache.shape[2], D=d, T=tokens,
+        ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
+        DOT_PRECISION=dot_precision(qkv_w.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,
+                  q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int,
+                  tokens_per_row: int, eps: float, scale: float, counters: torch.Tensor,
+                  out: torch.Tensor | None = None, config: GemmConfig | None = None
+                  ) -> torch.Tensor:
+    """Attention half of a code-predictor layer for rows x [M, H], M = B * T (T = tokens_per_row;
+    row r is batch row r // T at position pos0 + r % T).
+
+    qkv_weight [(NH + 2 KVH) D, H] (rows q | k | v); q/k_norm_weight [D]; cos, sin [P, D] RoPE
+    tables; k_cache, v_cache [>= B, P, KVH, D] (written at each row's position; positions < pos0
+    must hold this frame's earlier k/v). counters: int32 zeros, >= counters_needed(M, KVH).
+    Returns attention output [M, NH * D] in x.dtype (before o_proj).
+    """
+    rows, hidden = x.shape
+    _, positions, num_kv, d = k_cache.shape
+    num_heads = qkv_weight.shape[0] // d - 2 * num_kv
+    t = tokens_per_row
+    assert qkv_weight.shape == ((num_heads + 2 * num_kv) * d, hidden) and num_heads % num_kv == 0, \
+        f"qkv_attention: qkv_weight {tuple(qkv_weight.shape)} vs cache {tuple(k_cache.shape)}"
+    assert v_cache.shape == k_cache.shape and k_cache.dtype == v_cache.dtype == x.dtype, \
+        f"qkv_attention: caches {tuple(k_cache.shape)}/{k_cache.dtype}, x {x.dtype}"
+    assert d >= 16 and d & (d - 1) == 0, f"qkv_attention: head_dim {d} must be a power of 2 >= 16"
+    assert rows % t == 0 and rows // t <= k_cache.shape[0], \
+        f"qkv_attention: {rows} rows, {t} tokens per row, cache for {k_cache.shape[0]} rows"
+    assert 0 <= pos0 and pos0 + t <= positions and cos.shape == sin.shape == (cos.shape[0], d) \
+        and pos0 + t <= cos.shape[0], f"qkv_attention: positions {pos0}..{pos0 + t - 1} out of range"
+    assert BLOCK_M % t == 0, f"qkv_attention: {t} tokens per row must divide {BLOCK_M}"
+    for name, ten in (("x", x), ("qkv_weight", qkv_weight), ("cos", cos), ("sin", sin),
+                      ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert ten.stride(-1) == 1, f"qkv_attention: {name} last dim must be contiguous"
+        assert ten.device == x.device, f"qkv_attention: {name} on {ten.device}, x on {x.device}"
+    assert counters.dtype == torch.int32 and counters.numel() >= counters_needed(rows, num_kv), \
+        "qkv_attention: counters must be int32 zeros, counters_needed(M, KVH) long"
+    if out is None:
+        out = torch.empty(rows, num_heads * d, dtype=x.dtype, device=x.device)
+    assert out.shape == (rows, num_heads * d) and out.stride(-1) == 1, "qkv_attention: bad out"
+    if rows == 0:
+        return out
+    args = (x, norm_weight, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache,
+            out, counters, pos0, t, eps, scale)
+    fits = lambda bn: qkv_weight.shape[0] // bn if d % bn == 0 else None  # noqa: E731
+    with device_guard(x):
+        if config is None and x.is_cuda:
+            key = ("cp_qkv_attention", qkv_weight.shape, num_kv, qkv_weight.dtype)
+            config = pick(key, candidates(fits, hidden, x.device), lambda c: _launch(c, *args),
+                          x.device)
+        config = config or interpret_config(d)
+        assert d % config.block_n == 0, f"qkv_attention: block_n {config.block_n} must divide {d}"
+        _launch(config, *args)
+    return out

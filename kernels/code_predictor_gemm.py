@@ -1,0 +1,171 @@
+"""Skinny-GEMM building blocks of the code-predictor kernels: out[M, N] = X[M, K] @ W[N, K]^T.
+
+The code predictor runs at M = batch (1..256) rows, so every GEMM is weight-bandwidth bound. One
+program owns BLOCK_M rows x BLOCK_N weight rows x one of SPLIT slices of K (grid: row blocks fastest,
+so the programs that share a weight tile run together and re-read it from L2, not HBM). With
+SPLIT > 1 each program stores an fp32 partial and takes a ticket; the last program of a unit (a
+column tile, or a kv-head group for attention) sums the partials in split order 0..SPLIT-1 and runs
+the epilogue. No program waits on another, so any grid is safe (the interpreter runs programs one
+by one); the sums never depend on which program arrived last or on M.
+
+Batch invariance: BLOCK_M is the same for every M and the launch config is chosen per weight shape
+(never per M), so a row's arithmetic does not depend on how many rows share the call.
+Prologues: rows of X as they are, gathered by id from a table, or RMS-normalised (fp32 statistics
+over the whole row, rounded like `rms_norm_ref`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cast import cast, dot
+from ._launch import num_sms
+
+BLOCK_M = 16  # rows per program: the smallest tl.dot M; fixed so rows never see their neighbours
+MIN_BLOCK_N = 16
+PLAIN, GATHER, NORM = 0, 1, 2  # prologues: X rows / table rows by id / RMSNorm(X rows)
+
+
+class GemmConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split: int  # slices of K; > 1 sums fp32 partials in the last program of a unit
+    num_warps: int
+    num_stages: int
+
+
+
+
+def interpret_config(cols: int) -> GemmConfig:
+    """The CPU interpreter's config: few programs (its cost is per program and per nested jit call,
+    not per element): the widest power-of-2 tile <= 512 that divides `cols`, one K slice (the tests
+    pass split configs explicitly)."""
+    block_n = MIN_BLOCK_N
+    while cols % (2 * block_n) == 0 and 2 * block_n <= 512:
+        block_n *= 2
+    return GemmConfig(block_n, 64, 1, 1, 1)
+
+
+def row_blocks(rows: int) -> int:
+    return triton.cdiv(rows, BLOCK_M)
+
+
+def counters_needed(rows: int, units_per_block: int) -> int:
+    """Tickets one launch uses: one per (row block, unit)."""
+    return row_blocks(rows) * units_per_block
+
+
+def candidates(n_tiles_per_block_n, k: int, device: torch.device, block_ns=(32, 16, 64),
+               ) -> list[GemmConfig]:
+    """Launch configs to time, the heuristic first (used untuned).
+
+    n_tiles_per_block_n(bn) -> column tiles for weight-row tile bn (None when bn does not fit).
+    The split count aims at about two programs per SM at one row block (batch 1), at least 128
+    columns of K each."""
+    out = []
+    for bn in block_ns:
+        tiles = n_tiles_per_block_n(bn)
+        if tiles is None:
+            continue
+        split = 1
+        while tiles * split < 2 * num_sms(device) and k // (2 * split) >= 128:
+            split *= 2
+        out.append(GemmConfig(bn, 128, split, 4, 4))
+        if split > 1:
+            out.append(GemmConfig(bn, 128, split // 2, 4, 4))
+    assert out, "no block size fits the weight"
+    return out
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ------------------------------------------------------------------------------ device helpers
+
+@triton.jit
+def row_offsets(x_ptr, ids_ptr, rows, row_mask, row_step, row_first, stride_xm, stride_ids,
+                PROLOGUE: tl.constexpr):
+    """Element offsets [BLOCK_M] of each row's input: X row rows*row_step + row_first, or, for
+    GATHER, table row ids[rows]."""
+    if PROLOGUE == 1:
+        ids = tl.load(ids_ptr + rows.to(tl.int64) * stride_ids, mask=row_mask, other=0)
+        return ids.to(tl.int64) * stride_xm
+    else:
+        return (rows.to(tl.int64) * row_step + row_first) * stride_xm
+
+
+@triton.jit
+def row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row [BLOCK_M] over all K columns, in fp32."""
+    sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + x_off[:, None] + ks[None, :],
+                    mask=row_mask[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+        sq += x * x
+    return 1.0 / tl.sqrt(tl.sum(sq, 1) / K + eps)
+
+
+@triton.jit
+def mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, split, K, nw_ptr, rstd,
+             PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 = X[rows, ks] @ W[w rows, ks]^T over K slice `split` of SPLIT
+    (BLOCK_K-aligned slices; trailing ones may be empty).
+
+    x_off [BLOCK_M], w_off [BLOCK_N]: element offsets of the rows. NORM: X is normalised on the fly
+    exactly as rms_norm_ref rounds it: cast(x * rstd) then cast(that * weight)."""
+    per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+    k_lo = split * per
+    k_hi = tl.minimum(k_lo + per, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < k_hi
+        x = tl.load(x_ptr + x_off[:, None] + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + w_off[:, None] + ks[None, :], mask=k_mask[None, :], other=0.0)
+        if PROLOGUE == 2:
+            nw = tl.load(nw_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            x = cast(x.to(tl.float32) * rstd[:, None], x.dtype)
+            x = cast(x.to(tl.float32) * nw[None, :], w.dtype)
+        acc += dot(x, tl.trans(w), DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def store_partial(part_ptr, acc, split, rows, cols, M_PAD, NP):
+    """part[split, rows, cols] = acc (part: contiguous [SPLIT, M_PAD, NP] fp32)."""
+    offs = (split * M_PAD + rows.to(tl.int64))[:, None] * NP + cols[None, :]
+    tl.store(part_ptr + offs, acc)
+
+
+@triton.jit
+def arrive(cnt_ptr, arrivals):
+    """Take a ticket on counter `cnt_ptr`; True in the last of `arrivals` programs, which also resets
+    the counter for the next launch. NOTE: the barrier orders every thread's partial stores before
+    the release of the ticket (the acquire on the last program's side orders its reads after)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    last = ticket == arrivals - 1
+    if last:
+        tl.store(cnt_ptr, 0)
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def load_sum(part_ptr, rows, cols, M_PAD, NP, SPLIT: tl.constexpr):
+    """sum over splits 0..SPLIT-1, in that order, of part[s, rows, cols] -> fp32 [rows, cols].
+
+    NOTE: .cg reads at L2: the partials were written by other multiprocessors."""
+    offs = rows.to(tl.int64)[:, None] * NP + cols[None, :]
+    total = tl.load(part_ptr + offs, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT):
+        total += tl.load(part_ptr + s * M_PAD * NP + offs, cache_modifier=".cg")
+    return total

@@ -1,0 +1,206 @@
+"""The code predictor's plain skinny GEMMs, one launch each (see code_predictor_gemm.py):
+
+    project        out = X @ W^T + b, X rows given or gathered by id (the pass input projection)
+    linear_residual out = residual + X @ W^T          (o-proj + residual, down + residual)
+    norm_gate_up   out = silu(g) * u, [g | u] = RMSNorm(X) @ W_gate_up^T   (one weight tile holds
+                   gate row j and up row j side by side, so one dot feeds both halves)
+    norm_head      logits = (RMSNorm(X[T-1::T]) @ W^T) as fp32 (final norm + lm_head)
+
+Roundings are the eager model's: each GEMM result rounds to the weight dtype before the residual add
+/ SiLU / the fp32 logits; the bias joins before that rounding (as cuBLAS adds it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cast import cast
+from ._launch import device_guard
+from .autotune import pick
+from .code_predictor_gemm import (BLOCK_M, GATHER, NORM, PLAIN, GemmConfig, interpret_config,
+                                  arrive, candidates, counters_needed, dot_precision, load_sum,
+                                  mainloop, row_blocks, row_offsets, row_rstd,
+                                  store_partial)
+
+BIAS, RESIDUAL, SWIGLU, LOGITS = 0, 1, 2, 3  # epilogues
+
+
+@triton.jit
+def _epilogue(acc, rows, row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, stride_out,
+              DT: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    r64 = rows.to(tl.int64)
+    if EPILOGUE == 2:  # acc columns interleave (gate j, up j)
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        g = cast(gate, DT).to(tl.float32)
+        silu = cast(g / (1.0 + tl.exp(-g)), DT).to(tl.float32)
+        y = silu * cast(up, DT).to(tl.float32)
+    elif EPILOGUE == 0:
+        y = acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    elif EPILOGUE == 1:
+        res = tl.load(res_ptr + r64[:, None] * stride_res + cols[None, :], mask=row_mask[:, None],
+                      other=0.0)
+        y = cast(acc, DT).to(tl.float32) + res.to(tl.float32)
+    else:
+        y = cast(acc, DT).to(tl.float32)
+    tl.store(out_ptr + r64[:, None] * stride_out + cols[None, :],
+             cast(y, out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["M", "row_step", "row_first", "M_PAD"])
+def _linear_kernel(
+    # pointers
+    x_ptr, ids_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, cnt_ptr,
+    # sizes
+    M, N, K, row_step, row_first, eps, M_PAD,
+    # strides
+    stride_xm, stride_ids, stride_w, stride_res, stride_out,
+    # meta
+    PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    x_off = row_offsets(x_ptr, ids_ptr, rows, row_mask, row_step, row_first, stride_xm, stride_ids,
+                        PROLOGUE)
+    if PROLOGUE == 2:
+        rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M, BLOCK_K)
+    else:
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+    if EPILOGUE == 2:  # weight tile rows: gate j, up j, gate j+1, ...
+        W_TILE: tl.constexpr = 2 * BLOCK_N
+        j = tl.arange(0, W_TILE)
+        w_rows = tile * BLOCK_N + j // 2 + (j % 2) * N
+    else:
+        W_TILE: tl.constexpr = BLOCK_N
+        w_rows = tile * BLOCK_N + tl.arange(0, W_TILE)
+    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_rows.to(tl.int64) * stride_w, split, K,
+                   nw_ptr, rstd, PROLOGUE, BLOCK_M, W_TILE, BLOCK_K, SPLIT, DOT_PRECISION)
+    DT: tl.constexpr = w_ptr.dtype.element_ty
+    if SPLIT > 1:
+        cols = tile * W_TILE + tl.arange(0, W_TILE)
+        num_cols = tl.num_programs(1) * W_TILE
+        store_partial(part_ptr, acc, split, rows, cols, M_PAD, num_cols)
+        if arrive(cnt_ptr + m * tl.num_programs(1) + tile, SPLIT):
+            _epilogue(load_sum(part_ptr, rows, cols, M_PAD, num_cols, SPLIT), rows, row_mask, tile,
+                      b_ptr, res_ptr, out_ptr, stride_res, stride_out, DT, EPILOGUE, BLOCK_M,
+                      BLOCK_N)
+    else:
+        _epilogue(acc, rows, row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, stride_out, DT,
+                  EPILOGUE, BLOCK_M, BLOCK_N)
+
+
+def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n, ids=None,
+            norm_w=None, bias=None, residual=None, row_step=1, row_first=0, eps=0.0) -> None:
+    tiles = n // cfg.block_n
+    m_pad = row_blocks(rows) * BLOCK_M
+    w_tile = cfg.block_n * (2 if epilogue == SWIGLU else 1)
+    part = (torch.empty(cfg.split, m_pad, tiles * w_tile, dtype=torch.float32, device=x.device)
+            if cfg.split > 1 else out)
+    assert counters.numel() >= counters_needed(rows, tiles), "counters too small"
+    _linear_kernel[(row_blocks(rows), tiles, cfg.split)](
+        x, ids if ids is not None else counters, norm_w if norm_w is not None else w, w,
+        bias if bias is not None else w, residual if residual is not None else out, out, part,
+        counters,
+        rows, n, w.shape[1], row_step, row_first, eps, m_pad,
+        x.stride(0), ids.stride(0) if ids is not None else 0, w.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0),
+        PROLOGUE=prologue, EPILOGUE=epilogue, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _run(name: str, config: GemmConfig | None, **kw) -> None:
+    """Launch with `config`, else the tuned config of (name, weight shape, dtype), never of M."""
+    x, w, n = kw["x"], kw["w"], kw["n"]
+    for label, t in (("x", x), ("weight", w), ("out", kw["out"])):
+        assert t.stride(-1) == 1, f"{name}: {label} last dim must be contiguous"
+        assert t.device == w.device, f"{name}: {label} on {t.device}, weight on {w.device}"
+    assert kw["counters"].dtype == torch.int32, f"{name}: counters must be int32 (zeros)"
+    if kw["rows"] == 0:
+        return
+    fits = lambda bn: n // bn if n % bn == 0 else None  # noqa: E731
+    with device_guard(w):
+        if config is None and w.is_cuda:
+            key = (name, n, w.shape[1], w.dtype)
+            config = pick(key, candidates(fits, w.shape[1], w.device),
+                          lambda c: _launch(c, **kw), w.device)
+        config = config or interpret_config(n)
+        assert n % config.block_n == 0, f"{name}: {n} columns not a multiple of {config.block_n}"
+        _launch(config, **kw)
+
+
+def _out(out, rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if out is None:
+        return torch.empty(rows, cols, dtype=dtype, device=like.device)
+    assert out.shape == (rows, cols) and out.dtype == dtype, \
+        f"out {tuple(out.shape)}/{out.dtype} != ({rows}, {cols})/{dtype}"
+    return out
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, counters: torch.Tensor,
+            ids: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias [N] -> [M, N] in weight.dtype; with ids [M] (int, any
+    stride), row m of the input is x[ids[m]] (x is then an embedding table [V, K]).
+    counters: int32 zeros, >= counters_needed(M, N // 16) (left zero)."""
+    rows = x.shape[0] if ids is None else ids.shape[0]
+    assert x.shape[1] == weight.shape[1] and bias.shape == (weight.shape[0],), \
+        f"project: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias {tuple(bias.shape)}"
+    out = _out(out, rows, weight.shape[0], x, weight.dtype)
+    _run("cp_project", config, x=x, w=weight, out=out, counters=counters,
+         prologue=PLAIN if ids is None else GATHER, epilogue=BIAS, rows=rows, n=weight.shape[0],
+         ids=ids, bias=bias)
+    return out
+
+
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                    counters: torch.Tensor, out: torch.Tensor | None = None,
+                    config: GemmConfig | None = None) -> torch.Tensor:
+    """residual [M, N] + x [M, K] @ weight [N, K]^T (the product rounded to weight.dtype first)."""
+    rows, n = x.shape[0], weight.shape[0]
+    assert x.shape[1] == weight.shape[1] and residual.shape == (rows, n), \
+        f"linear_residual: x {tuple(x.shape)}, weight {tuple(weight.shape)}, " \
+        f"residual {tuple(residual.shape)}"
+    assert residual.stride(-1) == 1, "linear_residual: residual last dim must be contiguous"
+    out = _out(out, rows, n, x, weight.dtype)
+    _run("cp_linear_residual", config, x=x, w=weight, out=out, counters=counters,
+         prologue=PLAIN, epilogue=RESIDUAL, rows=rows, n=n, residual=residual)
+    return out
+
+
+def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
+                 eps: float, counters: torch.Tensor, out: torch.Tensor | None = None,
+                 config: GemmConfig | None = None) -> torch.Tensor:
+    """silu(g) * u with [g | u] = rms_norm(x [M, K]) @ gate_up_weight [2I, K]^T -> [M, I]."""
+    rows, inter = x.shape[0], gate_up_weight.shape[0] // 2
+    assert gate_up_weight.shape == (2 * inter, x.shape[1]) and norm_weight.shape == (x.shape[1],), \
+        f"norm_gate_up: x {tuple(x.shape)}, gate_up {tuple(gate_up_weight.shape)}, " \
+        f"norm {tuple(norm_weight.shape)}"
+    out = _out(out, rows, inter, x, gate_up_weight.dtype)
+    _run("cp_norm_gate_up", config, x=x, w=gate_up_weight, out=out, counters=counters,
+         prologue=NORM, epilogue=SWIGLU, rows=rows, n=inter, norm_w=norm_weight, eps=eps)
+    return out
+
+
+def norm_head(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
+              counters: torch.Tensor, tokens_per_row: int = 1, out: torch.Tensor | None = None,
+              config: GemmConfig | None = None) -> torch.Tensor:
+    """fp32 logits [M // T, V] of rms_norm(x[T-1::T]) @ weight [V, K]^T (rounded to weight.dtype
+    first, as the eager head), T = tokens_per_row: the last token of each batch row."""
+    t = tokens_per_row
+    assert x.shape[0] % t == 0, f"norm_head: {x.shape[0]} rows not a multiple of {t} tokens"
+    assert x.shape[1] == weight.shape[1] and norm_weight.shape == (x.shape[1],), \
+        f"norm_head: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+    rows = x.shape[0] // t
+    out = _out(out, rows, weight.shape[0], x, torch.float32)
+    _run("cp_norm_head", config, x=x, w=weight, out=out, counters=counters, prologue=NORM,
+         epilogue=LOGITS, rows=rows, n=weight.shape[0], norm_w=norm_weight, eps=eps, row_step=t,
+         row_first=t - 1)
+    return out

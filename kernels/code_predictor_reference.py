@@ -1,0 +1,63 @@
+"""Torch references of the code-predictor kernels (kernels/code_predictor_*.py): the eager layer's
+own ops (models/layers.py), built from the references in kernels/reference.py.
+
+The sampling kernel's reference is `q3tts.models.sampling.warp_and_draw` (kernels/ may not import
+models/: the tests compare the two directly).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from .reference import (apply_rotary_ref, paged_decode_attention_ref, rms_norm_ref,
+                        store_kv_ref)
+
+
+def project_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                ids: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (or table rows x[ids]) @ weight^T + bias -> [M, N]."""
+    return F.linear(x if ids is None else x[ids.long()], weight, bias)
+
+
+def linear_residual_ref(x: torch.Tensor, weight: torch.Tensor,
+                        residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ weight^T, the product rounded to its dtype first (eager o_proj / down_proj
+    followed by the residual add)."""
+    return residual + F.linear(x, weight)
+
+
+def norm_gate_up_ref(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    """silu(gate) * up of rms_norm(x) (gate_up_weight rows: gate | up)."""
+    gate, up = F.linear(rms_norm_ref(x, norm_weight, eps), gate_up_weight).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def norm_head_ref(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
+                  tokens_per_row: int = 1) -> torch.Tensor:
+    """fp32 logits of the final norm + head on the last token of each batch row."""
+    t = tokens_per_row
+    return F.linear(rms_norm_ref(x[t - 1::t], norm_weight, eps), weight).float()
+
+
+def qkv_attention_ref(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,
+                      q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int,
+                      tokens_per_row: int, eps: float, scale: float) -> torch.Tensor:
+    """The eager attention half of a layer (contract of `code_predictor_attention.qkv_attention`):
+    the cache [B, P, KVH, D] is read as B pages of P slots, one per batch row."""
+    rows = x.shape[0]
+    _, positions, num_kv, d = k_cache.shape
+    num_heads = qkv_weight.shape[0] // d - 2 * num_kv
+    q, k, v = F.linear(rms_norm_ref(x, norm_weight, eps), qkv_weight).split(
+        (num_heads * d, num_kv * d, num_kv * d), dim=-1)
+    q = rms_norm_ref(q.reshape(rows, num_heads, d), q_norm_weight, eps)  # [M, NH, D]
+    k = rms_norm_ref(k.reshape(rows, num_kv, d), k_norm_weight, eps)  # [M, KVH, D]
+    r = torch.arange(rows, device=x.device)
+    batch_row, pos = r // tokens_per_row, pos0 + r % tokens_per_row  # [M] each
+    q, k = apply_rotary_ref(q, k, pos, cos, sin)
+    store_kv_ref(k, v.reshape(rows, num_kv, d), k_cache, v_cache, batch_row * positions + pos)
+    out = paged_decode_attention_ref(q, k_cache, v_cache, batch_row[:, None].int(),
+                                     (pos + 1).int(), scale)  # [M, NH, D]
+    return out.reshape(rows, num_heads * d)

@@ -1,0 +1,120 @@
+"""One draw per row from code-predictor logits, one program per row: the GREEDY and TOPK modes of
+`q3tts.models.sampling.warp_and_draw` (its torch reference) in one launch.
+
+GREEDY: argmax (first index of the maximum, as torch). TOPK: temperature (an exact division, so
+the same scaled values) -> keep scores >= the row's k-th largest (k clamped to [1, cap]; found by a
+32-step radix select on order-preserving integer keys of the scores, no sort: the same threshold and
+ties as `apply_top_k_capped`) -> softmax -> inverse-CDF draw with the row's uniform, clamped to the
+last id of non-zero probability; greedy rows take the argmax. The kept set is exactly the reference's; the probabilities are summed in another order, so
+a draw can differ from the reference only where u * total lands within fp32 rounding of a CDF step.
+The finite guard is the reference's (`guard_ids`): a row whose scores (after temperature) hold a NaN
+or +inf, or are all -inf, draws id 0 and is or-ed into `faults`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import device_guard
+
+
+@triton.jit
+def _not_finite(x):
+    """Whether a row [BLOCK_V] holds a NaN or +inf or is all -inf (torch: ~isfinite(amax)).
+    NOTE: tl.max drops NaNs, so they are counted apart."""
+    top = tl.max(x, 0)
+    return (tl.sum((x != x).to(tl.int32), 0) > 0) | (top == float("inf")) | (top == float("-inf"))
+
+
+@triton.jit
+def _kth_largest(x, valid, k):
+    """The k-th largest of x [BLOCK_V] where valid (duplicates counted; 1 <= k <= count).
+
+    Keys map fp32 order onto int64 order (negatives: bits inverted); the largest key T with
+    #(key >= T) >= k is found bit by bit from the top, and is the key of the k-th largest value."""
+    bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    key = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits + 0x80000000)
+    key = tl.where(valid, key, -1)
+    prefix = tl.zeros([], tl.int64)
+    for bit in tl.static_range(31, -1, -1):
+        cand = prefix + (1 << bit)
+        prefix = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= k, cand, prefix)
+    bits = tl.where(prefix >= 0x80000000, prefix - 0x80000000, 0xFFFFFFFF - prefix)
+    return bits.to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sample_kernel(
+    # pointers
+    logits_ptr, temp_ptr, topk_ptr, greedy_ptr, u_ptr, out_ptr, faults_ptr,
+    # sizes
+    cap,
+    # strides (parameters and outputs may be strided columns of the engine's tables)
+    stride_l, stride_t, stride_k, stride_g, stride_u, stride_o, stride_f,
+    # meta
+    V: tl.constexpr, BLOCK_V: tl.constexpr, TOPK: tl.constexpr, HAS_FAULTS: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    idx = tl.arange(0, BLOCK_V)
+    valid = idx < V
+    x = tl.load(logits_ptr + r * stride_l + idx, mask=valid, other=float("-inf"))
+    best = tl.argmax(x, 0, tie_break_left=True)
+    if TOPK:
+        greedy = tl.load(greedy_ptr + r * stride_g) != 0
+        temp = tl.where(greedy, 1.0, tl.load(temp_ptr + r * stride_t).to(tl.float32))
+        scaled = tl.math.div_rn(x, tl.zeros_like(x) + temp)
+        bad = _not_finite(scaled)
+        k = tl.minimum(tl.maximum(tl.load(topk_ptr + r * stride_k), 1), tl.minimum(cap, V))
+        kept = tl.where(scaled < _kth_largest(scaled, valid, k), float("-inf"), scaled)
+        e = tl.where(valid, tl.exp(kept - tl.max(kept, 0)), 0.0)
+        probs = e / tl.sum(e, 0)
+        cdf = tl.cumsum(probs, 0)
+        target = tl.load(u_ptr + r * stride_u).to(tl.float32) * tl.max(cdf, 0)
+        drawn = tl.sum(((cdf <= target) & valid).to(tl.int32), 0)
+        last = tl.max(tl.where((probs > 0) & valid, idx, -1), 0)
+        best = tl.where(greedy, best, tl.minimum(drawn, last))
+    else:
+        bad = _not_finite(x)
+    if HAS_FAULTS:
+        fault = tl.load(faults_ptr + r * stride_f) != 0
+        tl.store(faults_ptr + r * stride_f, fault | bad)
+    tl.store(out_ptr + r * stride_o, tl.where(bad, 0, best).to(tl.int64))
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+           greedy: torch.Tensor, u: torch.Tensor, topk: bool, cap: int,
+           out: torch.Tensor | None = None, faults: torch.Tensor | None = None) -> torch.Tensor:
+    """ids [B] int64 from fp32 logits [B, V] (last dim contiguous).
+
+    topk False: argmax of every row (GREEDY mode). topk True (TOPK mode; valid when every
+    non-greedy row has 1 <= top_k <= cap): temperature [B] f32, top_k [B] int, greedy [B] bool,
+    u [B] f32 uniforms. faults [B] bool: or-ed with the rows the finite guard sent to id 0.
+    Parameter tensors, `out` and `faults` may be strided views."""
+    bsz, vocab = logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(-1) == 1, \
+        f"sample: logits must be fp32 with a contiguous last dim, got {logits.dtype}"
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("greedy", greedy), ("u", u)):
+        assert t.shape == (bsz,), f"sample: {name} {tuple(t.shape)} != ({bsz},)"
+        assert t.device == logits.device, f"sample: {name} on {t.device}, logits on {logits.device}"
+    assert greedy.dtype == torch.bool and not top_k.is_floating_point(), \
+        f"sample: greedy must be bool, top_k int; got {greedy.dtype}, {top_k.dtype}"
+    if out is None:
+        out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
+    assert out.shape == (bsz,) and out.dtype == torch.int64, "sample: out must be int64 [B]"
+    assert faults is None or (faults.shape == (bsz,) and faults.dtype == torch.bool), \
+        "sample: faults must be bool [B]"
+    if bsz == 0:
+        return out
+    block_v = triton.next_power_of_2(vocab)
+    with device_guard(logits):
+        _sample_kernel[(bsz,)](
+            logits, temperature, top_k, greedy, u, out, faults if faults is not None else greedy,
+            cap,
+            logits.stride(0), temperature.stride(0), top_k.stride(0), greedy.stride(0),
+            u.stride(0), out.stride(0), faults.stride(0) if faults is not None else 0,
+            V=vocab, BLOCK_V=block_v, TOPK=topk, HAS_FAULTS=faults is not None,
+            num_warps=8 if block_v >= 4096 else 4,
+        )
+    return out

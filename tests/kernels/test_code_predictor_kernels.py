@@ -1,0 +1,178 @@
+"""kernels/code_predictor_*.py vs their torch references (code_predictor_reference.py; the sampler:
+models/sampling.warp_and_draw), and the fused code predictor vs models/code_predictor.py.
+
+Tiny code-predictor shapes (the 'tiny' preset): hidden 48, intermediate 96, 4 heads / 2 kv heads of
+16, 16 positions. Every output is poisoned (NaN) before the kernel writes it; every launch must leave
+its ticket counters at zero. Tolerance: kernel_checks.assert_close_3way (2x the same-dtype torch
+error against the fp32 reference, plus the dtype's atol).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kernel_checks import DEVICE, assert_close_3way, kernel_module
+from q3tts.kernels import code_predictor_reference as R
+from q3tts.kernels.reference import rope_cos_sin
+
+cpk = kernel_module("code_predictor")
+GemmConfig = cpk.GemmConfig
+
+H, I, NH, KVH, D, P, EPS = 48, 96, 4, 2, 16, 16, 1e-6
+DTYPES = [torch.float32, torch.bfloat16]
+# None: the interpreter's default; then split-K paths: 2 slices, and 4 slices of which the last is
+# empty for K = 48 (slices are BLOCK_K-aligned)
+CONFIGS = [None, GemmConfig(16, 32, 2, 1, 1), GemmConfig(16, 16, 4, 1, 1)]
+CONFIG_IDS = ["default", "split2", "split4"]
+
+
+def _gen(*seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(hash(seed) % (1 << 31))
+
+
+def _randn(gen, *shape, scale=1.0, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(dtype)
+
+
+def _weight(gen, rows, cols, dtype) -> torch.Tensor:
+    return _randn(gen, rows, cols, scale=cols ** -0.5, dtype=dtype)
+
+
+def _norm_weight(gen, dim, dtype) -> torch.Tensor:
+    return (1 + _randn(gen, dim, scale=0.1)).to(dtype)
+
+
+def _poisoned(*shape, dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def _counters() -> torch.Tensor:
+    return torch.zeros(256, dtype=torch.int32, device=DEVICE)
+
+
+def _f32(*ts):
+    return [t.float() if t is not None and t.is_floating_point() else t for t in ts]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("rows", [1, 19])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_project_plain_and_gathered_rows(dtype, rows, config):
+    gen = _gen(1, rows, CONFIGS.index(config), DTYPES.index(dtype))
+    w, b = _weight(gen, H, 64, dtype), _randn(gen, H, scale=0.02, dtype=dtype)
+    x, table = _randn(gen, rows, 64, dtype=dtype), _randn(gen, 50, 64, scale=0.5, dtype=dtype)
+    codes = torch.randint(0, 50, (rows, 3), generator=gen, device=DEVICE)
+    ids = codes[:, 1]  # a strided column, as the fused predictor passes it
+    counters = _counters()
+    for args in ((x, None), (table, ids)):
+        out = cpk.project(args[0], w, b, counters, ids=args[1], config=config,
+                          out=_poisoned(rows, H, dtype=dtype))
+        assert_close_3way(out, R.project_ref(*args[:1], w, b, args[1]),
+                          R.project_ref(*_f32(args[0], w, b), args[1]), dtype, "project")
+    assert not counters.any()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("rows", [1, 19])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_residual(dtype, rows, config):
+    gen = _gen(2, rows, CONFIGS.index(config), DTYPES.index(dtype))
+    x, w, res = _randn(gen, rows, I, dtype=dtype), _weight(gen, H, I, dtype), \
+        _randn(gen, rows, H, dtype=dtype)
+    counters = _counters()
+    out = cpk.linear_residual(x, w, res, counters, config=config, out=_poisoned(rows, H, dtype=dtype))
+    assert_close_3way(out, R.linear_residual_ref(x, w, res),
+                      R.linear_residual_ref(*_f32(x, w, res)), dtype, "linear_residual")
+    assert not counters.any()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("rows", [1, 19])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_gate_up(dtype, rows, config):
+    gen = _gen(3, rows, CONFIGS.index(config), DTYPES.index(dtype))
+    x, nw, w = _randn(gen, rows, H, scale=3, dtype=dtype), _norm_weight(gen, H, dtype), \
+        _weight(gen, 2 * I, H, dtype)
+    counters = _counters()
+    out = cpk.norm_gate_up(x, nw, w, EPS, counters, config=config,
+                           out=_poisoned(rows, I, dtype=dtype))
+    assert_close_3way(out, R.norm_gate_up_ref(x, nw, w, EPS),
+                      R.norm_gate_up_ref(*_f32(x, nw, w), EPS), dtype, "norm_gate_up")
+    assert not counters.any()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_head_takes_the_last_token_of_each_row(dtype, tokens, config):
+    gen = _gen(4, tokens, CONFIGS.index(config), DTYPES.index(dtype))
+    bsz, vocab = 17, 64
+    x, nw, w = _randn(gen, bsz * tokens, H, dtype=dtype), _norm_weight(gen, H, dtype), \
+        _weight(gen, vocab, H, dtype)
+    counters = _counters()
+    out = cpk.norm_head(x, nw, w, EPS, counters, tokens, config=config,
+                        out=_poisoned(bsz, vocab, dtype=torch.float32))
+    assert out.dtype == torch.float32
+    assert_close_3way(out, R.norm_head_ref(x, nw, w, EPS, tokens),
+                      R.norm_head_ref(*_f32(x, nw, w), EPS, tokens), dtype, "norm_head")
+    assert not counters.any()
+
+
+class _AttentionCase:
+    """Inputs of one layer's qkv_attention and three caches that evolve pass by pass: the kernel's,
+    the reference's in the same dtype, and the fp32 reference's. In the kernel's cache, positions no
+    pass has written yet and rows past the batch hold NaN (it must never read them); the references
+    read every slot of a page and mask, so theirs start at zero (as the eager cache does)."""
+
+    def __init__(self, gen, bsz, dtype):
+        self.dtype, self.bsz = dtype, bsz
+        self.weights = (_norm_weight(gen, H, dtype), _weight(gen, (NH + 2 * KVH) * D, H, dtype),
+                        _norm_weight(gen, D, dtype), _norm_weight(gen, D, dtype))
+        self.rope = rope_cos_sin(torch.arange(P, device=DEVICE), D, 1e6, dtype)
+        self.kernel = [_poisoned(bsz + 1, P, KVH, D, dtype=dtype) for _ in range(2)]
+        self.ref = [torch.zeros_like(c) for c in self.kernel]
+        self.ref32 = [c.float() for c in self.ref]
+
+    def run(self, x, pos0, tokens, counters, config):
+        args = (pos0, tokens, EPS, D ** -0.5)
+        out = cpk.qkv_attention(x, *self.weights, *self.rope, *self.kernel, *args, counters,
+                                config=config, out=_poisoned(x.shape[0], NH * D, dtype=self.dtype))
+        ref = R.qkv_attention_ref(x, *self.weights, *self.rope, *self.ref, *args)
+        ref32 = R.qkv_attention_ref(*_f32(x, *self.weights, *self.rope), *self.ref32, *args)
+        return out, ref, ref32
+
+
+@pytest.mark.parametrize("config", [None, GemmConfig(16, 32, 3, 1, 1)], ids=["default", "split3"])
+@pytest.mark.parametrize("bsz", [1, 9])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qkv_attention_over_a_frame(dtype, bsz, config):
+    """Pass 0 (2 tokens per row at positions 0, 1), then passes at positions 2 and 3: outputs and
+    every cache entry written match the references (9 rows x 2 tokens span two row blocks)."""
+    gen = _gen(5, bsz, DTYPES.index(dtype), config is None)
+    case, counters = _AttentionCase(gen, bsz, dtype), _counters()
+    for pos0, tokens in ((0, 2), (2, 1), (3, 1)):
+        x = _randn(gen, bsz * tokens, H, scale=2, dtype=dtype)
+        out, ref, ref32 = case.run(x, pos0, tokens, counters, config)
+        assert_close_3way(out, ref, ref32, dtype, f"attention at {pos0}")
+        written = slice(0, pos0 + tokens)
+        for got, want, want32 in zip(case.kernel, case.ref, case.ref32):
+            assert_close_3way(got[:bsz, written], want[:bsz, written], want32[:bsz, written], dtype,
+                              f"cache after {pos0}")
+            assert got[:bsz, pos0 + tokens:].isnan().all() and got[bsz:].isnan().all()
+        assert not counters.any()
+
+
+def test_qkv_attention_contract_violations_raise():
+    gen = _gen(6)
+    case = _AttentionCase(gen, 2, torch.float32)
+    x = _randn(gen, 2, H)
+    with pytest.raises(AssertionError, match="positions"):
+        cpk.qkv_attention(x, *case.weights, *case.rope, *case.kernel, P, 1, EPS, 0.25, _counters())
+    with pytest.raises(AssertionError, match="caches"):
+        cpk.qkv_attention(x, *case.weights, *case.rope, case.kernel[0].bfloat16(), case.kernel[1],
+                          0, 1, EPS, 0.25, _counters())
+    with pytest.raises(AssertionError, match="counters"):
+        cpk.qkv_attention(x, *case.weights, *case.rope, *case.kernel, 0, 1, EPS, 0.25,
+                          _counters()[:0])
