@@ -66,7 +66,7 @@ class TritonPythonModel:
 
         name, version = args["model_name"], args["model_version"]
         instance = args.get("model_instance_name", "0").replace("/", "_")
-        self.metrics = ServingMetrics(pb_utils, {"model": name, "version": version, "instance": instance})
+        self.metrics = ServingMetrics(pb_utils, {"model": name, "version": version, "model_instance": instance})
         self.loop = EngineLoop(make_engine, schedule, float(params.get("idle_s") or 30), self.metrics, log,
                                model_ready=lambda: model_ready(name, version),
                                make_voices=make_voices if voices_dir else None)

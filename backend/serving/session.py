@@ -51,7 +51,7 @@ class Reply:
 def refuse(reply: Reply, code: str, message: str, metrics=None) -> None:
     """End a request that opens no session with one error naming the problem."""
     if metrics is not None:
-        metrics.rejected.increment(1)
+        metrics.failed(code)
     reply.end(R.error_response(code, message, after_audio=reply.sent_data))
 
 
@@ -120,6 +120,8 @@ class Session:
                 self._send(chunk, reply)
             reply.end(R.error_response(ERROR_CODES[reason], f"sequence {self.key}: {error}",
                                        after_audio=reply.sent_data))
+            if self.metrics is not None:
+                self.metrics.failed(ERROR_CODES[reason])
         if self.metrics is not None:
             self.metrics.audio_seconds.increment(self.chunker.frames_sent * P.SAMPLES_PER_FRAME / P.SAMPLE_RATE)
 
