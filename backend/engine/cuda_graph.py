@@ -58,6 +58,9 @@ class DecodeMeta:
         meta[:] = DecodeColumns(slot=self.dummy_slot, position=0, slot_mapping=-1, context_len=1, frame=0)
         tables = np.full((num_rows, self.max_pages), self.dummy_page, dtype=np.int32)
         for i, r in enumerate(rows):
+            # slot and page ids are valid by construction (SlotPool / KVPool hand out range ids); the slot
+            # and the table width are asserted here, where they meet the device indexes
+            assert 0 <= r.slot < self.dummy_slot and len(r.pages) <= self.max_pages, (r.slot, len(r.pages))
             page = r.pages[r.position // self.page_size]
             meta[i] = DecodeColumns(slot=r.slot, position=r.position,
                                     slot_mapping=page * self.page_size + r.position % self.page_size,
@@ -80,6 +83,7 @@ class GraphBuffers:
     frames: torch.Tensor    # [Bmax, 16] int64 codes of the frame made this step
     c0_next: torch.Tensor   # [Bmax] int64 first code of the next frame (EOS = finished)
     pcm: torch.Tensor       # [Bmax, samples_per_frame] float32
+    faults: torch.Tensor    # [Bmax] bool: the row's sampling scores were not finite (models/step.py)
 
     @classmethod
     def allocate(cls, max_batch: int, max_pages: int, groups: int, samples: int,
@@ -88,7 +92,8 @@ class GraphBuffers:
                    tables=torch.zeros(max_batch, max_pages, dtype=torch.int32, device=device),
                    frames=torch.zeros(max_batch, groups, dtype=torch.int64, device=device),
                    c0_next=torch.zeros(max_batch, dtype=torch.int64, device=device),
-                   pcm=torch.zeros(max_batch, samples, dtype=torch.float32, device=device))
+                   pcm=torch.zeros(max_batch, samples, dtype=torch.float32, device=device),
+                   faults=torch.zeros(max_batch, dtype=torch.bool, device=device))
 
     def load(self, start: int, meta: np.ndarray, tables: np.ndarray) -> None:
         """Rows [start, start + len(meta)) = packed `DecodeMeta` rows (two host-to-device copies)."""

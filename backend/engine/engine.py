@@ -23,6 +23,7 @@ from q3tts.models.sampling import UniformSource
 
 from .config import EngineConfig
 from .cuda_graph import DecodeRow
+from .faults import check_token_ids, inject_device_fault, nonfinite_error
 from .input_processor import InputProcessor
 from .model_runner import ModelRunner, PrefillRow, make_codec, resolve_config
 from .scheduler import Scheduler
@@ -44,6 +45,7 @@ class Engine:
         if not isinstance(ckpt, Checkpoint):
             ckpt = load_checkpoint(ckpt, dtype=dtype, device=config.device)
         self.checkpoint = ckpt
+        check_token_ids(ckpt.tokenizer.vocab_size, ckpt.config.talker.text_vocab_size)
         self.model = Qwen3TTS.from_checkpoint(ckpt).to(device=config.device, dtype=dtype)
         self.inputs = InputProcessor(self.model, ckpt, config)
         self.codec_eos_id = ckpt.config.talker.codec_eos_id
@@ -146,11 +148,18 @@ class Engine:
             self.times.queue_wait_seconds += now - seq.ready_at
 
     def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """One decode step; a row whose sampling went non-finite ends (reason 'error') without its frame."""
+        injected = self.config.fault_injection_seed
+        if injected is not None and any(s.sampling.seed == injected for s in seqs):
+            inject_device_fault(self.runner.device)
         rows = [DecodeRow(s.slot, s.prompt_len + s.num_frames, s.num_frames,
                           self.scheduler.kv.pages(s.seq_id)) for s in seqs]
-        frames, c0_next, pcm = self.runner.decode(rows)
+        frames, c0_next, pcm, faults = self.runner.decode(rows)
         outputs = []
         for i, seq in enumerate(seqs):
+            if faults[i]:
+                self._finish(seq, "error", nonfinite_error(seq.sampling))
+                continue
             seq.num_frames += 1
             out = StepOutput(seq.seq_id, codes=frames[i:i + 1].copy(), pcm=pcm[i].copy())
             reason = ("eos" if c0_next[i] == self.codec_eos_id

@@ -10,17 +10,10 @@ serving/engine_process.py). A non-finite sampling row is not such a fault: the s
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-TEST_HOOKS_ENV = "Q3TTS_TEST_HOOKS"  # =1 allows EngineConfig.fault_injection_seed (tests only)
 POISON_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
                   "ECC error")
-
-
-def test_hooks_enabled() -> bool:
-    return os.environ.get(TEST_HOOKS_ENV) == "1"
 
 
 def context_usable(device: torch.device) -> bool:
@@ -51,6 +44,14 @@ def inject_device_fault(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     raise torch.AcceleratorError("CUDA error: device-side assert triggered (injected on the CPU by "
                                  "EngineConfig.fault_injection_seed)")
+
+
+def check_token_ids(tokenizer_vocab: int, text_vocab: int) -> None:
+    """Every text token id the tokenizer can make indexes the talker's text embedding (checked once at load,
+    so no per-step device check is needed)."""
+    if tokenizer_vocab > text_vocab:
+        raise ValueError(f"the tokenizer makes ids up to {tokenizer_vocab - 1}, but the talker's text embedding "
+                         f"has {text_vocab} rows: the checkpoint's tokenizer and weights do not match")
 
 
 def nonfinite_error(sampling) -> str:

@@ -12,6 +12,11 @@ decode bucket like a decode step. One decode step (`decode_rows`), for rows [:bu
     x       = C(c0) + sum_g E_g(c_g) + (text_queue[slot, t] if t < text_len else E_pad)
     hidden  = talker(x @ position, paged KV)  -> logits -> c0_next     uniforms(seed, t + 1)[:, 0]
     state[slot] <- (c0_next, hidden, rep_mask | c0_next)
+    faults  = slot_faults[slot] | (any of the 16 draws had non-finite scores)
+
+A row whose sampling scores went non-finite (its prefill draw or any draw of a step) drew id 0 there (the
+finite guard of models/sampling.py, so nothing reads out of bounds) and is reported in `DecodeOutput.faults`
+of the step: the engine ends exactly that sequence.
 
 Padding rows (graph buckets, and on CPU too, so that a row's arithmetic never depends on how many
 real rows share the step) use the dummy slot `max_slots`, the dummy page `num_pages` and
@@ -23,6 +28,7 @@ On CUDA a prefill whose prompts fit a token bucket is one graph replay instead (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,6 +51,15 @@ class PrefillRow:
     prefill: torch.Tensor                   # prompt rows [L0, H]
     pages: list[int]                        # the sequence's pages, in order
     codec_context: np.ndarray | None = None  # [F, 16] frames primed into the codec stream
+
+
+class DecodeOutput(NamedTuple):
+    """One decode step's results on the host, row i = rows[i]."""
+
+    frames: np.ndarray   # [B, 16] int64
+    c0_next: np.ndarray  # [B] int64 (EOS = finished)
+    pcm: np.ndarray      # [B, 1920] float32 ([B, 0] without a codec)
+    faults: np.ndarray   # [B] bool: the row's sampling scores were not finite (its frame is junk)
 
 
 def make_codec(ckpt, config: EngineConfig):
@@ -106,6 +121,8 @@ class ModelRunner:
         # host copy of each slot's sampling mode (talker, code predictor); the dummy slot is greedy
         self.slot_modes: list[tuple[str, str]] = [(TOPK, TOPK)] * (config.max_slots + 1)
         self.num_decode_steps = 0
+        # [S] bool: the slot's prefill draw had non-finite scores (reported with its first decode step)
+        self.slot_faults = torch.zeros(config.max_slots + 1, dtype=torch.bool, device=self.device)
 
     # --- graphs -----------------------------------------------------------------------------------
 
@@ -170,26 +187,30 @@ class ModelRunner:
         st.text_len[sl] = 0
         if self.codec is not None:
             self._prime_codec(rows, sl)
-        c0, hidden = self._prefill(rows, sl)
+        c0, hidden, faults = self._prefill(rows, sl)
         st.last_c0[sl] = c0
         st.past_hidden[sl] = hidden
+        self.slot_faults[sl] = faults
         _mark_generated(st.rep_mask, sl, c0)
 
-    def _prefill(self, rows: list[PrefillRow], sl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' prompts in one talker forward -> their first c0 [n] and hidden [n, H]: a prefill
-        graph replay when they fit a captured token bucket, else the eager `prefill_batch`."""
+    def _prefill(self, rows: list[PrefillRow], sl: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' prompts in one talker forward -> their first c0 [n], hidden [n, H] and sampling faults
+        [n]: a prefill graph replay when they fit a captured token bucket, else the eager `prefill_batch`."""
         n, lens, mapping = len(rows), [r.prefill.shape[0] for r in rows], self._slot_mapping(rows)
         graphs = self.prefill_graphs
         if graphs is not None and graphs.bucket_for(sum(lens), n) is not None:
-            return graphs.run([r.prefill for r in rows], mapping, [r.slot for r in rows])
+            c0, hidden = graphs.run([r.prefill for r in rows], mapping, [r.slot for r in rows])
+            return c0, hidden, graphs.faults[:n]
         head_sl = self._pad_slots(sl)  # sampling head rows: the decode bucket, padding rows greedy
         mode = sampling_mode(self.slot_modes[r.slot][0] for r in rows)
         embeds = torch.cat([r.prefill.to(self.device, self.dtype) for r in rows])  # [sum L0, H]
+        faults = torch.zeros(head_sl.shape[0], dtype=torch.bool, device=self.device)
         c0, hidden = step.prefill_batch(self.talker, self.kv, embeds, lens,
                                         torch.from_numpy(mapping).to(self.device),
                                         self.talker_params(head_sl, mode), self.state.seed[head_sl],
-                                        self.uniform_source)
-        return c0[:n], hidden[:n]
+                                        self.uniform_source, faults=faults)
+        return c0[:n], hidden[:n], faults[:n]
 
     def _load_sampling(self, rows: list[PrefillRow]) -> None:
         """The rows' SamplingParams into their slots' state, and each slot's host sampling modes."""
@@ -237,8 +258,8 @@ class ModelRunner:
     # --- the batched step -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def decode(self, rows: list[DecodeRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One decode step for `rows`: returns frames [B, 16], c0_next [B], pcm [B, 1920] (host)."""
+    def decode(self, rows: list[DecodeRow]) -> DecodeOutput:
+        """One decode step for `rows` (its results copied to the host)."""
         n = len(rows)
         bucket = self.config.bucket_for(n) if n <= self.max_batch else None
         bucket = bucket if bucket is not None and bucket <= self.max_batch else n
@@ -248,7 +269,7 @@ class ModelRunner:
         frames = self.buf.frames[:n].cpu().numpy()
         c0_next = self.buf.c0_next[:n].cpu().numpy()
         pcm = self.buf.pcm[:n].cpu().numpy() if self.codec is not None else np.zeros((n, 0), np.float32)
-        return frames, c0_next, pcm
+        return DecodeOutput(frames, c0_next, pcm, self.buf.faults[:n].cpu().numpy())
 
     def step_mode(self, slots: list[int]) -> str:
         """The sampling variant of a step over these slots: TOPK when every row allows it, else FULL."""
@@ -291,9 +312,11 @@ class ModelRunner:
             slot_mapping=row.slot_mapping, block_tables=buf.tables[:bs],
             context_lens=row.context_len.int(), generated=st.rep_mask[sl], num_generated=row.frame + 1,
             seeds=st.seed[sl], counters=row.frame)
+        faults = self.slot_faults[sl]  # [B] a fault of the row's prefill draw is reported with this step
         result = step.decode_step(self.talker, self.kv, batch, self.talker_params(sl, mode),
-                                  self.sub_params(sl, mode), self.uniform_source)
+                                  self.sub_params(sl, mode), self.uniform_source, faults)
         frames, c0_next, hidden = result.codes, result.next_c0, result.hidden  # [B, 16], [B], [B, H]
+        buf.faults[:bs] = faults
         buf.frames[:bs] = frames
         buf.c0_next[:bs] = c0_next
         st.last_c0[sl] = c0_next

@@ -14,7 +14,7 @@ Static buffers, sized for the largest bucket T and S = max_seqs:
     embeds [T, H]   the prompts back to back (rows past them keep stale, finite values)
     meta   [2T + 2S + 1] int64; bucket t reads positions [t] | slot_mapping [t] | cu_seqlens [S+1] |
            head_slots [S] from its start (one host-to-device copy per prefill)
-    c0 [S] int64, hidden [S, H]: the outputs
+    c0 [S] int64, hidden [S, H], faults [S] bool (non-finite sampling scores, models/step.py): the outputs
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def token_buckets(max_tokens: int, candidates: tuple[int, ...] = PREFILL_TOKEN_B
 @torch.no_grad()
 def prefill_packed(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, positions: torch.Tensor,
                    slot_mapping: torch.Tensor, cu_seqlens: torch.Tensor, params: SamplingTensors,
-                   seeds: torch.Tensor, uniform_source: UniformSource
+                   seeds: torch.Tensor, uniform_source: UniformSource, faults: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompts of S sequences in one forward, no host value anywhere (a CUDA graph per shape).
 
@@ -62,7 +62,7 @@ def prefill_packed(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, po
     out = talker(embeds, positions, ctx)  # [T, H]
     last = (cu_seqlens[1:] - 1).clamp(min=0)  # [S] last row of each sequence
     hidden = out.index_select(0, last)  # [S, H]
-    return step.first_c0(talker, hidden, params, seeds, uniform_source), hidden
+    return step.first_c0(talker, hidden, params, seeds, uniform_source, faults), hidden
 
 
 @dataclass
@@ -96,6 +96,7 @@ class PrefillGraphs:
         self.meta = torch.zeros(2 * rows + 2 * max_seqs + 1, dtype=torch.int64, device=device)
         self.c0 = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(max_seqs, hidden, dtype=dtype, device=device)
+        self.faults = torch.zeros(max_seqs, dtype=torch.bool, device=device)
         self.graphs: GraphRunner | None = None
 
     @property
@@ -165,7 +166,9 @@ class PrefillGraphs:
         """The captured work of one bucket: `prefill_packed` on its views, into the outputs."""
         v = self._views(bucket)
         params, seeds = self.head_params(v.head_slots)
+        self.faults.zero_()
         c0, hidden = prefill_packed(self.talker, self.cache, v.embeds, v.positions, v.slot_mapping,
-                                    v.cu_seqlens, params.with_mode(FULL), seeds, self.uniform_source)
+                                    v.cu_seqlens, params.with_mode(FULL), seeds, self.uniform_source,
+                                    self.faults)
         self.c0.copy_(c0)
         self.hidden.copy_(hidden)

@@ -8,6 +8,9 @@ frame's position with input `next_input + text_row` -> c0[t+1]. The caller owns 
 positions, pages, the c0 history mask, the text queue and stopping (c0 == EOS ends a sequence
 without a frame; see spec b.4).
 Uniform column 0 of counter t draws c0[t]; columns 1..15 of counter t draw c1..c15 of frame t.
+`faults` [B] bool (optional, in place, graph-safe): rows whose sampling scores were not finite (any of the
+16 draws of the frame) are or-ed in; such rows drew id 0 (models/sampling.py: the finite guard), so every
+later gather stays in bounds, and the caller ends them.
 """
 
 from __future__ import annotations
@@ -77,15 +80,15 @@ def prefill(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, slot_mapp
 @torch.no_grad()
 def prefill_batch(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, seq_lens: list[int],
                   slot_mapping: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor,
-                  uniform_source: UniformSource, padded_attention: bool | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  uniform_source: UniformSource, padded_attention: bool | None = None,
+                  faults: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompts of B = len(seq_lens) sequences in one forward.
 
     embeds [N, H]: the prompts back to back (sequence i = the next seq_lens[i] rows, at positions
     0..L_i-1; rows past sum(seq_lens) are padding with slot -1). slot_mapping [N]: each row's KV slot
     in its sequence's pages. params / seeds: R >= B rows; rows past B are padding rows of the
     sampling head (so the caller can fix the head's row count: their hidden is 0, their draw junk).
-    padded_attention: see `PrefillContext` (None = per device).
+    padded_attention: see `PrefillContext` (None = per device). faults [R] bool: see the module docstring.
     Returns c0[0] [R] int64 and past_hidden [R, H] (final-normed hidden of each prompt's last row).
     """
     device = embeds.device
@@ -106,32 +109,33 @@ def prefill_batch(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, seq
         hidden = out.index_select(0, last.to(device))  # [B, H]
     if rows > len(lens):
         hidden = torch.cat((hidden, hidden.new_zeros(rows - len(lens), hidden.shape[1])))
-    return first_c0(talker, hidden, params, seeds, uniform_source), hidden
+    return first_c0(talker, hidden, params, seeds, uniform_source, faults), hidden
 
 
 def first_c0(talker: Talker, hidden: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor,
-             uniform_source: UniformSource) -> torch.Tensor:
+             uniform_source: UniformSource, faults: torch.Tensor | None = None) -> torch.Tensor:
     """c0[0] [R] int64 of R prompts from the hidden [R, H] of their last rows (no history yet,
-    uniform counter 0). Static shapes, no host sync."""
+    uniform counter 0); faults [R] bool: see the module docstring. Static shapes, no host sync."""
     rows, device = hidden.shape[0], hidden.device
     no_history = torch.zeros(rows, talker.cfg.vocab_size, dtype=torch.bool, device=device)
     zero = torch.zeros(rows, dtype=torch.int64, device=device)
     u = uniform_source(seeds, zero)[:, 0]
-    return sample_talker(talker.logits(hidden), params, talker_rules(talker), no_history, zero, u)
+    return sample_talker(talker.logits(hidden), params, talker_rules(talker), no_history, zero, u, faults)
 
 
 @torch.no_grad()
 def decode_step(talker: Talker, cache: PagedKVCache, batch: DecodeBatch, params: SamplingTensors,
-                cp_params: SamplingTensors, uniform_source: UniformSource) -> StepResult:
+                cp_params: SamplingTensors, uniform_source: UniformSource,
+                faults: torch.Tensor | None = None) -> StepResult:
     """Advance every row by one frame (see module docstring); static shapes for a given B."""
     u_frame = uniform_source(batch.seeds, batch.counters)  # [B, 16]
     codes, next_input = talker.code_predictor.generate(
-        batch.past_hidden, batch.c0, SubtalkerSampler(cp_params, u_frame))
+        batch.past_hidden, batch.c0, SubtalkerSampler(cp_params, u_frame, faults))
     ctx = DecodeContext(cache, batch.slot_mapping, batch.block_tables, batch.context_lens,
                         talker.attn_scale)
     hidden = talker(next_input + batch.text, batch.positions, ctx)  # [B, H]
     u_next = uniform_source(batch.seeds, batch.counters + 1)[:, 0]  # [B]
     next_c0 = sample_talker(talker.logits(hidden), params, talker_rules(talker), batch.generated,
-                            batch.num_generated, u_next)
+                            batch.num_generated, u_next, faults)
     return StepResult(codes=torch.cat((batch.c0[:, None], codes), dim=1), next_c0=next_c0,
                       hidden=hidden)

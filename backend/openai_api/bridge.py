@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -34,6 +35,7 @@ STATUS_BY_MESSAGE = (
     ("connection refused", 503), ("timed out", 503), ("socket closed", 503),
     ("internal error", 500), ("engine step failed", 500),
 )
+log = logging.getLogger("q3tts.openai")
 CATALOGUE_TTL_S = 5.0  # a voice registered elsewhere is found at once anyway: a miss refreshes the catalogue
 
 
@@ -108,6 +110,8 @@ class SpeechStream:
                                            sequence_start=True, sequence_end=True,
                                            parameters={P.PARAM_ABORT: True}, enable_empty_final_response=True)
             self.done = True
+            self.bridge.aborted += 1
+        log.info("the HTTP client went away: sequence %s aborted", self.sequence_id)
 
 
 class TritonBridge:
@@ -120,6 +124,7 @@ class TritonBridge:
         self.slots = threading.BoundedSemaphore(max_streams)
         self._ids = itertools.count((os.getpid() % 100000) * 1_000_000 + 500_001)
         self._catalogue: tuple[float, dict] | None = None
+        self.aborted = 0  # sequences aborted because their HTTP client went away
 
     def take_client(self):
         try:

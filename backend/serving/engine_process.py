@@ -223,3 +223,6 @@ def _picklable(e: Exception) -> Exception:
 
 if __name__ == "__main__":  # python -m q3tts.serving.engine_process FD CHECKPOINT ENGINE_CONFIG_JSON
     child_main(Connection(int(sys.argv[1])), sys.argv[2], json.loads(sys.argv[3]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown (seconds with torch loaded): the unload waits on this exit

@@ -23,10 +23,11 @@ from q3tts_client import protocol as P
 
 def check_reference(name: str, wav: np.ndarray, sample_rate: int) -> np.ndarray:
     """The recording as float32 mono [n]; raises VoiceError for empty, too long, non-finite audio or a
-    sample rate outside protocol.REF_SAMPLE_RATES."""
-    lo, hi = P.REF_SAMPLE_RATES
-    if not lo <= int(sample_rate) <= hi:
-        raise VoiceError(f"voice {name!r}: reference sample rate must be {lo}..{hi} Hz, got {sample_rate}")
+    sample rate outside the protocol's range (protocol.FIELDS)."""
+    try:
+        P.FIELDS[P.INPUT_REF_SAMPLE_RATE].check(int(sample_rate))
+    except ValueError as e:
+        raise VoiceError(f"voice {name!r}: {e}") from None
     wav = np.asarray(wav, dtype=np.float32)
     if wav.ndim != 1:
         raise VoiceError(f"voice {name!r}: reference audio must be mono [n], got shape {list(wav.shape)}")

@@ -11,7 +11,7 @@ import soundfile as sf
 from q3tts.checkpoint.maker import make_checkpoint
 from q3tts.cli import main
 
-from .conftest import REF_SR, REF_TEXT
+from voice_fixtures import REF_SR, REF_TEXT
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 from q3tts.models.speaker_encoder import SpeakerEncoder
 
-from .conftest import REF_SR, REF_TEXT
+from voice_fixtures import REF_SR, REF_TEXT
 
 TEXT = "A registered voice speaks."
 GREEDY = SamplingParams(greedy=True, max_frames=12)
