@@ -9,13 +9,22 @@ error against the fp32 reference, plus the dtype's atol).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from torch import nn
 
 from kernel_checks import DEVICE, assert_close_3way, kernel_module
+from q3tts.checkpoint.maker import random_main_weights
+from q3tts.checkpoint.presets import model_config_dict
+from q3tts.config import ModelConfig
+from q3tts.core import SamplingParams
 from q3tts.kernels import code_predictor_reference as R
 from q3tts.kernels.reference import rope_cos_sin
+from q3tts.models.code_predictor_fused import FusedCodePredictor
+from q3tts.models.sampling import (GREEDY, TOPK, TOPK_CAP, SamplingTensors, SubtalkerSampler,
+                                   apply_temperature, apply_top_k_capped, uniforms, warp_and_draw)
+from q3tts.models.talker import Talker
 
 cpk = kernel_module("code_predictor")
 GemmConfig = cpk.GemmConfig
@@ -176,3 +185,122 @@ def test_qkv_attention_contract_violations_raise():
     with pytest.raises(AssertionError, match="counters"):
         cpk.qkv_attention(x, *case.weights, *case.rope, *case.kernel, 0, 1, EPS, 0.25,
                           _counters()[:0])
+
+
+# ------------------------------------------------------------------------------------ sampling
+
+VOCAB = 2048  # the code predictor's codebook
+
+
+def _sampling(rows: list[SamplingParams], mode: str) -> SamplingTensors:
+    params = SamplingTensors.subtalker(rows, DEVICE)
+    assert params.mode == mode, f"test rows give mode {params.mode}, not {mode}"
+    return params
+
+
+def _draw(logits, params, u, faults=None) -> torch.Tensor:
+    """The kernel's draw into a poisoned strided column (as the fused predictor's codes table)."""
+    codes = torch.full((logits.shape[0], 15), -1, dtype=torch.int64, device=DEVICE)
+    cpk.sample(logits, params.temperature, params.top_k, params.greedy, u, params.mode == TOPK,
+               TOPK_CAP, out=codes[:, 3], faults=faults)
+    return codes[:, 3]
+
+
+def _at_cdf_step(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
+    """[B] bool: u * total lies within fp32 rounding of a step of the row's CDF (float64 here)."""
+    kept = apply_top_k_capped(apply_temperature(logits, params.temperature, params.greedy),
+                              params.top_k, TOPK_CAP).double()
+    cdf = kept.softmax(-1).cumsum(-1)  # [B, V]
+    target = u.double()[:, None] * cdf[:, -1:]
+    return (cdf - target).abs().min(-1).values <= 1e-5
+
+
+def test_sample_greedy_mode_is_argmax_with_first_index_ties():
+    gen = _gen(7)
+    logits = _randn(gen, 33, VOCAB, scale=3)
+    logits[0, [5, 700]] = logits[0].max() + 1  # tie: the first index wins
+    params = _sampling([SamplingParams(greedy=True)] * 33, GREEDY)
+    u = torch.rand(33, 16, generator=gen, device=DEVICE)[:, 2]
+    got = _draw(logits, params, u)
+    assert got[0] == 5
+    assert torch.equal(got, warp_and_draw(logits, params, u))
+
+
+def test_sample_topk_mode_draws_what_warp_and_draw_draws():
+    """Mixed rows (greedy, k = 1 / 7 / 50 / 64, temperatures, a tie at the k-th value): the same ids
+    as the reference, except where u lands within fp32 rounding of a CDF step."""
+    gen = _gen(8)
+    rows = [SamplingParams(subtalker_top_k=k, subtalker_temperature=t, greedy=g)
+            for k, t, g in [(1, 0.9, False), (7, 0.5, False), (50, 0.9, False), (64, 1.3, False),
+                            (50, 0.9, True)] * 13]
+    logits = _randn(gen, len(rows), VOCAB, scale=3)
+    logits[1, :7] = logits[1].max() + 1  # seven ties at the top: k = 7 keeps exactly them
+    logits[1, 7] = logits[1, 0]
+    params = _sampling(rows, TOPK)
+    u = torch.rand(len(rows), generator=gen, device=DEVICE)
+    got, want = _draw(logits, params, u), warp_and_draw(logits, params, u)
+    differ = got != want
+    assert not (differ & ~_at_cdf_step(logits, params, u)).any(), \
+        f"rows {differ.nonzero().flatten().tolist()} drew {got[differ]} not {want[differ]}"
+    assert differ.sum() <= 1
+
+
+@pytest.mark.parametrize("mode", [GREEDY, TOPK])
+def test_sample_finite_guard_matches_the_reference(mode):
+    """NaN / +inf scores, an all -inf row and (TOPK) NaN or zero temperatures draw id 0 and are or-ed
+    into faults; a fault already set stays set."""
+    gen = _gen(9, mode == TOPK)
+    base = SamplingParams(greedy=mode == GREEDY)
+    temps = [0.9, 0.9, 0.9, float("nan"), 0.0, 0.9, 0.9] if mode == TOPK else [0.9] * 7
+    params = _sampling([dataclasses.replace(base, subtalker_temperature=t) for t in temps], mode)
+    logits = _randn(gen, 7, VOCAB)
+    logits[0, 3], logits[1, 9], logits[2] = float("nan"), float("inf"), float("-inf")
+    u = torch.rand(7, generator=gen, device=DEVICE)
+    faults = torch.zeros(7, dtype=torch.bool, device=DEVICE)
+    faults[6] = True
+    want_faults = faults.clone()
+    got = _draw(logits, params, u, faults)
+    want = warp_and_draw(logits, params, u, faults=want_faults)
+    assert torch.equal(got, want) and torch.equal(faults, want_faults)
+    assert faults[:5 if mode == TOPK else 3].all() and got[:3].eq(0).all() and faults[6]
+
+
+# ------------------------------------------------------------------- the fused code predictor
+
+TEXT_IDS = dict(im_start=1, im_end=2, assistant=3, tts_pad=4, tts_bos=5, tts_eos=6)
+
+
+def _tiny_talker(size: str) -> Talker:
+    """The tiny preset's talker with the checkpoint maker's random weights, fp32."""
+    config = ModelConfig.from_dict(model_config_dict("custom_voice", size, "tiny", TEXT_IDS, 100))
+    weights = random_main_weights(config, seed=3, dtype=torch.float32)
+    talker = Talker(config.talker)
+    talker.load_state_dict({k.removeprefix("talker."): v for k, v in weights.items()})
+    return talker.to(DEVICE).eval().fuse_()
+
+
+@pytest.mark.parametrize("size, rows", [
+    ("1.7b", [SamplingParams(greedy=True), SamplingParams(seed=1), SamplingParams(greedy=True)]),
+    ("0.6b", [SamplingParams(greedy=True), SamplingParams(subtalker_top_p=0.8)]),
+], ids=["1.7b-projection-topk", "0.6b-identity-full"])
+def test_fused_code_predictor_generates_the_eager_codes(size, rows, monkeypatch):
+    """fp32, the tiny preset's shapes: the fused passes (Triton interpreter on CPU) give the eager
+    passes' codes c1..c15 and next input, greedy rows and (same uniforms) sampled rows alike; the
+    0.6B predictor has no input projection, and its FULL-mode rows draw through warp_and_draw."""
+    talker = _tiny_talker(size)
+    gen = _gen(10, len(rows))
+    bsz, hidden = len(rows), talker.cfg.hidden_size
+    past_hidden = _randn(gen, bsz, hidden)
+    c0 = torch.randint(0, VOCAB, (bsz,), generator=gen, device=DEVICE)
+    params = SamplingTensors.subtalker(rows, DEVICE)
+    u = uniforms(torch.arange(bsz, device=DEVICE), torch.full((bsz,), 7, device=DEVICE))
+    with torch.no_grad():
+        monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")  # the eager passes on the torch references
+        want_codes, want_next = talker.code_predictor.generate(
+            past_hidden, c0, SubtalkerSampler(params, u))
+        monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
+        fused = FusedCodePredictor(talker.code_predictor)
+        assert fused.serves(past_hidden)
+        got_codes, got_next = fused.generate(past_hidden, c0, SubtalkerSampler(params, u))
+    assert got_codes.shape == (bsz, 15) and torch.equal(got_codes, want_codes)
+    assert torch.equal(got_next, want_next)
