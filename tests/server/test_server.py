@@ -155,7 +155,7 @@ def test_bad_input_one_clear_error_and_server_stays_up(server):
     r = synthesize(server.grpc_url, [TEXT], {"speaker": "no_such_speaker"}, GREEDY)
     assert r.finals == 1 and r.error and "speaker" in r.error.lower()
     r = synthesize(server.grpc_url, [TEXT], VOICE, {"top_p": 7.0})
-    assert r.finals == 1 and "top_p must be in (0, 1]" in r.error
+    assert r.finals == 1 and "parameter 'top_p' must be in (0, 1]" in r.error
     status, events = _sse(server, {"TEXT": TEXT, "SPEAKER": "ryan", "bogus": 1})
     assert len(events) == 1 and "unknown request parameter 'bogus'" in events[0]["error"]
     client = grpcclient.InferenceServerClient(server.grpc_url)
