@@ -11,6 +11,7 @@ COMMANDS = {
     "make-checkpoint": ("q3tts.checkpoint.maker", "write a random-weight checkpoint in the released layout"),
     "synth": ("q3tts.synth", "offline synthesis without Triton"),
     "serve": ("q3tts.serving.launcher", "start tritonserver on 127.0.0.1 with the model repository"),
+    "render-repository": ("q3tts.serving.render", "write the model repository for a tritonserver you run yourself"),
     "voice": ("q3tts.voices.cli", "register, list and remove reusable voices (offline or on a server)"),
     "openai": ("q3tts.openai_api.cli", "the OpenAI /v1/audio/speech endpoint in front of a Triton server"),
 }

@@ -5,8 +5,8 @@ demo and the Docker entrypoint use it): free ports, the rendered repository, the
 `runtime.prepare()`, readiness with a timeout (a load hangs forever when libpython is missing), and an
 ordered stop through Triton itself:
 1. unload the sequence model through the repository API (the server runs in explicit model control mode).
-   The model sees the unload within a tick and ends every open request with "the server is shutting
-   down"; Triton drops the sequences it still holds for clients that went away without END (those count
+   The model sees the unload within a tick and ends every open request with "the model is being
+   unloaded (...)"; Triton drops the sequences it still holds for clients that went away without END (those count
    as in-flight inferences and would otherwise hold a plain SIGTERM until --exit-timeout-secs);
 2. SIGTERM by PID, wait; 3. wait for the python stubs (they outlive the server by ~2 s and keep writing
    to its log). A server or stub left by a killed run of the same run dir is stopped before a start.
@@ -32,9 +32,12 @@ import urllib.request
 from pathlib import Path
 
 from q3tts_client import protocol
-from q3tts.serving import runtime
-from q3tts.serving.repository import pbtxt_string, render_repository
+from q3tts.serving import health, runtime
+from q3tts.serving.render import RepositorySettings, add_settings_arguments, parse_pool
+from q3tts.serving.repository import render_repository
 from q3tts.voices.store import default_voices_dir
+
+__all__ = ["ServerError", "TritonServer", "free_ports", "parse_gpus", "parse_pool"]
 
 
 def free_ports(n: int) -> list[int]:
@@ -69,22 +72,6 @@ def parse_gpus(spec: str | None) -> list[int]:
     if spec in ("", "none", "cpu"):
         return []
     return [int(x) for x in spec.split(",") if x != ""]
-
-
-def parse_pool(spec: str | None) -> dict:
-    """'num_pages=512,page_size=16,kv_policy=reserve' -> dict with ints/floats decoded (EngineConfig fields)."""
-    out: dict = {}
-    for item in (spec or "").split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--pool entries are key=value, got {item!r}")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value.strip()
-    return out
 
 
 SERVER_PROGRAMS = ("tritonserver", runtime.STUB)
@@ -152,29 +139,11 @@ class TritonServer:
         return self.run_dir / "model_repository"
 
     def template_values(self, rt: runtime.Runtime) -> dict[str, str]:
-        engine_cfg = {"max_slots": self.max_slots, "dtype": self.dtype,
-                      "device": "cuda" if self.gpus else "cpu", **self.pool}
-        if self.gpus:
-            group = f"{{ count: 1, kind: KIND_GPU, gpus: [ {', '.join(map(str, self.gpus))} ] }}"
-        else:
-            group = "{ count: 1, kind: KIND_CPU }"
-        # the voices model encodes references on the first GPU (one instance is enough)
-        voices_group = f"{{ count: 1, kind: KIND_GPU, gpus: [ {self.gpus[0]} ] }}" if self.gpus else group
-        env_param = (f', {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: {pbtxt_string(str(rt.execution_env))} }} }}'
-                     if rt.use_execution_env else "")  # only for a venv: Triton sources <env>/bin/activate
-        return {
-            "max_candidate_sequences": str(self.max_slots),
-            "max_sequence_idle_microseconds": str(int(self.idle_s * 1e6)),
-            "instance_group": group,
-            "checkpoint": pbtxt_string(self.model),
-            "engine_config": pbtxt_string(json.dumps(engine_cfg)),
-            "chunk_schedule": pbtxt_string(self.chunk_schedule),
-            "idle_s": pbtxt_string(str(self.idle_s)),
-            "execution_env_param": env_param,
-            "voices_dir": pbtxt_string(str(self.voices_dir)),
-            "voice_cache_size": pbtxt_string(str(self.voice_cache_size or "")),
-            "voices_instance_group": voices_group,
-        }
+        """The rendered configs' values (render.RepositorySettings), with the stub env of `rt`."""
+        return RepositorySettings(
+            self.model, tuple(self.gpus), self.dtype, self.max_slots, self.pool, self.idle_s, self.chunk_schedule,
+            str(self.voices_dir), self.voice_cache_size,
+            execution_env=str(rt.execution_env) if rt.use_execution_env else None).values()
 
     def command(self, rt: runtime.Runtime) -> list[str]:
         cmd = [str(rt.tritonserver), "--model-repository", str(self.repository),
@@ -196,6 +165,7 @@ class TritonServer:
         rt = runtime.prepare(self.stub_env)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._kill(self._run_dir_pids())  # left by a killed run of this run dir (they may hold the GPU)
+        self.check_ports()
         render_repository(self.repository, self.template_values(rt))
         env = rt.server_env()
         if not self.gpus:
@@ -213,18 +183,28 @@ class TritonServer:
         return self
 
     def is_ready(self) -> bool:
-        """Strict readiness: Triton's /v2/health/ready, and every engine instance's `q3tts_instance_ready` is
-        1 (a python model cannot make Triton 2.51 answer NOT READY: an instance restarting after a device
-        fault shows only in that gauge)."""
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                if r.status != 200:
-                    return False
-            with urllib.request.urlopen(self.metrics_url, timeout=2) as r:
-                values = instance_ready_values(r.read().decode())
-        except OSError:
-            return False
-        return len(values) >= max(len(self.gpus), 1) and all(v == 1 for v in values)
+        """Strict readiness (serving/health.py) of THIS server: its process runs, its log says it listens on
+        our three ports (so a probe answered by another server on a taken port never counts), every engine
+        instance's `q3tts_instance_ready` is 1."""
+        return self.running and self._listening() and health.not_ready_reason(
+            self.http_url, f"127.0.0.1:{self.metrics_port}", max(len(self.gpus), 1)) is None
+
+    def _listening(self) -> bool:
+        log = self.log_text()
+        return all(f'Started {service} at {self.bind}:{port}"' in log for service, port in (
+            ("GRPCInferenceService", self.grpc_port), ("HTTPService", self.http_port),
+            ("Metrics Service", self.metrics_port)))
+
+    def check_ports(self) -> None:
+        """Refuse to start when a port is taken, naming it (tritonserver would die with 'Socket already in use'
+        while a readiness probe could reach whatever holds the port)."""
+        for name, port in (("http", self.http_port), ("grpc", self.grpc_port), ("metrics", self.metrics_port)):
+            with socket.socket() as s:
+                try:
+                    s.bind((self.bind, port))
+                except OSError as e:
+                    raise ServerError(f"the {name} port {self.bind}:{port} is already in use ({e.strerror}): "
+                                      f"pass another --{name}-port, or 0 for a free one") from None
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -313,12 +293,6 @@ class TritonServer:
                     pass
 
 
-def instance_ready_values(metrics_text: str) -> list[float]:
-    """The `q3tts_instance_ready` value of each engine instance in a Prometheus metrics page."""
-    return [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
-            if line.startswith(("q3tts_instance_ready{", "q3tts_instance_ready "))]
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -329,27 +303,17 @@ def _alive(pid: int) -> bool:
 
 # --- CLI ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint folder or hub id")
+    add_settings_arguments(p)
     p.add_argument("--http-port", type=int, default=0, help="0 = a free port")
     p.add_argument("--grpc-port", type=int, default=0, help="0 = a free port")
     p.add_argument("--metrics-port", type=int, default=0, help="0 = a free port")
     p.add_argument("--gpus", default="auto", help="auto | none | all | 0,1 (one engine instance per GPU)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--max-slots", type=int, default=None,
-                   help="engine slots per instance = the batcher's candidate sequences (default 64 GPU / 8 CPU)")
-    p.add_argument("--pool", default="", help="EngineConfig overrides, e.g. num_pages=4096,page_size=16,max_queue=256")
-    p.add_argument("--idle-s", type=float, default=30.0,
-                   help="a sequence with no request for this long is closed (text at LLM pace can pause)")
-    p.add_argument("--chunk-schedule", default=None, help="frames per response, e.g. 1,2,4,8,12 (last repeats)")
     p.add_argument("--stub-env", type=Path, default=None,
                    help="the venv the python stub runs in (default: this one; it needs numpy<2)")
     p.add_argument("--run-dir", type=Path, default=None, help="where the rendered repository and log go")
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--bind", default="127.0.0.1", help="listen address (keep 127.0.0.1 outside a container)")
-    p.add_argument("--voices-dir", type=Path, default=None,
-                   help=f"registered voices, read by VOICE inputs (default {default_voices_dir()})")
-    p.add_argument("--voice-cache-size", type=int, default=None, help="voices held resolved per engine (LRU)")
     p.add_argument("--openai-port", type=int, default=0, help="also serve POST /v1/audio/speech on this port")
     p.add_argument("--openai-bind", default="127.0.0.1", help="listen address of the OpenAI endpoint")
 
@@ -386,6 +350,9 @@ def run(args: argparse.Namespace) -> int:
             stop.wait(0.5)
     finally:
         code = 0 if server.running else 1
+        if code:  # it died under us: say why
+            print(f"[q3tts] tritonserver exited with {server.proc.returncode}; log {server.log_path}:\n"
+                  f"{server.log_text()[-4000:]}", file=sys.stderr)
         print("[q3tts] stopping", flush=True)
         if openai is not None:
             openai.stop()

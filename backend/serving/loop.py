@@ -4,7 +4,7 @@
 The engine thread applies commands in arrival order, steps the engine while it has work, routes each
 output's PCM to its session, and every TICK_S does the housekeeping: idle sequences, cancellations while
 no audio flows, metrics, and the unload check (once Triton unloads the model, every open sequence ends at
-once with "the server is shutting down" and new ones are refused, so unloading never waits on a client).
+once with "the model is being unloaded (...)" and new ones are refused, so unloading never waits on a client).
 
 A `DeviceFault` from any engine call (the engine runs in a child process, serving/engine_process.py, whose
 device context failed or which died) heals the instance: new sequences are refused at once, every open
@@ -32,7 +32,7 @@ from q3tts.serving.session import Reply, Session, SessionTable, refuse
 TICK_S = 0.2  # engine thread housekeeping period
 IDLE_MARGIN_S = 1.0  # after Triton's own idle timeout: Triton has dropped the sequence by then
 CANCEL_CHECK_S = 0.5  # how often a session's open request is asked is_cancelled() between responses
-SHUTTING_DOWN = "the server is shutting down"
+SHUTTING_DOWN = "the model is being unloaded (the server is shutting down or was asked to unload it)"
 RESTARTING = "instance restarting after a device fault"
 RESPAWN_RETRY_S = 5.0  # a replacement engine that failed to start is tried again after this long
 

@@ -143,6 +143,11 @@ class OneShotModel:
                 final_sent = True
                 R.send(sender, response, final=True)
 
+        if not model_ready(self.target, ""):  # a fleet loaded this model alone (explicit model control)
+            send_final(pb_utils.InferenceResponse(error=R.triton_error(
+                "UNAVAILABLE", f"{P.ONESHOT_MODEL} relays each request into the sequence model "
+                f"'{self.target}', which is not loaded: load '{self.target}' first")))
+            return
         try:
             cid = next(self._ids)
             responses = await R.relay_request(request, self.target, cid).async_exec(decoupled=True)

@@ -81,6 +81,7 @@ fake = types.ModuleType("triton_python_backend_utils")
 fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
 fake.TritonError, fake.Tensor, fake.InferenceResponse = TritonError, Tensor, InferenceResponse
 fake.MetricFamily, fake.Logger = MetricFamily, Logger
+fake.is_model_ready = lambda model_name, model_version="": True  # every model is loaded
 sys.modules["triton_python_backend_utils"] = fake
 
 
