@@ -64,7 +64,8 @@ class SamplingParams:
 
     `greedy=True` means argmax for both the talker and the code predictor (parity tests).
     `seed` selects the sequence's uniform stream: the same seed gives the same audio, batched or alone.
-    `max_frames` caps the number of frames produced (EOS may end earlier).
+    `max_frames` caps the number of frames produced (EOS may end earlier); None: the engine's runaway guard
+    caps them by the length of the text (`EngineConfig.text_frame_cap`).
     """
 
     greedy: bool = False
@@ -77,14 +78,15 @@ class SamplingParams:
     subtalker_top_k: int = 50
     subtalker_top_p: float = 1.0
     seed: int = 0
-    max_frames: int = 8191
+    max_frames: int | None = None
 
     @classmethod
     def from_generation_config(cls, gen: dict[str, Any] | None, **overrides: Any) -> SamplingParams:
         """The checkpoint's generation_config.json defaults (absent keys: this class's defaults), then
         `overrides` (field name -> value; None values are ignored). The one place defaults are read.
 
-        `do_sample` / `subtalker_dosample` set the talker / code predictor draws apart, as in the
+        `max_new_tokens` (8192 in every release, 11 minutes of audio) is not a default: a request without
+        `max_frames` is capped by the length of its text instead. `do_sample` / `subtalker_dosample` set the talker / code predictor draws apart, as in the
         reference; a `greedy` override without a `subtalker_greedy` one applies to both."""
         gen = gen or {}
         base = cls()
@@ -94,8 +96,6 @@ class SamplingParams:
             **{name: gen.get(name, getattr(base, name)) for name in (
                 "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_temperature",
                 "subtalker_top_k", "subtalker_top_p")})
-        if "max_new_tokens" in gen:
-            fields["max_frames"] = min(int(gen["max_new_tokens"]), base.max_frames)
         given = {k: v for k, v in overrides.items() if v is not None}
         if "greedy" in given and "subtalker_greedy" not in given:
             fields["subtalker_greedy"] = None
@@ -112,7 +112,7 @@ class SamplingParams:
         draws_greedy = {"greedy": self.greedy, "subtalker_greedy": self.cp_greedy}
         for name in SAMPLING_FIELD_NAMES:
             value, f = getattr(self, name), FIELDS[name]
-            if value is None and name == "subtalker_greedy":
+            if value is None and name in ("subtalker_greedy", "max_frames"):
                 continue
             if not _is_type(value, f.type):
                 raise InvalidRequest(f"parameter {name!r} must be {f.type.__name__}, got {value!r}")

@@ -13,6 +13,7 @@ Generation defaults come from the checkpoint's generation_config.json (`Sampling
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from q3tts.codec.audio import SAMPLE_RATE, write_wav
 from q3tts.codec.decoder import CodecDecoder
 from q3tts.codec.voice import read_reference, resolve_voice
 from q3tts.core import EngineError, SamplingParams, VoiceSpec
+from q3tts.engine.config import EngineConfig
 from q3tts.models.generate import StreamingSink, decode_audio, generate_codes
 from q3tts.models.prompt import PromptBuilder
 from q3tts.models.tts_model import Qwen3TTS
@@ -73,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--seed", type=int, default=None, help="default 0")
     parser.add_argument("--max-frames", type=int, default=None,
-                        help="default: the checkpoint's max_new_tokens, at most "
-                             f"{SamplingParams.max_frames}")
+                        help="default: follows the text (EngineConfig.text_frame_cap, the engine's "
+                             "runaway guard)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="default float32 (with --requests: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--codes-out", type=Path, help=".npy int64 [frames, 16]")
@@ -132,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
         voice = _voice(args, model, ckpt)
         builder = PromptBuilder(model, ckpt.tokenizer)
         prompt = builder.build(args.text, voice)
+        if params.max_frames is None:
+            cap = EngineConfig().text_frame_cap(len(ckpt.tokenizer.encode(args.text)))
+            params = dataclasses.replace(params, max_frames=cap)
     except (CheckpointError, EngineError, UsageError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -195,7 +195,9 @@ FIELDS = {f.name: f for f in (
           low_open=True),
     Field("seed", "parameter", int, "0", "selects the sequence's random stream (same seed, same audio)",
           0, 2 ** 63 - 1),
-    Field("max_frames", "parameter", int, "checkpoint (8191)", "frames (80 ms each) at most", 1, 8191),
+    Field("max_frames", "parameter", int, "follows the text",
+          "frames (80 ms each) at most; default: the engine's cap by text length (frames_per_text_token, "
+          "min_text_frames)", 1, 8191),
     Field(PARAM_TEXT_MODE, "parameter", str, "variant's", "how text is fed: all at once, or as it arrives",
           choices=("whole", "incremental")),
     Field(PARAM_XVECTOR_ONLY, "parameter", bool, "false", "clone from the x-vector alone (no REF_TEXT)",

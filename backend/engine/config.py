@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,14 @@ class EngineConfig:
     max_text_tokens      trailing text rows one sequence may queue (incremental mode): the per-slot
                          device text queue has this many rows of width H
     max_frames           engine-wide cap on frames per sequence (SamplingParams.max_frames is clipped)
+    frames_per_text_token, min_text_frames
+                         the runaway guard: a request without max_frames may make at most
+                         max(min_text_frames, ceil(frames_per_text_token * its text tokens)) frames (and
+                         never more than max_frames), then ends with reason 'max_frames'. Speech runs at
+                         about 4 frames (0.3 s) per text token (English ~3.3 tokens/s at 12.5 frames/s;
+                         Chinese ~4 characters/s, one token each), so 10 is 2.5x a slow reading; the floor
+                         (64 frames = 5.1 s) leaves a one-word text room for its silences. Streamed text
+                         raises the cap as its tokens arrive; an explicit max_frames replaces the guard
     kv_policy            'reserve': a sequence gets pages for prompt + max_frames at admission, so a
                          running sequence never runs out; 'on_demand': pages are taken as frames are
                          made and, if the pool runs dry, the newest running sequence is aborted with
@@ -52,6 +61,9 @@ class EngineConfig:
                          on the H200 it made the decode step 20-25% faster at batch 64-128, but served
                          greedy TTFA p50 at 16 streams rose from ~123 to ~198 ms in an A/B (4 runs each),
                          cause not yet found (perf/results/RESULTS.md)
+    fused_code_predictor run the code predictor's 15 passes through its fused kernels (kernels/code_predictor.py,
+                         23 launches a pass) where the kernels serve the device. Off until measured on the
+                         H200 (perf/bench_code_predictor.py: fused vs eager time and launches per pass)
     fault_injection_seed TEST ONLY (refused unless Q3TTS_TEST_HOOKS=1): a decode step holding a sequence with
                          this seed causes a device fault (engine/faults.py: on CUDA a real device-side
                          assert, which poisons the context), to test the serving layer's healing
@@ -66,6 +78,8 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     max_text_tokens: int = 1024
     max_frames: int = 8192
+    frames_per_text_token: float = 10.0
+    min_text_frames: int = 64
     kv_policy: str = "on_demand"
     graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
     dtype: str = "bfloat16"
@@ -73,6 +87,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     prefill_graphs: bool = True
     codec_kernels: bool = False
+    fused_code_predictor: bool = False
     fault_injection_seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -89,6 +104,9 @@ class EngineConfig:
         need(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         need(self.max_text_tokens >= 1, f"max_text_tokens must be >= 1, got {self.max_text_tokens}")
         need(self.max_frames >= 1, f"max_frames must be >= 1, got {self.max_frames}")
+        need(math.isfinite(self.frames_per_text_token) and self.frames_per_text_token > 0,
+             f"frames_per_text_token must be a finite number > 0, got {self.frames_per_text_token}")
+        need(self.min_text_frames >= 1, f"min_text_frames must be >= 1, got {self.min_text_frames}")
         need(self.kv_policy in KV_POLICIES, f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         bs = self.graph_batch_sizes
@@ -97,7 +115,7 @@ class EngineConfig:
         need(list(bs) == sorted(set(bs)), f"graph_batch_sizes must be strictly increasing, got {bs}")
         need(self.fault_injection_seed is None or os.environ.get(TEST_HOOKS_ENV) == "1",
              f"fault_injection_seed is a test hook: refused unless {TEST_HOOKS_ENV}=1")
-        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels"):
+        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fused_code_predictor"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # --- derived values ---------------------------------------------------------------------------
@@ -110,6 +128,13 @@ class EngineConfig:
     def bucket_for(self, batch: int) -> int | None:
         """Smallest captured bucket holding `batch` rows, None if the batch is larger than all."""
         return next((b for b in self.graph_batch_sizes if b >= batch), None)
+
+    def text_frame_cap(self, text_tokens: int | None) -> int:
+        """The frames a request without max_frames may make once its text has `text_tokens` tokens (None: its
+        text may still grow without bound, so only the engine-wide `max_frames` bounds it)."""
+        if text_tokens is None:
+            return self.max_frames
+        return min(self.max_frames, max(self.min_text_frames, math.ceil(self.frames_per_text_token * text_tokens)))
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

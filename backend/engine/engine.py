@@ -163,7 +163,7 @@ class Engine:
             seq.num_frames += 1
             out = StepOutput(seq.seq_id, codes=frames[i:i + 1].copy(), pcm=pcm[i].copy())
             reason = ("eos" if c0_next[i] == self.codec_eos_id
-                      else "max_frames" if seq.num_frames >= seq.max_frames else None)
+                      else "max_frames" if seq.num_frames >= seq.frame_cap else None)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 out.finished, out.reason = True, reason

@@ -38,13 +38,14 @@ class InputProcessor:
         sampling.validate()
         voice = resolve_voice(voice, self.model, self._reference_encoder)
         self.builder.validate(voice)
-        return Sequence(seq_id, voice, sampling, self._feed(voice),
-                        max_frames=min(sampling.max_frames, self.config.max_frames))
+        given = sampling.max_frames
+        return Sequence(seq_id, voice, sampling, self._feed(voice), text_cap=self.config.text_frame_cap,
+                        max_frames=None if given is None else min(given, self.config.max_frames))
 
     def _feed(self, voice: VoiceSpec) -> TextFeed:
         mode = self.builder.text_mode(voice)
         if mode == "whole":
-            return TextFeed(mode)
+            return TextFeed(mode, count_tokens=lambda text: len(self.builder.tokenizer.encode(text)))
         head, prompt_rows = [], 1
         if self.builder.is_icl(voice):
             head, prompt_rows = self.builder.ref_ids(voice.ref_text), icl_prefill_rows(len(voice.ref_codes))

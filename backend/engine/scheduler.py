@@ -50,10 +50,10 @@ class Scheduler:
         if seq.prompt_len > cfg.max_prompt_tokens:
             raise AdmissionRejected(f"prompt of {seq.prompt_len} tokens exceeds max_prompt_tokens="
                                     f"{cfg.max_prompt_tokens}")
-        need = self.kv.pages_for(seq.prompt_len + seq.max_frames)
+        need = self.kv.pages_for(seq.prompt_len + seq.frame_cap)
         if need > self.kv.num_pages:
             raise AdmissionRejected(
-                f"prompt ({seq.prompt_len} tokens) + max_frames ({seq.max_frames}) needs {need} KV pages "
+                f"prompt ({seq.prompt_len} tokens) + max_frames ({seq.frame_cap}) needs {need} KV pages "
                 f"of {cfg.page_size} tokens, the pool has {self.kv.num_pages}; lower max_frames")
 
     def add(self, seq: Sequence) -> None:
@@ -96,7 +96,7 @@ class Scheduler:
         if self.slots.num_free == 0:
             return False
         first = seq.prompt_len + 1  # prompt + the token the first decode step writes
-        reserve = seq.prompt_len + seq.max_frames if self.config.kv_policy == "reserve" else 0
+        reserve = seq.prompt_len + seq.frames_bound if self.config.kv_policy == "reserve" else 0
         try:
             self.kv.open(seq.seq_id, first, reserve_tokens=reserve)
         except OutOfPages:

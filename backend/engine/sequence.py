@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -31,7 +31,8 @@ class Sequence:
     voice: VoiceSpec
     sampling: SamplingParams
     feed: TextFeed                 # the text as it arrives and the trailing ids taken from it
-    max_frames: int                # min(sampling.max_frames, EngineConfig.max_frames)
+    max_frames: int | None         # min(sampling.max_frames, EngineConfig.max_frames); None: follows the text
+    text_cap: Callable[[int | None], int] | None = None  # EngineConfig.text_frame_cap (when max_frames is None)
     prompt_len: int = 0            # L0 (known once the prompt can be built)
     status: Status = Status.WAITING
     slot: int = -1
@@ -47,6 +48,22 @@ class Sequence:
     def num_tokens(self) -> int:
         """Talker KV tokens after the next decode step (the prompt + one token per frame step)."""
         return self.prompt_len + self.num_frames + 1
+
+    @property
+    def frame_cap(self) -> int:
+        """Frames it may make: the request's max_frames, else the runaway guard's cap for the text so far
+        (EngineConfig.text_frame_cap), which rises as streamed text arrives."""
+        if self.max_frames is not None:
+            return self.max_frames
+        return self.text_cap(self.feed.num_tokens)
+
+    @property
+    def frames_bound(self) -> int:
+        """The most frames it may ever make (what a page reservation must cover): `frame_cap`, or while
+        text may still arrive and the cap follows it, the engine-wide ceiling."""
+        if self.max_frames is not None or self.feed.done:
+            return self.frame_cap
+        return self.text_cap(None)
 
     @property
     def is_prefillable(self) -> bool:

@@ -16,7 +16,8 @@ def test_released_config_gives_the_class_defaults():
 def test_config_values_then_overrides():
     gen = dict(RELEASED, temperature=0.7, subtalker_top_k=20, max_new_tokens=300)
     p = SamplingParams.from_generation_config(gen, top_k=5, seed=None, max_frames=None)
-    assert (p.temperature, p.subtalker_top_k, p.max_frames, p.top_k, p.seed) == (0.7, 20, 300, 5, 0)
+    # max_new_tokens is no default: without max_frames the engine's cap follows the text
+    assert (p.temperature, p.subtalker_top_k, p.max_frames, p.top_k, p.seed) == (0.7, 20, None, 5, 0)
     assert SamplingParams.from_generation_config(gen, max_frames=12).max_frames == 12
 
 
