@@ -11,7 +11,7 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" --upgrade "pip>=24"
 # NOTE: torch first, pinned: the CPU wheel lies on local disk; an unpinned torch pulls a CUDA build.
 "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -r "$ROOT/requirements/runtime.txt"
+"${PIP[@]}" -r "$ROOT/requirements/runtime.txt" -r "$ROOT/requirements/server.txt"
 # The oracle: qwen-tts without its declared deps (gradio etc.), plus the modules it imports.
 "${PIP[@]}" -r "$ROOT/requirements/test.txt"
 "${PIP[@]}" --no-deps -r "$ROOT/requirements/oracle-nodeps.txt"
