@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from q3tts.checkpoint.maker import make_checkpoint
 from q3tts.serving.launcher import TritonServer
 
 REF_SR = 16000  # not 24 kHz: registration resamples
@@ -19,6 +20,11 @@ def reference_wav(seed: int = 7) -> np.ndarray:
     wav = (0.25 * np.sin(2 * np.pi * 220 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
            + 0.1 * np.sin(2 * np.pi * 1375 * t) + 0.03 * rng.standard_normal(t.size))
     return wav.astype(np.float32)
+
+
+def base_checkpoint(tmp_path_factory, seed: int = 41):
+    """A tiny random Base 0.6B checkpoint (a session fixture's body)."""
+    return make_checkpoint(tmp_path_factory.mktemp("voices_ckpt") / "base-0.6b", "base", "0.6b", "tiny", seed)
 
 
 def served(request, checkpoint, tmp_path_factory, **kwargs):

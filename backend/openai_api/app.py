@@ -123,12 +123,12 @@ def _event(doc: dict) -> bytes:
 
 
 async def _sse_body(stream: SpeechStream, first, fmt: str):
-    """Server-sent events: `speech.audio.delta` (base64 of the format's bytes), then `speech.audio.done`."""
-    frames = first.size // P.SAMPLES_PER_FRAME
+    """Server-sent events: `speech.audio.delta` (base64 of the format's bytes), then `speech.audio.done`
+    (usage.output_tokens = the 80 ms frames spoken; the endpoint does not tokenize the input: 0)."""
     try:
         async for piece in _audio_body(stream, first, fmt):
             yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(piece).decode()})
-        frames += stream.frames
+        frames = stream.frames
         yield _event({"type": "speech.audio.done",
                       "usage": {"input_tokens": 0, "output_tokens": frames, "total_tokens": frames}})
     except Refusal as e:

@@ -64,7 +64,7 @@ class SpeechStream:
         self.client = None  # the pooled client while the sequence runs (the abort goes on its stream)
         self.lock = threading.Lock()
         self.done = False
-        self.frames = 0
+        self.frames = 0  # frames of the chunks taken so far (the first one included)
 
     def run(self, text: str, voice: dict, params: dict) -> None:
         """The worker thread: synthesize, pushing chunks, then the outcome."""

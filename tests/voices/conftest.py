@@ -6,15 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from q3tts.checkpoint.maker import make_checkpoint
 from q3tts.voices.enroll import Enroller
 from q3tts.voices.store import VoiceStore
-from voice_fixtures import reference_wav  # tests/ is on sys.path
+from voice_fixtures import base_checkpoint, reference_wav  # tests/ is on sys.path
 
 
 @pytest.fixture(scope="session")
 def base_ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("voices_ckpt") / "base-0.6b", "base", "0.6b", "tiny", 41)
+    return base_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
