@@ -35,6 +35,12 @@ class EngineConfig:
                          ragged forward): a sequence that would go past it waits for the next step,
                          and so do the ones behind it (FIFO); the first of a step always starts, so a
                          prompt longer than this still runs (alone in its step)
+    max_step_seconds     deadline scheduling (scheduler.py, 2.): a step that starts sequences keeps its modelled
+                         time (decode step + prefill rows, measured by the engine) within this bound and
+                         within the slack of the streams already playing (when their audio runs out, played
+                         in real time from their first frame), so arrivals never starve a playing stream;
+                         None: off (arrivals start as soon as slots, pages and max_prefill_tokens allow).
+                         0.05 suits the H200 (decode step 10-20 ms, a 61-row prefill 3 ms, 80 ms per frame)
     max_text_tokens      trailing text rows one sequence may queue (incremental mode): the per-slot
                          device text queue has this many rows of width H
     max_frames           engine-wide cap on frames per sequence (SamplingParams.max_frames is clipped)
@@ -76,6 +82,7 @@ class EngineConfig:
     max_queue: int = 256
     max_prompt_tokens: int = 2048
     max_prefill_tokens: int = 4096
+    max_step_seconds: float | None = None
     max_text_tokens: int = 1024
     max_frames: int = 8192
     frames_per_text_token: float = 10.0
@@ -102,6 +109,8 @@ class EngineConfig:
         need(self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}")
         need(self.max_prompt_tokens >= 1, f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         need(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        need(self.max_step_seconds is None or (math.isfinite(self.max_step_seconds) and self.max_step_seconds > 0),
+             f"max_step_seconds must be a finite number > 0 or null, got {self.max_step_seconds}")
         need(self.max_text_tokens >= 1, f"max_text_tokens must be >= 1, got {self.max_text_tokens}")
         need(self.max_frames >= 1, f"max_frames must be >= 1, got {self.max_frames}")
         need(math.isfinite(self.frames_per_text_token) and self.frames_per_text_token > 0,

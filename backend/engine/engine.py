@@ -125,11 +125,15 @@ class Engine:
             if queued is not None:
                 self.runner.push_text(seq.slot, *queued)
         t_decode = self.clock.stamp() if started or decode else None
+        decode_s = prefill_s = None
         if decode:
             outputs += self._decode(decode)
-            self.times.decode_seconds += self.clock.seconds(t_decode, self.clock.stamp())
+            decode_s = self.clock.seconds(t_decode, self.clock.stamp())
+            self.times.decode_seconds += decode_s
         if started:  # complete already when a decode followed (its host copy waited for it)
-            self.times.add_prefill(self.clock.seconds(t_prefill, t_decode), len(started))
+            prefill_s = self.clock.seconds(t_prefill, t_decode)
+            self.times.add_prefill(prefill_s, len(started))
+        self.scheduler.cost.observe(sum(s.prompt_len for s in started), prefill_s, decode_s)
         outputs += self._outbox
         self._outbox = []
         for out in outputs:

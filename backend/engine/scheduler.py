@@ -5,11 +5,17 @@ Policy, in the order `schedule()` applies it each step:
 1. Admission (`add`): a request whose prompt is longer than `max_prompt_tokens`, or whose prompt +
    `max_frames` tokens need more pages than the whole pool, can never run: AdmissionRejected at
    once. Otherwise it joins the FIFO wait queue; a full queue (`max_queue`) rejects.
-2. Start: waiting sequences are started in arrival order while a slot and pages are free and their
-   prompts fit the step's prefill budget (`max_prefill_tokens` rows, the first always fits). A sequence
-   that cannot be prefilled yet (whole mode before end_text, incremental mode before its first token)
-   is skipped, not waited on; one that does not fit stops admission (no overtaking by smaller ones).
-   The sequences started in one step are prefilled together, in one forward.
+2. Start: waiting sequences are started in the order their prompts became ready (earliest deadline
+   first: their time to first audio runs from then) while a slot and pages are free and their prompts
+   fit the step's prefill budget: `max_prefill_tokens` rows, and a modelled step time (`StepCost`: the
+   decode step + the prefill of the rows) within `max_step_seconds` and within the slack of the playing
+   streams (the earliest moment a playing stream's audio runs out: it started playing when its first
+   frame came out and every frame adds 80 ms). So a step that prefills never starves a playing stream,
+   and arrivals take the room the players' buffers leave. The first of a step always starts when no
+   stream is playing (a prompt past the budget runs alone). A sequence that cannot be prefilled yet
+   (whole mode before end_text, incremental mode before its first token) is skipped, not waited on; one
+   that does not fit stops admission (no overtaking by smaller ones). The sequences started in one step
+   are prefilled together, in one forward.
    Pages taken at start: 'reserve' policy = prompt + max_frames (promised, taken as used);
    'on_demand' = prompt + the first frame.
 3. Decode: every running sequence whose next trailing text is known steps; one whose text ran out
@@ -22,7 +28,9 @@ Policy, in the order `schedule()` applies it each step:
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Hashable
 
 from q3tts.core import AdmissionRejected
@@ -30,6 +38,27 @@ from .config import EngineConfig
 from .kv_pool import KVPool, OutOfPages
 from .sequence import Sequence, Status
 from .slots import SlotPool
+
+
+@dataclass
+class StepCost:
+    """The modelled time of a step: `decode_s` for the batched decode step, `prefill_s_per_row` per prompt
+    row prefilled with it. The engine feeds it measured steps (`observe`, a moving average); the initial
+    values hold until the first measurements (0: no step is thought to take time)."""
+
+    decode_s: float = 0.0
+    prefill_s_per_row: float = 0.0
+    weight: float = 0.2  # of a new measurement in the moving average
+
+    def step_seconds(self, prefill_rows: int) -> float:
+        return self.decode_s + self.prefill_s_per_row * prefill_rows
+
+    def observe(self, prefill_rows: int, prefill_s: float | None, decode_s: float | None) -> None:
+        """One measured step: its prefill of `prefill_rows` rows and its decode step (None: none)."""
+        if decode_s is not None:
+            self.decode_s += self.weight * (decode_s - self.decode_s)
+        if prefill_s is not None and prefill_rows:
+            self.prefill_s_per_row += self.weight * (prefill_s / prefill_rows - self.prefill_s_per_row)
 
 
 class Scheduler:
@@ -41,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[Hashable, Sequence] = {}
+        self.cost = StepCost()
 
     # --- admission --------------------------------------------------------------------------------
 
@@ -65,24 +95,41 @@ class Scheduler:
 
     # --- per step ---------------------------------------------------------------------------------
 
-    def schedule(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+    def schedule(self, now: float | None = None) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """Returns (newly started = to prefill, to decode this step, aborted for lack of pages).
+        `now`: time.monotonic() of the step (a modelled clock in tests).
 
         Running sequences take the pages they need first; waiting ones start on what is left (their
         open lease already covers their first decode step), so a sequence is never started and then
         aborted for pages in the same step."""
+        now = time.monotonic() if now is None else now
+        for seq in self.running:
+            if seq.num_frames and seq.playing_since is None:
+                seq.playing_since = now  # its first frame came out of the previous step
         decode = [s for s in self.running if s.is_decodable]
         decode, victims = self._grow(decode)  # 'reserve': draws on the promise, never aborts
-        started = self._start_waiting()
+        started = self._start_waiting(self._prefill_seconds(decode, now))
         return started, decode + [s for s in started if s.is_decodable], victims
 
-    def _start_waiting(self) -> list[Sequence]:
+    def _prefill_seconds(self, decode: list[Sequence], now: float) -> float | None:
+        """The prefill time this step may take: within max_step_seconds and before the first playing
+        stream's audio runs out (after this step's decode); None: no bound (deadline scheduling off)."""
+        if self.config.max_step_seconds is None:
+            return None
+        bounds = [seq.runs_dry_at - now for seq in decode if seq.playing_since is not None]
+        return min([self.config.max_step_seconds, *bounds]) - self.cost.step_seconds(0)
+
+    def _start_waiting(self, prefill_seconds: float | None) -> list[Sequence]:
         started: list[Sequence] = []
         tokens = 0
-        for seq in list(self.waiting):
-            if not seq.is_prefillable:
-                continue
-            if started and tokens + seq.prompt_len > self.config.max_prefill_tokens:
+        ready = sorted((s for s in self.waiting if s.is_prefillable), key=lambda s: s.ready_at)
+        for seq in ready:
+            rows = tokens + seq.prompt_len
+            if started and rows > self.config.max_prefill_tokens:
+                break
+            if ((started or any(s.playing_since is not None for s in self.running))
+                    and prefill_seconds is not None
+                    and self.cost.prefill_s_per_row * rows > prefill_seconds):
                 break
             if not self._try_start(seq):
                 break

@@ -17,6 +17,7 @@ from q3tts.core import SamplingParams, StepOutput, VoiceSpec
 from .text_feed import TextFeed
 
 _arrivals = itertools.count()
+FRAME_SECONDS = 0.08  # audio per frame (12.5 Hz): what one frame adds to a playing stream's buffer
 
 
 class Status(enum.Enum):
@@ -39,6 +40,7 @@ class Sequence:
     num_frames: int = 0            # frames made so far
     prompt_ready: bool = False     # the prefill input is built and fits (set by the engine)
     ready_at: float = 0.0          # time.monotonic() when prompt_ready was set (queue-wait metric)
+    playing_since: float | None = None  # when its first frame came out (the scheduler's clock)
     arrival: int = field(default_factory=lambda: next(_arrivals))
     finish_reason: str | None = None
     error: str | None = None
@@ -64,6 +66,11 @@ class Sequence:
         if self.max_frames is not None or self.feed.done:
             return self.frame_cap
         return self.text_cap(None)
+
+    @property
+    def runs_dry_at(self) -> float:
+        """When a client that plays from the first frame in real time has played every frame made so far."""
+        return self.playing_since + self.num_frames * FRAME_SECONDS
 
     @property
     def is_prefillable(self) -> bool:
