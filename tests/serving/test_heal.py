@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from q3tts.serving.engine_process import DeviceFault
+from q3tts.serving import loop as loop_module
 from q3tts.serving.loop import RESTARTING, EngineLoop
 from q3tts.serving.metrics import ServingMetrics
 from tests.serving.conftest import FakeRequest, TritonError
@@ -94,3 +95,26 @@ def test_engine_counters_continue_across_a_new_engine():
     for steps in (10, 12, 0, 3):
         metrics.update({"decode_steps": steps}, open_sessions=0)
     assert metrics.counters["q3tts_decode_steps_total"].value == 15
+
+
+def test_a_replacement_that_fails_to_start_is_tried_again(monkeypatch):
+    class FailsToStart(ProcessLikeEngine):
+        def poll_ready(self):
+            raise RuntimeError("the engine process could not start: out of memory")
+
+    monkeypatch.setattr(loop_module, "RESPAWN_RETRY_S", 0.1)
+    first, broken, good = ProcessLikeEngine(), FailsToStart(built=False), ProcessLikeEngine(frames=2)
+    made = iter([first, broken, good])
+    metrics = ServingMetrics(M.pb_utils, {"model": "t", "version": "1"})
+    core = EngineLoop(lambda: next(made), (1,), 30.0, metrics, M.log)
+    core.start()
+    try:
+        r = FakeRequest(1, "hello", start=True, end=True, SPEAKER="ryan")
+        first.fault = True
+        submit(core, r)
+        wait_finals([r])
+        assert RESTARTING in r.sender.error.message()
+        assert wait_until(lambda: core.engine is good and core.metrics.gauges["q3tts_instance_ready"].value == 1)
+        assert core.health == {"device_faults": 1, "instance_restarts": 1}
+    finally:
+        core.shutdown()
