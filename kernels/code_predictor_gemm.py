@@ -59,24 +59,23 @@ def counters_needed(rows: int, units_per_block: int) -> int:
     return row_blocks(rows) * units_per_block
 
 
-def candidates(n_tiles_per_block_n, k: int, device: torch.device, block_ns=(32, 16, 64),
-               ) -> list[GemmConfig]:
-    """Launch configs to time, the heuristic first (used untuned).
+def candidates(n_tiles_per_block_n, k: int, device: torch.device) -> list[GemmConfig]:
+    """Launch configs to time (4: compiling each costs seconds), the heuristic first (used untuned).
 
     n_tiles_per_block_n(bn) -> column tiles for weight-row tile bn (None when bn does not fit).
-    The split count aims at about two programs per SM at one row block (batch 1), at least 128
-    columns of K each."""
-    out = []
-    for bn in block_ns:
+    The split count aims at about two programs per SM at one row block (batch 1), with K slices of
+    whole BLOCK_K steps (no empty or ragged slice)."""
+    out, block_k = [], 128
+    for bn in (32, 16, 64):
         tiles = n_tiles_per_block_n(bn)
         if tiles is None:
             continue
         split = 1
-        while tiles * split < 2 * num_sms(device) and k // (2 * split) >= 128:
+        while tiles * split < 2 * num_sms(device) and k % (2 * split * block_k) == 0:
             split *= 2
-        out.append(GemmConfig(bn, 128, split, 4, 4))
-        if split > 1:
-            out.append(GemmConfig(bn, 128, split // 2, 4, 4))
+        out.append(GemmConfig(bn, block_k, split, 4, 4))
+        if split > 1 and len(out) == 1:  # the heuristic's tile with half the slices
+            out.append(GemmConfig(bn, block_k, split // 2, 4, 4))
     assert out, "no block size fits the weight"
     return out
 

@@ -94,6 +94,7 @@ class ModelRunner:
                  uniform_source: UniformSource | None = None) -> None:
         assert config.num_pages is not None, "EngineConfig.resolve() first"
         self.model, self.talker, self.codec, self.config = model, model.talker, codec, config
+        self.talker.code_predictor.use_fused(config.fused_code_predictor)
         tc = model.config.talker
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)

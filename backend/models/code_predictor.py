@@ -16,6 +16,7 @@ from torch import nn
 
 from q3tts.config import TalkerConfig
 from q3tts.models.attention import DecodeContext, PagedKVCache
+from q3tts.models.code_predictor_fused import FusedCodePredictor
 from q3tts.models.layers import DecoderStack
 from q3tts.models.sampling import SubtalkerSampler
 
@@ -45,6 +46,12 @@ class CodePredictor(nn.Module):
             nn.Identity() if same_width else nn.Linear(cfg.hidden_size, cp.hidden_size, bias=True))
         self._embed_c0 = embed_c0  # the talker's codec embedding C(.), not a submodule
         self._cache: PagedKVCache | None = None
+        self._fused: FusedCodePredictor | None = None
+
+    def use_fused(self, on: bool) -> None:
+        """`generate` through the fused kernels (models/code_predictor_fused.py) where they serve the
+        inputs' device (EngineConfig.fused_code_predictor); off: the eager passes below."""
+        self._fused = FusedCodePredictor(self) if on else None
 
     def _kv(self, batch: int, ref: torch.Tensor) -> PagedKVCache:
         cp = self.model.cfg
@@ -69,6 +76,8 @@ class CodePredictor(nn.Module):
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """past_hidden [B, H] (talker final-normed hidden), c0 [B] ->
         codes [B, 15] int64 (c1..c15), next_input [B, H] = C(c0) + sum_g codec_embedding[g-1](c_g)."""
+        if self._fused is not None and self._fused.serves(past_hidden):
+            return self._fused.generate(past_hidden, c0, sampler)
         bsz = c0.shape[0]
         cache = self._kv(bsz, past_hidden)
         rows = torch.arange(bsz, device=c0.device)  # [B]

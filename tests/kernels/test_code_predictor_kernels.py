@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from kernel_checks import DEVICE, assert_close_3way, kernel_module
-from q3tts.checkpoint.maker import random_main_weights
+from q3tts.checkpoint.maker import make_checkpoint, random_main_weights
 from q3tts.checkpoint.presets import model_config_dict
 from q3tts.config import ModelConfig
-from q3tts.core import SamplingParams
+from q3tts.core import SamplingParams, VoiceSpec
+from q3tts.engine.config import EngineConfig
+from q3tts.engine.engine import Engine
 from q3tts.kernels import code_predictor_reference as R
 from q3tts.kernels.reference import rope_cos_sin
 from q3tts.models.code_predictor_fused import FusedCodePredictor
@@ -279,28 +281,64 @@ def _tiny_talker(size: str) -> Talker:
     return talker.to(DEVICE).eval().fuse_()
 
 
-@pytest.mark.parametrize("size, rows", [
-    ("1.7b", [SamplingParams(greedy=True), SamplingParams(seed=1), SamplingParams(greedy=True)]),
-    ("0.6b", [SamplingParams(greedy=True), SamplingParams(subtalker_top_p=0.8)]),
-], ids=["1.7b-projection-topk", "0.6b-identity-full"])
-def test_fused_code_predictor_generates_the_eager_codes(size, rows, monkeypatch):
-    """fp32, the tiny preset's shapes: the fused passes (Triton interpreter on CPU) give the eager
-    passes' codes c1..c15 and next input, greedy rows and (same uniforms) sampled rows alike; the
-    0.6B predictor has no input projection, and its FULL-mode rows draw through warp_and_draw."""
-    talker = _tiny_talker(size)
-    gen = _gen(10, len(rows))
-    bsz, hidden = len(rows), talker.cfg.hidden_size
-    past_hidden = _randn(gen, bsz, hidden)
-    c0 = torch.randint(0, VOCAB, (bsz,), generator=gen, device=DEVICE)
+def test_fused_code_predictor_generates_the_eager_codes(monkeypatch):
+    """fp32, the tiny 0.6B preset (no input projection: embedding rows straight in): after
+    use_fused(True), generate runs the fused passes (Triton interpreter on CPU) and gives the eager
+    passes' codes c1..c15 and next input; a greedy row, and a top-p row whose FULL-mode draws go
+    through warp_and_draw with the same uniforms."""
+    talker = _tiny_talker("0.6b")
+    cp = talker.code_predictor
+    gen = _gen(10)
+    rows = [SamplingParams(greedy=True), SamplingParams(subtalker_top_p=0.8)]
+    past_hidden = _randn(gen, len(rows), talker.cfg.hidden_size)
+    c0 = torch.randint(0, VOCAB, (len(rows),), generator=gen, device=DEVICE)
     params = SamplingTensors.subtalker(rows, DEVICE)
-    u = uniforms(torch.arange(bsz, device=DEVICE), torch.full((bsz,), 7, device=DEVICE))
+    u = uniforms(torch.arange(len(rows), device=DEVICE), torch.full((len(rows),), 7, device=DEVICE))
+    calls = []
+    fused_generate = FusedCodePredictor.generate
+    monkeypatch.setattr(FusedCodePredictor, "generate",
+                        lambda self, *a: calls.append(1) or fused_generate(self, *a))
     with torch.no_grad():
         monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")  # the eager passes on the torch references
-        want_codes, want_next = talker.code_predictor.generate(
-            past_hidden, c0, SubtalkerSampler(params, u))
+        want_codes, want_next = cp.generate(past_hidden, c0, SubtalkerSampler(params, u))
         monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
-        fused = FusedCodePredictor(talker.code_predictor)
-        assert fused.serves(past_hidden)
-        got_codes, got_next = fused.generate(past_hidden, c0, SubtalkerSampler(params, u))
-    assert got_codes.shape == (bsz, 15) and torch.equal(got_codes, want_codes)
-    assert torch.equal(got_next, want_next)
+        cp.use_fused(True)
+        got_codes, got_next = cp.generate(past_hidden, c0, SubtalkerSampler(params, u))
+    assert calls == [1] and got_codes.shape == (len(rows), 15)
+    assert torch.equal(got_codes, want_codes) and torch.equal(got_next, want_next)
+
+
+def _engine_frames(ckpt_dir, fused: bool) -> dict[str, list[list[int]]]:
+    config = EngineConfig(device=DEVICE, dtype="float32", num_pages=32, max_slots=2, max_frames=8,
+                          max_prompt_tokens=128, max_text_tokens=64, graph_batch_sizes=(2,),
+                          use_cuda_graphs=False, fused_code_predictor=fused)
+    engine = Engine(str(ckpt_dir), config, with_codec=False)
+    speaker = sorted(engine.checkpoint.config.talker.speaker_ids)[0]
+    for i, text in enumerate(["Hello there.", "Another one, a little longer."]):
+        engine.add(f"s{i}", VoiceSpec(speaker=speaker),
+                   SamplingParams(greedy=i == 0, seed=i, max_frames=2), text, True)
+    frames: dict[str, list[list[int]]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            frames.setdefault(out.seq_id, []).append(out.codes.tolist())
+    return frames
+
+
+def test_engine_fused_code_predictor_switch(tmp_path, monkeypatch):
+    """EngineConfig.fused_code_predictor (tiny 1.7B, with its input projection, fp32): a greedy and a
+    sampled (TOPK) sequence make the same two frames as with the eager passes (frame 1's c0 comes
+    from the talker fed with the fused passes' next input)."""
+    assert EngineConfig().fused_code_predictor is False
+    with pytest.raises(ValueError, match="fused_code_predictor must be true or false"):
+        EngineConfig(fused_code_predictor="yes")
+    ckpt_dir = make_checkpoint(tmp_path / "cv", "custom_voice", "1.7b", "tiny", seed=0)
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")
+    want = _engine_frames(ckpt_dir, fused=False)
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
+    calls = []
+    fused_generate = FusedCodePredictor.generate
+    monkeypatch.setattr(FusedCodePredictor, "generate",
+                        lambda self, *a: calls.append(1) or fused_generate(self, *a))
+    got = _engine_frames(ckpt_dir, fused=True)
+    assert len(calls) == 2 and sorted(got) == ["s0", "s1"]
+    assert got == want

@@ -1,0 +1,228 @@
+"""Code-predictor bench: the 15 passes of a frame, fused kernels vs today's eager passes.
+
+H200: python3 perf/bench_code_predictor.py            [--batches 1 16 64] [--iters 50] [--greedy]
+    a real-size 1.7B code predictor (hidden 1024, 5 layers, 16/8 heads x 128, intermediate 3072, input
+    projection 2048 -> 1024, 15 heads of 2048) with the checkpoint maker's random weights, bf16, default
+    sampling (TOPK: temperature 0.9, top-k 50) or --greedy. For each batch size:
+      correctness  greedy codes of the fused passes vs the eager ones (share of equal codes; bf16
+                   rounding differs, so not all), and the fused passes graph-replayed == eager
+      15-pass ms   device time of one CUDA-graph replay of each (CUDA events, median of --iters);
+                   per pass = / 15
+      kernels      launches per pass (torch.profiler over one eager call, / 15)
+      per kernel   each fused launch of a middle pass alone in its own graph: us and achieved GB/s
+                   (compulsory bytes: weights once + activations, caches, logits)
+    Writes $OUT/code_predictor_bench.md when OUT is set.
+CPU check: python3 perf/bench_code_predictor.py --scale tiny --device cpu --batches 2 --iters 1
+    (the kernels through the Triton interpreter: correctness only, no timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("Q3TTS_TRITON_ON_CPU", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit  # noqa: E402
+
+from q3tts.checkpoint.maker import _init_tensor  # noqa: E402
+from q3tts.checkpoint.presets import model_config_dict  # noqa: E402
+from q3tts.config import TalkerConfig  # noqa: E402
+from q3tts.core import SamplingParams  # noqa: E402
+from q3tts.kernels import code_predictor as cpk  # noqa: E402
+from q3tts.models.code_predictor import CodePredictor  # noqa: E402
+from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402
+from q3tts.models.sampling import SamplingTensors, SubtalkerSampler, uniforms  # noqa: E402
+
+TEXT_IDS = dict(im_start=1, im_end=2, assistant=3, tts_pad=4, tts_bos=5, tts_eos=6)
+
+
+def random_code_predictor(scale: str, dtype: torch.dtype, device: str, seed: int = 0
+                          ) -> CodePredictor:
+    """The 1.7B code predictor (with its talker codec embedding as embed_c0) at `scale`, weights
+    drawn by the checkpoint maker's recipe, projections fused."""
+    cfg = TalkerConfig.from_dict(
+        model_config_dict("custom_voice", "1.7b", scale, TEXT_IDS, 100)["talker_config"])
+    cp = CodePredictor(cfg, nn.Embedding(cfg.vocab_size, cfg.hidden_size))  # `_embed_c0` here
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in cp.named_parameters():
+            p.copy_(_init_tensor(name.replace("_embed_c0", "codec_embedding"), p.shape, gen))
+    cp = cp.to(device=device, dtype=dtype).eval()
+    cp.model.fuse_()
+    return cp
+
+
+class Inputs:
+    """One frame's inputs for B rows: past hidden, c0, sampler (fixed uniforms)."""
+
+    def __init__(self, cp: CodePredictor, bsz: int, greedy: bool, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        ref = cp.lm_head[0].weight
+        hidden = cp.model.codec_embedding[0].weight.shape[1]
+        self.past_hidden = torch.randn(bsz, hidden, generator=gen).to(ref.device, ref.dtype)
+        self.c0 = torch.randint(0, 2048, (bsz,), generator=gen).to(ref.device)
+        params = SamplingTensors.subtalker([SamplingParams(greedy=greedy, seed=i)
+                                            for i in range(bsz)], ref.device)
+        u = uniforms(torch.arange(bsz, device=ref.device), torch.zeros(bsz, dtype=torch.int64,
+                                                                         device=ref.device))
+        self.sampler = SubtalkerSampler(params, u)
+
+    def run(self, generate) -> tuple[torch.Tensor, torch.Tensor]:
+        return generate(self.past_hidden, self.c0, self.sampler)
+
+
+# ------------------------------------------------------------------------------------ timing
+
+def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm fn up on a side stream (tunes the kernels), then capture it; returns (graph, outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
+    """Median device ms of one replay (CUDA events around each)."""
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernels_launched(fn: Callable[[], object]) -> int:
+    """CUDA kernels one eager call of fn launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset")))
+
+
+# ------------------------------------------------------------------------ per-kernel launches
+
+def pass_launches(cp: CodePredictor, bsz: int, j: int = 7) -> list[tuple[str, int, Callable]]:
+    """The fused launches of pass j (one token per row), each with its compulsory bytes."""
+    model, layer = cp.model, cp.model.layers[0]
+    cfg, dtype, dev = model.cfg, cp.lm_head[0].weight.dtype, cp.lm_head[0].weight.device
+    esz = torch.empty((), dtype=dtype).element_size()
+    hid, inter, nkv, d = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads, cfg.head_dim
+    counters = torch.zeros(cpk.counters_needed(bsz, inter // cpk.MIN_BLOCK_N), dtype=torch.int32,
+                           device=dev)
+    h = torch.randn(bsz, hid, device=dev, dtype=dtype)
+    k_cache, v_cache = (torch.randn(bsz, cp.num_groups, nkv, d, device=dev, dtype=dtype)
+                        for _ in range(2))
+    attn = torch.randn(bsz, cfg.num_heads * d, device=dev, dtype=dtype)
+    act = torch.randn(bsz, inter, device=dev, dtype=dtype)
+    logits = torch.randn(bsz, cp.lm_head[j].out_features, device=dev)
+    proj, table = cp.small_to_mtp_projection, model.codec_embedding[j - 1].weight
+    ids = torch.randint(0, table.shape[0], (bsz,), device=dev)
+    sampler = Inputs(cp, bsz, greedy=False).sampler
+    p = sampler.params
+    nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    kv_read = 2 * bsz * (j + 2) * nkv * d * esz  # k and v of positions 0..j+1
+    return [
+        ("project (gather)", nbytes(proj.weight, proj.bias, h) + bsz * table.shape[1] * esz,
+         lambda: cpk.project(table, proj.weight, proj.bias, counters, ids=ids)),
+        ("qkv_attention", nbytes(layer.self_attn.fused_weight(), h, attn) + kv_read,
+         lambda: cpk.qkv_attention(h, layer.input_layernorm.weight, layer.self_attn.fused_weight(),
+                                   layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight,
+                                   *model.rope(dev, dtype), k_cache, v_cache, j + 1, 1,
+                                   1e-6, d ** -0.5, counters)),
+        ("o_proj + residual", nbytes(layer.self_attn.o_proj.weight, attn, h, h),
+         lambda: cpk.linear_residual(attn, layer.self_attn.o_proj.weight, h, counters)),
+        ("norm + gate_up + silu", nbytes(layer.mlp.fused_weight(), h, act),
+         lambda: cpk.norm_gate_up(h, layer.post_attention_layernorm.weight,
+                                  layer.mlp.fused_weight(), 1e-6, counters)),
+        ("down + residual", nbytes(layer.mlp.down_proj.weight, act, h, h),
+         lambda: cpk.linear_residual(act, layer.mlp.down_proj.weight, h, counters)),
+        ("norm + head", nbytes(cp.lm_head[j].weight, h, logits),
+         lambda: cpk.norm_head(h, model.norm.weight, cp.lm_head[j].weight, 1e-6, counters)),
+        ("sample (topk)", nbytes(logits),
+         lambda: cpk.sample(logits, p.temperature, p.top_k, p.greedy, sampler.u[:, j], True, 64)),
+    ]
+
+
+# ------------------------------------------------------------------------------------ report
+
+def bench_batch(cp: CodePredictor, bsz: int, args) -> list[str]:
+    fused = FusedCodePredictor(cp)
+    greedy = Inputs(cp, bsz, greedy=True)
+    with torch.no_grad():
+        want, _ = greedy.run(cp.generate)
+        got, _ = greedy.run(fused.generate)
+    agree = (got == want).float().mean().item()
+    lines = [f"### batch {bsz}", "", f"greedy codes fused == eager: {100 * agree:.1f} %"]
+    if not torch.cuda.is_available():
+        return lines + ["(no CUDA: correctness only)", ""]
+    inputs = Inputs(cp, bsz, greedy=args.greedy)
+    with torch.no_grad():
+        eager_graph, _ = capture(lambda: inputs.run(cp.generate))
+        fused_graph, fused_out = capture(lambda: inputs.run(fused.generate))
+        fused_graph.replay()
+        replayed = fused_out[0].clone()
+        eager_codes = inputs.run(fused.generate)[0]
+        ms = {"eager": replay_ms(eager_graph, args.iters), "fused": replay_ms(fused_graph, args.iters)}
+        launches = {"eager": kernels_launched(lambda: inputs.run(cp.generate)),
+                    "fused": kernels_launched(lambda: inputs.run(fused.generate))}
+    lines += [f"fused graph replay == fused eager: {torch.equal(replayed, eager_codes)}", "",
+              "| passes | 15-pass ms | per pass ms | kernels / pass |", "|---|---:|---:|---:|"]
+    for name in ("eager", "fused"):
+        lines.append(f"| {name} | {ms[name]:.3f} | {ms[name] / 15:.4f} | {launches[name] / 15:.1f} |")
+    lines += ["", "| fused launch (pass 8, alone in a graph) | us | MB | GB/s |", "|---|---:|---:|---:|"]
+    with torch.no_grad():
+        for name, nbytes, fn in pass_launches(cp, bsz):
+            graph, _ = capture(fn)
+            us = 1e3 * replay_ms(graph, args.iters)
+            lines.append(f"| {name} | {us:.1f} | {nbytes / 1e6:.2f} | {nbytes / us / 1e3:.0f} |")
+    return lines + [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", choices=("full", "tiny"), default="full")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--greedy", action="store_true", help="time greedy draws (default: TOPK)")
+    args = p.parse_args(argv)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    cp = random_code_predictor(args.scale, dtype, args.device)
+    head = [f"# code predictor: fused kernels vs eager passes ({args.scale}, {dtype}, "
+            f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
+            f"{'greedy' if args.greedy else 'topk'} sampling)", ""]
+    lines = head + [line for bsz in args.batches for line in bench_batch(cp, bsz, args)]
+    emit("\n".join(lines), "code_predictor_bench.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
