@@ -70,10 +70,10 @@ class Stream:
         return self.result
 
 
-def validation_cases(url: str, reference: Result) -> list[Row]:
-    """Every BAD_CASES request while a healthy stream plays: each gets one error naming its parameter; the
-    healthy stream's audio equals `reference` (the same request played alone)."""
-    healthy = Stream(url, HEALTHY, 900_001).start()
+def validation_cases(url: str, reference: Result, healthy_params: dict = HEALTHY) -> list[Row]:
+    """Every BAD_CASES request while a healthy stream (`healthy_params`) plays: each gets one error naming its
+    parameter; the healthy stream's audio equals `reference` (the same request played alone)."""
+    healthy = Stream(url, healthy_params, 900_001).start()
     assert healthy.started.wait(300), "the healthy stream never started"
     rows = []
     for i, (params, name) in enumerate(BAD_CASES):
