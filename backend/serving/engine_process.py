@@ -4,9 +4,10 @@ instance.
 A CUDA device-side fault poisons the CUDA context of its process for good, and Triton 2.51's python backend
 does not restart the stub of a decoupled model (its /v2/health/ready stays 200). So the stub never touches
 CUDA: `EngineProcess` starts a child (`python -m q3tts.serving.engine_process`: a fresh interpreter, a fresh
-CUDA context) that builds the `Engine` and answers calls over a socket pair (a multiprocessing Connection), and the serving loop talks to it through today's engine
-API (`add`, `append_text`, `end_text`, `abort`, `step`, `has_work`, `stats`, `default_sampling`). One call is
-one round trip; each answer carries `has_work`, so asking it costs nothing.
+CUDA context) that builds the `Engine` and answers calls over a socket pair (a multiprocessing Connection),
+and the serving loop talks to it through today's engine API (`add`, `append_text`, `end_text`, `abort`,
+`step`, `has_work`, `stats`, `default_sampling`). One call is one round trip; each answer carries
+`has_work`, so asking it costs nothing.
 
 When a call fails with an error that poisons the device context (engine/faults.py), or the child dies, the
 call raises `DeviceFault` and the child is gone; the serving loop then ends every open request and starts a
