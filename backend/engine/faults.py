@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from q3tts.core import EngineError
+
 POISON_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
                   "ECC error")
 
@@ -28,10 +30,11 @@ def context_usable(device: torch.device) -> bool:
 
 
 def is_device_fault(exc: BaseException, device: torch.device) -> bool:
-    """Whether `exc` (raised by engine work on `device`) left the device context unusable."""
+    """Whether `exc` (raised by engine work on `device`) left the device context unusable. A request error
+    (q3tts.core.EngineError) never does; anything else is checked with a synchronize on CUDA."""
     if isinstance(exc, torch.AcceleratorError) or any(m in str(exc) for m in POISON_MARKERS):
         return True
-    return not context_usable(device)
+    return not isinstance(exc, EngineError) and not context_usable(device)
 
 
 def inject_device_fault(device: torch.device) -> None:
