@@ -4,7 +4,12 @@
 #   .gpu/site/                 tritonclient 2.51 (pure python), python-rapidjson, soxr  -> PYTHONPATH
 #   .gpu/pytriton_slim.tgz     the nvidia-pytriton wheel's tritonserver + libs, 3.12 stub only
 #   .whl/numpy-1.26.4-cp312-cp312-slim.whl   numpy<2 for the Triton stub env (tests/f2py/distutils dropped)
-# Needs .venv (scripts/setup.sh) for the pytriton files. Usage: bash perf/gpu_carry.sh
+# Needs .venv (scripts/setup.sh) for the pytriton files. Usage: bash perf/gpu_carry.sh [--loadtest]
+# --loadtest also builds .gpu/loadtest/ for `bash perf/gpu_loadtest.sh` (the one carry path of that call): the
+# three above as xz (25 MiB less than as gzip/zip), perf_analyzer 2.51 and the peers' site, about 50 MiB:
+#   pytriton_slim.tar.xz  numpy-1.26.4-cp312-cp312-slim.whl.xz (a stored zip)  site.tar.xz  perf_analyzer.xz
+#   peers.tar.xz (perf/peers/site.sh gpu)  COMMIT (HEAD, "-dirty" when the tree that travels differs from it)
+# Build it right before the call: COMMIT is what the results CSV names (the GPU machine gets no .git).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
 SITE_PACKAGES="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
@@ -28,3 +33,15 @@ mkdir -p "$TMP/np" && unzip -q "$TMP"/numpy-1.26.4-*.whl -d "$TMP/np"
   --exclude='python_backend_stubs/3.11' --exclude='python_backend_stubs/3.13' \
   --exclude='libpython3-419a3a08.13.so.1.0' pytriton/tritonserver nvidia_pytriton.libs)
 du -sh .gpu/site .gpu/pytriton_slim.tgz .whl/numpy-1.26.4-cp312-cp312-slim.whl
+[ "${1:-}" = --loadtest ] || exit 0
+LT=.gpu/loadtest
+rm -rf "$LT"; mkdir -p "$LT" "$TMP/npw"
+gzip -dc .gpu/pytriton_slim.tgz | xz -6 -T0 >"$LT/pytriton_slim.tar.xz"
+(cd "$TMP/npw" && unzip -q "$ROOT/.whl/numpy-1.26.4-cp312-cp312-slim.whl" && zip -q -0 -r ../numpy-slim.whl .)
+xz -6 -T0 -c "$TMP/numpy-slim.whl" >"$LT/numpy-1.26.4-cp312-cp312-slim.whl.xz"
+tar -C .gpu/site -cf - . | xz -6 -T0 >"$LT/site.tar.xz"
+unzip -p "$TMP"/tritonclient-2.51.0-*.whl tritonclient-2.51.0.data/data/bin/perf_analyzer | xz -6 -T0 >"$LT/perf_analyzer.xz"
+bash perf/peers/site.sh gpu "$TMP/peers"
+tar -C "$TMP/peers" -cf - . | xz -6 -T0 >"$LT/peers.tar.xz"
+echo "$(git rev-parse --short HEAD)$([ -z "$(git status --porcelain)" ] || echo -dirty)" >"$LT/COMMIT"
+du -sh "$LT"/* "$LT"

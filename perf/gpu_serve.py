@@ -14,6 +14,7 @@ Settings (environment; the defaults are for the H200 machine):
   GPUS=0   DTYPE=bfloat16 (cpu: float32)   MAX_SLOTS=32 (cpu: 8)   POOL=""  (`q3tts serve --pool`, e.g.
   codec_kernels=true)   CONCURRENCY=1,16   MODES=greedy,sampled   REQUESTS=2 (utterances per stream)
   MAX_FRAMES=150   WARMUP=<largest concurrency>   READY_TIMEOUT_S=240   BENCH_TIMEOUT_S=300
+  BENCH_CMD="" (a shell command run as the bench instead, GRPC_URL / METRICS_URL naming the server: perf/gpu_loadtest.sh)
   CKPT_TIMEOUT_S=240   TOTAL_BUDGET_S=470 (the bench is cut to what is left of it)
   WORK=<repo>/run/gpu_serve   CKPT=$WORK/ckpt-cv-$SIZE-$SCALE   TRITON_TGZ=<repo>/.gpu/pytriton_slim.tgz
   CLIENT_SITE=<repo>/.gpu/site (empty: none)   STUB_PY=<base interpreter of this Python>
@@ -118,9 +119,13 @@ def bench(server: TritonServer, work: Path, title: str, timeout_s: float) -> Non
            "--max-frames", env("MAX_FRAMES", "150"), "--warmup", env("WARMUP", max(conc.split(","), key=int)),
            "--timeout-s", "120", "--check", "--md", str(work / "serve_bench.md"),
            "--json", str(work / "serve_bench.json"), "--title", title, "--metrics-url", server.metrics_url]
-    log(f"bench: concurrency {conc}, modes {env('MODES', 'greedy,sampled')} (timeout {timeout_s:.0f} s)")
+    if env("BENCH_CMD", ""):
+        cmd = ["bash", "-c", env("BENCH_CMD", "")]
+    what = env("BENCH_CMD", "") or f"concurrency {conc}, modes {env('MODES', 'greedy,sampled')}"
+    log(f"bench: {what} (timeout {timeout_s:.0f} s)")
     try:
-        rc = subprocess.run(cmd, timeout=timeout_s).returncode
+        rc = subprocess.run(cmd, timeout=timeout_s, env={**os.environ, "GRPC_URL": server.grpc_url,
+                                                          "METRICS_URL": server.metrics_url}).returncode
     except subprocess.TimeoutExpired:
         raise Failed(f"the bench took longer than {timeout_s:.0f} s") from None
     if rc:
@@ -170,7 +175,8 @@ def main() -> int:
         if out:
             Path(out).mkdir(parents=True, exist_ok=True)
             for name in ("serve_bench.md", "serve_bench.json"):
-                shutil.copy(work / name, Path(out) / name)
+                if (work / name).exists():  # not with BENCH_CMD
+                    shutil.copy(work / name, Path(out) / name)
     except BaseException:
         print(f"---- tritonserver log ({server.log_path}), last 80 lines ----\n"
               + "\n".join(server.log_text().splitlines()[-80:]), file=sys.stderr)

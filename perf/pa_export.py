@@ -4,10 +4,11 @@
 
 What perf_analyzer 2.51 itself reports for this decoupled sequence model (perf/run_perf_analyzer.sh: serial
 sequences of text steps, ack_pieces): it prints "using the first response for measuring latency", but each
-latency sample is one sequence's END request, from its send to its FINAL response, i.e. the time to
-synthesize the whole utterance; its "Throughput" is sequences/s and "Response Throughput" counts every
-response, acks and empty FINALs included. It cannot see time to first audio, audio seconds, RTF or playback
-stalls. Its --profile-export-file keeps every request's send time and every response's time and outputs,
+latency sample is one sequence's END request, from its send to its FINAL response: the synthesis still to do
+after the last text piece (a sequence of several requests runs in incremental text mode, so the talker may
+start on the first pieces; with ack_pieces, audio made before END waits for it), never the time to first
+audio. Its "Throughput" is sequences/s and "Response Throughput" counts every response, acks and empty
+FINALs included. It cannot see time to first audio, audio seconds, RTF or playback stalls. Its --profile-export-file keeps every request's send time and every response's time and outputs,
 from which this script builds one `loadstats.Record` per sequence (due = its first request's send; chunks =
 the responses carrying audio) and reports them like perf/bench_serve.py: rows of mode perf_analyzer, level =
 concurrency. perf_analyzer's own latency percentiles and throughput (its -f CSV, pa_cN.csv beside pa_cN.json)

@@ -49,7 +49,7 @@ for pair in "libb64-*.so.0d libb64.so.0d" "libcudart-*.so.12* libcudart.so.12"; 
   set -- $pair
   lib="$(ls "$PA_LIBS"/$1 2>/dev/null | head -1)"
   [ -n "$lib" ] || { echo "no $1 in PA_LIBS=$PA_LIBS (the nvidia-pytriton wheel's nvidia_pytriton.libs)" >&2; exit 1; }
-  ln -sf "$lib" "$OUT/libshim/$2"
+  ln -sf "$(realpath "$lib")" "$OUT/libshim/$2"
 done
 export LD_LIBRARY_PATH="$OUT/libshim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 

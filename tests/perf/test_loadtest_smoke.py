@@ -1,0 +1,92 @@
+"""CPU smoke of the load-test scripts against one real tritonserver (tiny checkpoint): the closed and open
+modes of perf/bench_serve.py, perf/run_perf_analyzer.sh, the results CSV they append to and perf/plots.py."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.server.conftest import server, tiny_checkpoint  # noqa: F401 - the module's server
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+# the issue's columns, written out here so that a change in perf/report.py cannot pass unnoticed
+COLUMNS = ["mode", "level", "ttfa_p50_ms", "ttfa_p95_ms", "ttfa_p99_ms", "e2e_p95_ms", "rtf_p50", "audio_s_per_s",
+           "underrun_streams", "streams", "errors", "gpu", "commit", "date"]
+RATE, DURATION_S, ARRIVAL_SEED = 2.0, 2.0, 3
+
+
+def run(cmd: list[str], **env) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+    assert out.returncode == 0, f"{cmd[:2]} rc {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+def read(path: Path) -> tuple[list[str], list[dict]]:
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames), list(reader)
+
+
+@pytest.fixture(scope="module")
+def results(server, tmp_path_factory):  # noqa: F811
+    """One closed + open bench and one perf_analyzer run, all into one CSV."""
+    out = tmp_path_factory.mktemp("loadtest")
+    csv_path = out / "loadtest.csv"
+    run([sys.executable, "perf/bench_serve.py", "--url", server.grpc_url, "--concurrency", "1,2", "--requests", "1",
+         "--rates", str(RATE), "--duration-s", str(DURATION_S), "--arrival-seed", str(ARRIVAL_SEED),
+         "--max-frames", "2", "--modes", "sampled", "--check", "--csv", str(csv_path), "--md", str(out / "bench.md")])
+    pa = run(["bash", "perf/run_perf_analyzer.sh"], GRPC_URL=server.grpc_url, CONCURRENCY="1", SEQUENCES_PER_STREAM="1",
+             MAX_FRAMES="2", OUT=str(out / "pa"), CSV=str(csv_path), PY=sys.executable)
+    return {"dir": out, "csv": csv_path, "pa_stdout": pa.stdout}
+
+
+def test_results_csv_has_the_issue_columns_and_one_row_per_level(results):
+    header, rows = read(results["csv"])
+    assert header == COLUMNS
+    assert [(r["mode"], r["level"]) for r in rows] == [("closed", "1"), ("closed", "2"), ("open", "2"),
+                                                       ("perf_analyzer", "1")]
+    for r in rows:
+        assert r["errors"] == "0" and r["gpu"] == "cpu" and r["commit"]
+        datetime.datetime.strptime(r["date"], "%Y-%m-%dT%H:%M:%SZ")
+        ttfa = [float(r[k]) for k in ("ttfa_p50_ms", "ttfa_p95_ms", "ttfa_p99_ms")]
+        assert 0 < ttfa[0] <= ttfa[1] <= ttfa[2] <= float(r["e2e_p95_ms"]), r
+        assert float(r["audio_s_per_s"]) > 0 and float(r["rtf_p50"]) > 0, r
+        assert 0 <= int(r["underrun_streams"]) <= int(r["streams"])
+    closed = {r["level"]: r for r in rows if r["mode"] == "closed"}
+    assert closed["1"]["streams"] == "1" and closed["2"]["streams"] == "2"  # 1 utterance per stream
+
+
+def test_open_loop_sends_the_poisson_arrivals_of_its_rate_and_duration(results):
+    gaps = np.random.default_rng(ARRIVAL_SEED).exponential(1 / RATE, size=100)
+    arrivals = int((np.cumsum(gaps) < DURATION_S).sum())
+    (row,) = [r for r in read(results["csv"])[1] if r["mode"] == "open"]
+    assert int(row["streams"]) == arrivals
+    table = (results["dir"] / "bench.md").read_text()
+    assert "| requests/s |" in table and "peak in-flight" in table
+
+
+def test_perf_analyzer_script_finishes_with_its_table_and_ours(results):
+    pa = results["dir"] / "pa"
+    assert "Request concurrency: 1" in (pa / "pa_c1.txt").read_text()
+    md = (pa / "perf_analyzer.md").read_text()
+    assert "perf_analyzer latency p50" in md
+    (row,) = [r for r in read(results["csv"])[1] if r["mode"] == "perf_analyzer"]
+    assert row["streams"] == "1"  # 1 stream x SEQUENCES_PER_STREAM 1
+
+
+def test_plots_write_the_pngs(results, tmp_path):
+    run([sys.executable, "perf/plots.py", str(results["csv"]), "--out", str(tmp_path), "--md", str(tmp_path / "t.md")])
+    for name in ("ttfa_vs_concurrency.png", "ttfa_vs_rate.png", "audio_s_per_s_vs_concurrency.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    assert "| perf_analyzer | 1 |" in (tmp_path / "t.md").read_text()
