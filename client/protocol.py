@@ -63,6 +63,22 @@ OUTPUT_SAMPLE_RATE = "SAMPLE_RATE"
 OUTPUT_FIRST_FRAME = "FIRST_FRAME"
 OUTPUT_FINISH_REASON = "FINISH_REASON"  # the sequence's last response: eos|max_frames|aborted|error|cancelled
 OUTPUT_ERROR = "ERROR"  # with FINISH_REASON error|cancelled: what went wrong after audio had started
+OUTPUT_TIMING = "TIMING"  # float64 [len(TIMING_STAGES)], on the first audio response only: where its time went
+# TIMING[0] is the request's arrival in execute() on the server's time.monotonic() (CLOCK_MONOTONIC: one clock
+# for every process of a Linux host, so the engine process's stamps and a client's time.perf_counter() on the
+# same host read the same clock); every other entry is seconds since that arrival, except the two *_device
+# entries, which are durations measured on the device (CUDA events; wall clock on a CPU server).
+TIMING_STAGES = (
+    "arrival",         # execute() received the START request
+    "engine_add",      # the engine thread applied it (Engine.add): execute() -> command queue -> engine thread
+    "prompt_ready",    # its prompt was built and it joined the wait queue
+    "prefill_start",   # the engine step that prefilled it began (queue wait: from prompt_ready)
+    "first_frame",     # that step's decode (talker, code predictor, codec) handed its first frame to the host
+    "step_returned",   # the serving loop had that step's outputs (from the engine process)
+    "response_built",  # its first audio response was built and queued for the response thread
+    "prefill_device",  # seconds: that step's prefill on the device (all the sequences it started)
+    "decode_device",   # seconds: that step's batched decode on the device
+)
 OUTPUTS = {
     OUTPUT_AUDIO: ("TYPE_FP32", [-1], "float32"),
     OUTPUT_AUDIO_INT16: ("TYPE_INT16", [-1], "int16"),
@@ -70,13 +86,14 @@ OUTPUTS = {
     OUTPUT_FIRST_FRAME: ("TYPE_INT64", [1], "int64"),
     OUTPUT_FINISH_REASON: ("TYPE_STRING", [1], "object"),
     OUTPUT_ERROR: ("TYPE_STRING", [1], "object"),
+    OUTPUT_TIMING: ("TYPE_FP64", [-1], "float64"),
 }
 AUDIO_FORMATS = {"float32": OUTPUT_AUDIO, "int16": OUTPUT_AUDIO_INT16}
 
 # Request parameters (gRPC `parameters=`, perf_analyzer --request-parameter, HTTP generate top-level keys).
 # Read on START; ignored on later requests (perf_analyzer repeats them), except `abort`. Their types, ranges
 # and defaults: FIELDS below.
-PARAM_TEXT_MODE = "text_mode"  # whole | incremental (default: the variant's reference default)
+PARAM_TEXT_MODE = "text_mode"  # whole | incremental (default: FIELDS)
 PARAM_XVECTOR_ONLY = "xvector_only"
 PARAM_AUDIO_FORMAT = "audio_format"  # float32 | int16
 PARAM_CHUNK_SCHEDULE = "chunk_schedule"  # "1,2,4,8": frames per response, the last entry repeats
@@ -198,7 +215,8 @@ FIELDS = {f.name: f for f in (
     Field("max_frames", "parameter", int, "follows the text",
           "frames (80 ms each) at most; default: the engine's cap by text length (frames_per_text_token, "
           "min_text_frames)", 1, 8191),
-    Field(PARAM_TEXT_MODE, "parameter", str, "variant's", "how text is fed: all at once, or as it arrives",
+    Field(PARAM_TEXT_MODE, "parameter", str, "incremental if START lacks END, else variant's",
+          "how text is fed: all at once (audio waits for END), or as it arrives",
           choices=("whole", "incremental")),
     Field(PARAM_XVECTOR_ONLY, "parameter", bool, "false", "clone from the x-vector alone (no REF_TEXT)",
           variants=("base",)),

@@ -62,6 +62,8 @@ class Result:
     requests: int = 0
     chunk_frames: list = field(default_factory=list)  # frames per audio response, in arrival order
     first_frames: list = field(default_factory=list)  # FIRST_FRAME of each audio response, in arrival order
+    sent_at: float | None = None  # time.perf_counter() of the first request (CLOCK_MONOTONIC on Linux)
+    timing: dict | None = None  # the first audio response's TIMING, by protocol.TIMING_STAGES name
 
     @property
     def audio_s(self) -> float:
@@ -120,7 +122,7 @@ class _Session:
         """Request k of the sequence (k == 0 carries START, the voice and the parameters)."""
         first = k == 0
         if first:
-            self.t0 = time.perf_counter()
+            self.t0 = self.res.sent_at = time.perf_counter()
         inputs = start_inputs(text, **self.voice) if first else [_bytes_input(P.INPUT_TEXT, text)]
         self.client.async_stream_infer(P.MODEL, inputs, request_id=f"{self.sid}-{k}", sequence_id=self.sid,
                                        sequence_start=first, sequence_end=end,
@@ -157,6 +159,9 @@ class _Session:
             self._audio(t, audio, result.as_numpy(P.OUTPUT_FIRST_FRAME))
             if self.cancelled:
                 return
+        timing = result.as_numpy(P.OUTPUT_TIMING)
+        if timing is not None:
+            res.timing = dict(zip(P.TIMING_STAGES, timing.astype(float).tolist()))
         reason = result.as_numpy(P.OUTPUT_FINISH_REASON)
         if reason is not None:
             res.finish_reason = reason.reshape(-1)[0].decode()

@@ -14,7 +14,10 @@ simulated player (starting at the first chunk) stalled > 1 ms, errors and peak i
 `--check` validates every stream (no error, non-empty finite audio, a whole number of 1920-sample frames, as
 many as FINISH_REASON says, chunks in frame order) and exits 1 if one is bad. `--warmup` streams run first at
 the largest concurrency and are not counted (first CUDA launches, kernel JIT). Prints markdown tables (`--md`
-also writes them); --json writes the rows; --csv appends `report.CSV_COLUMNS` rows (mode closed | open).
+also writes them), then the TTFA anatomy: per level, the median of each part of the first audio's path
+(client send, gRPC, execute(), engine thread, queue wait, prefill, first decode step, engine process ->
+serving, response built, client receipt: perf/anatomy.py; run the client on the server's host); --json writes
+the rows; --csv appends `report.CSV_COLUMNS` rows (mode closed | open).
 No torch, no soundfile.
 """
 
@@ -29,6 +32,7 @@ import time
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from anatomy import anatomy, anatomy_table, medians_ms
 from loadstats import LANGUAGE, SPEAKER, TEXT, Record, summarize
 from q3tts_client import protocol as P
 from q3tts_client.metrics import breakdown, scrape
@@ -78,7 +82,7 @@ def _text(args):
 
 
 def send(args, seed: int, mode: str, max_frames: int, due: float | None = None, client=None):
-    """One utterance -> (its Record, its audio or None). `due` defaults to now (closed loop)."""
+    """One utterance -> (its Record, its q3tts_client Result or None). `due` defaults to now (closed loop)."""
     rec = Record(due=time.perf_counter() if due is None else due)
     params = {"seed": seed, "max_frames": max_frames, "greedy": True if mode == "greedy" else None,
               "text_mode": "incremental" if args.pieces > 1 else None}
@@ -92,12 +96,12 @@ def send(args, seed: int, mode: str, max_frames: int, due: float | None = None, 
         return rec, None
     rec.done, rec.finish, rec.error = time.perf_counter(), r.finish_reason, r.error
     rec.bad = check_result(r, max_frames)
-    return rec, r.audio
+    return rec, r
 
 
 def run_level(args, n: int, mode: str, requests: int | None = None, max_frames: int | None = None) -> dict:
     """Closed loop: n streams, each `requests` utterances back to back on its own gRPC client."""
-    records, audios, lock = [], [], threading.Lock()
+    records, audios, parts, lock = [], [], [], threading.Lock()
     requests = args.requests if requests is None else requests
     max_frames = args.max_frames if max_frames is None else max_frames
 
@@ -105,11 +109,12 @@ def run_level(args, n: int, mode: str, requests: int | None = None, max_frames: 
         client = grpcclient.InferenceServerClient(args.url)
         try:
             for k in range(requests):
-                rec, audio = send(args, i * 1000 + k, mode, max_frames, client=client)
+                rec, r = send(args, i * 1000 + k, mode, max_frames, client=client)
                 with lock:
                     records.append(rec)
-                    if mode == "greedy" and rec.error is None and audio is not None:
-                        audios.append(audio)
+                    parts.append(anatomy(r) if r is not None else None)
+                    if mode == "greedy" and rec.error is None and r is not None:
+                        audios.append(r.audio)
         finally:
             client.close()
 
@@ -123,18 +128,20 @@ def run_level(args, n: int, mode: str, requests: int | None = None, max_frames: 
     return {"loop": "closed", "level": n, "mode": mode, "concurrency": n,
             **summarize(records, time.perf_counter() - t0),
             "eos": sum(1 for r in records if r.finish == "eos"),
-            "frames_min": min(frames, default=0), "frames_max": max(frames, default=0), **_agreement(audios)}
+            "frames_min": min(frames, default=0), "frames_max": max(frames, default=0), **_agreement(audios),
+            "anatomy": medians_ms([p for p in parts if p])}
 
 
 def run_rate(args, rate: float, mode: str) -> dict:
     """Open loop: Poisson arrivals at `rate`/s for --duration-s, each utterance on its own stream."""
-    records, lock = [], threading.Lock()
+    records, parts, lock = [], [], threading.Lock()
     gaps = np.random.default_rng(args.arrival_seed).exponential(1.0 / rate, size=int(rate * args.duration_s * 3) + 16)
 
     def one(k: int, due: float):
-        rec, _ = send(args, k, mode, args.max_frames, due=due)
+        rec, r = send(args, k, mode, args.max_frames, due=due)
         with lock:
             records.append(rec)
+            parts.append(anatomy(r) if r is not None else None)
 
     t0 = time.perf_counter()
     threads, due = [], t0
@@ -148,7 +155,7 @@ def run_rate(args, rate: float, mode: str) -> dict:
     for t in threads:
         t.join()
     return {"loop": "open", "level": rate, "mode": mode, "rate": rate,
-            **summarize(records, time.perf_counter() - t0)}
+            **summarize(records, time.perf_counter() - t0), "anatomy": medians_ms([p for p in parts if p])}
 
 
 METRICS_SETTLE_S = 1.0  # the model sends its counters at its housekeeping tick (0.2 s)
@@ -293,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                     append_csv(args.csv, [{**rows[-1], "mode": rows[-1]["loop"]}], gpu=args.gpu)
     text = "\n\n".join(table([r for r in rows if r["loop"] == loop]) for loop, table
                        in (("closed", closed_table), ("open", open_table)) if any(r["loop"] == loop for r in rows))
+    text += "\n\n" + anatomy_table(rows) if any(r["anatomy"] for r in rows) else ""
     print(text)
     if args.md:
         with open(args.md, "w") as f:

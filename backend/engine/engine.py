@@ -133,7 +133,7 @@ class Engine:
         if started:  # complete already when a decode followed (its host copy waited for it)
             prefill_s = self.clock.seconds(t_prefill, t_decode)
             self.times.add_prefill(prefill_s, len(started))
-        self.scheduler.cost.observe(sum(s.prompt_len for s in started), prefill_s, decode_s)
+        self.scheduler.observe(started, prefill_s, decode_s)
         outputs += self._outbox
         self._outbox = []
         for out in outputs:
@@ -165,7 +165,8 @@ class Engine:
                 self._finish(seq, "error", nonfinite_error(seq.sampling))
                 continue
             seq.num_frames += 1
-            out = StepOutput(seq.seq_id, codes=frames[i:i + 1].copy(), pcm=pcm[i].copy())
+            out = StepOutput(seq.seq_id, codes=frames[i:i + 1].copy(), pcm=pcm[i].copy(),
+                             stats=seq.first_frame() if seq.num_frames == 1 else {})
             reason = ("eos" if c0_next[i] == self.codec_eos_id
                       else "max_frames" if seq.num_frames >= seq.frame_cap else None)
             if reason is not None:

@@ -109,7 +109,16 @@ class Scheduler:
         decode = [s for s in self.running if s.is_decodable]
         decode, victims = self._grow(decode)  # 'reserve': draws on the promise, never aborts
         started = self._start_waiting(self._prefill_seconds(decode, now))
+        for seq in started:
+            seq.stamps["prefill_start"] = now
         return started, decode + [s for s in started if s.is_decodable], victims
+
+    def observe(self, started: list[Sequence], prefill_s: float | None, decode_s: float | None) -> None:
+        """A step's measured device seconds (None: it had no prefill / no decode): into the cost model, and
+        into the stamps of the sequences it started (their first frame's timing)."""
+        self.cost.observe(sum(s.prompt_len for s in started), prefill_s, decode_s)
+        for seq in started:
+            seq.stamps.update(prefill_device=prefill_s or 0.0, decode_device=decode_s or 0.0)
 
     def _prefill_seconds(self, decode: list[Sequence], now: float) -> float | None:
         """The prefill time this step may take: within max_step_seconds and before the first playing

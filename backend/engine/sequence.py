@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,6 +42,7 @@ class Sequence:
     prompt_ready: bool = False     # the prefill input is built and fits (set by the engine)
     ready_at: float = 0.0          # time.monotonic() when prompt_ready was set (queue-wait metric)
     playing_since: float | None = None  # when its first frame came out (the scheduler's clock)
+    stamps: dict[str, float] = field(default_factory=dict)  # where its first frame's time went (first_frame)
     arrival: int = field(default_factory=lambda: next(_arrivals))
     finish_reason: str | None = None
     error: str | None = None
@@ -71,6 +73,14 @@ class Sequence:
     def runs_dry_at(self) -> float:
         """When a client that plays from the first frame in real time has played every frame made so far."""
         return self.playing_since + self.num_frames * FRAME_SECONDS
+
+    def first_frame(self) -> dict[str, float]:
+        """The stamps its first frame's StepOutput carries (`stats`): time.monotonic() when its prompt was
+        ready, when the step that prefilled it began (prefill_start, by the scheduler) and now, when that
+        step handed the frame to the host; the step's device seconds (prefill_device, decode_device) are
+        added to the same dict by `Scheduler.observe` before the step returns."""
+        self.stamps.update(prompt_ready=self.ready_at, first_frame=time.monotonic())
+        return self.stamps
 
     @property
     def is_prefillable(self) -> bool:

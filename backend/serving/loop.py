@@ -159,6 +159,7 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+            returned = time.monotonic()
         except DeviceFault as e:
             self._device_fault(e)
             return
@@ -171,13 +172,13 @@ class EngineLoop:
             if s is None:
                 continue  # closed (cancelled/idle/restarted): its outputs are ignored
             try:
-                self._route(s, out)
+                self._route(s, out, returned)
             except Exception as e:
                 self.log("error", f"routing output of sequence {s.key} failed: {traceback.format_exc()}")
                 self._close(s, "error", f"internal error: {type(e).__name__}: {e}", why="it failed with an internal error")
 
-    def _route(self, s: Session, out: StepOutput) -> None:
-        s.feed(out.pcm, last=out.finished)
+    def _route(self, s: Session, out: StepOutput, returned: float) -> None:
+        s.feed(out.pcm, last=out.finished, stamps={**out.stats, "step_returned": returned} if out.stats else None)
         if out.finished:
             self.table.stop(s)
             if out.error or out.reason == "error":
@@ -196,7 +197,7 @@ class EngineLoop:
             why = SHUTTING_DOWN if self.draining else self.restarting
             refuse(cmd.reply, "UNAVAILABLE", f"sequence {cmd.key}: {why}", self.metrics)
             return
-        engine_id, o = next(self._ids), cmd.options
+        engine_id, o, added = next(self._ids), cmd.options, time.monotonic()
         try:
             self.engine.add(engine_id, self._voice(o), o.sampling, text=cmd.text, text_done=cmd.end)
         except (InvalidRequest, AdmissionRejected, EngineError, ValueError) as e:
@@ -205,7 +206,8 @@ class EngineLoop:
             if not cmd.end:
                 self.table.note(cmd.key, f"its START request failed: {e}")
             return
-        s = Session(cmd.key, engine_id, o, started_at=cmd.at, metrics=self.metrics, ended=cmd.end)
+        s = Session(cmd.key, engine_id, o, started_at=cmd.at, metrics=self.metrics, ended=cmd.end,
+                    stamps={"engine_add": added})
         self.table.add(s)
         s.attach(cmd.reply, cmd.end)
 

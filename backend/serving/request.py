@@ -203,9 +203,9 @@ def send(sender, response, final: bool) -> None:
         sender.send(response, flags=flags)
 
 
-def audio_response(chunk: Chunk | None, finish_reason: str | None = None):
+def audio_response(chunk: Chunk | None, finish_reason: str | None = None, timing: np.ndarray | None = None):
     """An audio response (AUDIO or AUDIO_INT16, SAMPLE_RATE, FIRST_FRAME); with `finish_reason` it is the
-    sequence's last one (then `chunk` may be None: FINISH_REASON alone)."""
+    sequence's last one (then `chunk` may be None: FINISH_REASON alone); `timing`: TIMING (the first one)."""
     pb = _pb()
     tensors = []
     if chunk is not None:
@@ -214,6 +214,8 @@ def audio_response(chunk: Chunk | None, finish_reason: str | None = None):
                    pb.Tensor(P.OUTPUT_FIRST_FRAME, np.array([chunk.first_frame], np.int64))]
     if finish_reason is not None:
         tensors.append(_strings(P.OUTPUT_FINISH_REASON, finish_reason))
+    if timing is not None:
+        tensors.append(pb.Tensor(P.OUTPUT_TIMING, timing))
     return pb.InferenceResponse(output_tensors=tensors)
 
 

@@ -10,10 +10,13 @@ Every request gets exactly one FINAL, and only this module sends one (`Reply.end
 
 from __future__ import annotations
 
+import math
 import queue
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from q3tts_client import protocol as P
 from q3tts.serving import request as R
@@ -70,6 +73,7 @@ class Session:
     finished: bool = False  # the outcome was delivered: nothing more goes out
     last_request: float = 0.0
     last_cancel_check: float = 0.0
+    stamps: dict[str, float] = field(default_factory=dict)  # time.monotonic() per TIMING stage (first frame)
     chunker: Chunker = field(init=False)
 
     def __post_init__(self) -> None:
@@ -91,9 +95,10 @@ class Session:
         elif self.chunker.ready:
             self._send(self.chunker.take())
 
-    def feed(self, pcm, last: bool = False) -> None:
+    def feed(self, pcm, last: bool = False, stamps: dict[str, float] | None = None) -> None:
         """One engine output's PCM: buffered, and sent once the chunk schedule's next size is reached (the
-        sequence's `last` output stays buffered for the closing response)."""
+        sequence's `last` output stays buffered for the closing response). `stamps`: the first frame's."""
+        self.stamps.update(stamps or {})
         self.chunker.add(pcm)
         if self.reply is not None and self.chunker.ready and not last:
             self._send(self.chunker.take())
@@ -114,7 +119,7 @@ class Session:
         reply, self.reply, self.finished = self.reply, None, True
         if error is None:
             self._observe(chunk)
-            reply.end(R.audio_response(chunk, finish_reason=reason))
+            reply.end(R.audio_response(chunk, finish_reason=reason, timing=self._timing(chunk)))
         else:
             if chunk is not None:
                 self._send(chunk, reply)
@@ -127,7 +132,17 @@ class Session:
 
     def _send(self, chunk: Chunk, reply: Reply | None = None) -> None:
         self._observe(chunk)
-        (reply or self.reply).send(R.audio_response(chunk))
+        (reply or self.reply).send(R.audio_response(chunk, timing=self._timing(chunk)))
+
+    def _timing(self, chunk: Chunk | None) -> np.ndarray | None:
+        """TIMING (protocol.TIMING_STAGES) for the sequence's first audio response, else None: the arrival,
+        then each stamp as seconds since it (NaN where one is missing), then the device seconds."""
+        if chunk is None or chunk.first_frame != 0:
+            return None
+        stamps = {**self.stamps, "response_built": time.monotonic()}
+        values = [stamps.get(name, math.nan) - (0.0 if name.endswith("_device") else self.started_at)
+                  for name in P.TIMING_STAGES[1:]]
+        return np.array([self.started_at, *values], np.float64)
 
     def _observe(self, chunk: Chunk | None) -> None:
         """Time to first audio: START received -> the first audio response queued."""
