@@ -168,6 +168,8 @@ def parse_request(request, default_schedule, defaults: SamplingParams,
         return Abort(key, end)
     if not start:
         return Append(key, text, end)
+    if not end:  # the text is still open: synthesize it as it arrives (protocol.FIELDS text_mode default)
+        params.setdefault(P.PARAM_TEXT_MODE, "incremental")
     return Start(key, text, end, parse_options(inputs, params, default_schedule, defaults, checkpoint))
 
 

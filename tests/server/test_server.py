@@ -198,13 +198,14 @@ def test_stop_ends_open_sequences_with_a_clear_reason(server):
     assert baseline_ok(wait_metrics(server, baseline_ok))
     gone = grpcclient.InferenceServerClient(server.grpc_url)
     gone.start_stream(callback=lambda result, error: None)
+    whole = {P.PARAM_TEXT_MODE: "whole"}  # both wait for END: no audio (nor an end by max_frames) before the stop
     gone.async_stream_infer(P.MODEL, start_inputs("left open", **VOICE), sequence_id=777001,
-                            sequence_start=True, enable_empty_final_response=True)
+                            sequence_start=True, enable_empty_final_response=True, parameters=whole)
     events: queue.Queue = queue.Queue()
     waiting = grpcclient.InferenceServerClient(server.grpc_url)
     waiting.start_stream(callback=lambda result, error: events.put((result, error)))
     waiting.async_stream_infer(P.MODEL, start_inputs("waiting for more text", **VOICE), sequence_id=777002,
-                               sequence_start=True, enable_empty_final_response=True)
+                               sequence_start=True, enable_empty_final_response=True, parameters=whole)
     assert wait_metrics(server, lambda m: m.get("q3tts_open_sessions", 0) >= 2, 10)["q3tts_open_sessions"] >= 2
     gone.stop_stream(cancel_requests=True)
     gone.close()
