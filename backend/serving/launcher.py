@@ -18,6 +18,7 @@ NOTE (measured, Triton 2.51): a client that keeps its gRPC stream open still hol
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -97,18 +98,14 @@ class TritonServer:
         self.model = str(Path(model).resolve()) if Path(model).exists() else model
         self.run_dir = (Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="q3tts-serve-"))).resolve()
         self.gpus = detect_gpus() if gpus is None else list(gpus)
-        self.dtype = dtype or ("bfloat16" if self.gpus else "float32")
-        self.max_slots = max_slots or (64 if self.gpus else 8)
-        self.pool = dict(pool or {})
-        self.idle_s = float(idle_s)
-        self.chunk_schedule = chunk_schedule or ",".join(map(str, protocol.DEFAULT_CHUNK_SCHEDULE))
+        self.voices_dir = Path(voices_dir or default_voices_dir()).resolve()  # registered voices (q3tts.voices)
+        self.settings = RepositorySettings(self.model, tuple(self.gpus), dtype, max_slots, dict(pool or {}),
+                                           float(idle_s), chunk_schedule, str(self.voices_dir), voice_cache_size)
         self.stub_env = stub_env
         self.ready_timeout_s = ready_timeout_s
         self.exit_timeout_s = exit_timeout_s
         self.log_verbose = log_verbose
         self.bind = bind  # 127.0.0.1 everywhere except inside a container (docker/Dockerfile)
-        self.voices_dir = Path(voices_dir or default_voices_dir()).resolve()  # registered voices (q3tts.voices)
-        self.voice_cache_size = voice_cache_size
         ports = free_ports(3)
         self.http_port = http_port or ports[0]
         self.grpc_port = grpc_port or ports[1]
@@ -140,10 +137,8 @@ class TritonServer:
 
     def template_values(self, rt: runtime.Runtime) -> dict[str, str]:
         """The rendered configs' values (render.RepositorySettings), with the stub env of `rt`."""
-        return RepositorySettings(
-            self.model, tuple(self.gpus), self.dtype, self.max_slots, self.pool, self.idle_s, self.chunk_schedule,
-            str(self.voices_dir), self.voice_cache_size,
-            execution_env=str(rt.execution_env) if rt.use_execution_env else None).values()
+        env = str(rt.execution_env) if rt.use_execution_env else None
+        return dataclasses.replace(self.settings, execution_env=env).values()
 
     def command(self, rt: runtime.Runtime) -> list[str]:
         cmd = [str(rt.tritonserver), "--model-repository", str(self.repository),

@@ -35,7 +35,7 @@ class RepositorySettings:
     pool: dict = field(default_factory=dict)  # EngineConfig overrides
     idle_s: float = 30.0
     chunk_schedule: str | None = None
-    voices_dir: str = str(default_voices_dir())
+    voices_dir: str | None = None  # default: q3tts.voices.store.default_voices_dir()
     voice_cache_size: int | None = None
     execution_env: str | None = None  # EXECUTION_ENV_PATH; None = the server's own python3
 
@@ -69,7 +69,7 @@ class RepositorySettings:
             "chunk_schedule": pbtxt_string(self.chunk_schedule or ",".join(map(str, protocol.DEFAULT_CHUNK_SCHEDULE))),
             "idle_s": pbtxt_string(str(self.idle_s)),
             "execution_env_param": env_param,
-            "voices_dir": pbtxt_string(self.voices_dir),
+            "voices_dir": pbtxt_string(self.voices_dir or str(default_voices_dir())),
             "voice_cache_size": pbtxt_string(str(self.voice_cache_size or "")),
             "voices_instance_group": self.instance_group(first_only=True),  # encodes on one GPU
         }
@@ -121,6 +121,18 @@ def parse_pool(spec: str | None) -> dict:
     return out
 
 
+def parse_instance_gpus(spec: str) -> tuple[int, ...] | None:
+    """--gpus of render-repository: each | all -> None (every GPU the server sees), none -> (), '0,1'."""
+    if spec in ("each", "all"):
+        return None
+    if spec in ("none", "cpu", ""):
+        return ()
+    try:
+        return tuple(int(x) for x in spec.split(",") if x)
+    except ValueError:
+        raise ValueError(f"--gpus must be each, none or GPU indices like 0,1; got {spec!r}") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", type=Path, help="the repository folder to write (replaced if it exists)")
     add_settings_arguments(p)
@@ -143,8 +155,7 @@ def settings_from_args(args: argparse.Namespace, gpus: tuple[int, ...] | None,
 
 def run(args: argparse.Namespace) -> int:
     try:
-        gpus = None if args.gpus in ("each", "all") else () if args.gpus in ("none", "cpu", "") else \
-            tuple(int(x) for x in args.gpus.split(",") if x)
+        gpus = parse_instance_gpus(args.gpus)
         env = check_execution_env(args.execution_env) if args.execution_env else None
         if args.chunk_schedule:
             protocol.parse_chunk_schedule(args.chunk_schedule)

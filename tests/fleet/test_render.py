@@ -1,0 +1,56 @@
+"""`q3tts render-repository` without a server: instance groups per --gpus, the execution env forms it
+accepts, and one clear error (exit status 2) naming a bad flag."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from q3tts_client import protocol as P
+from q3tts.cli import main
+
+
+def render(tmp_path, *flags: str) -> dict[str, str]:
+    out = tmp_path / "repo"
+    assert main(["render-repository", str(out), "--model", "/models/ckpt", *flags]) == 0
+    return {m: (out / m / "config.pbtxt").read_text() for m in (P.MODEL, P.ONESHOT_MODEL, P.VOICES_MODEL)}
+
+
+def groups(config: str) -> str:
+    return re.search(r"^instance_group \[ (.*) \]$", config, re.M).group(1)
+
+
+def test_gpus_each_lets_the_server_place_one_instance_per_gpu(tmp_path):
+    configs = render(tmp_path)
+    assert groups(configs[P.MODEL]) == "{ count: 1, kind: KIND_GPU }"
+    assert groups(configs[P.VOICES_MODEL]) == "{ count: 1, kind: KIND_GPU, gpus: [ 0 ] }"
+    assert "max_candidate_sequences: 64 " in configs[P.MODEL] and '\\"dtype\\": \\"bfloat16\\"' in configs[P.MODEL]
+    assert all('key: "EXECUTION_ENV_PATH"' not in c for c in configs.values())  # the server's own python3
+
+
+def test_listed_gpus_and_cpu(tmp_path):
+    assert groups(render(tmp_path, "--gpus", "2,3")[P.MODEL]) == "{ count: 1, kind: KIND_GPU, gpus: [ 2, 3 ] }"
+    cpu = render(tmp_path, "--gpus", "none", "--max-slots", "5")
+    assert groups(cpu[P.MODEL]) == "{ count: 1, kind: KIND_CPU }" and "max_candidate_sequences: 5 " in cpu[P.MODEL]
+
+
+@pytest.mark.parametrize("kind", ["archive", "model_dir"])
+def test_packed_env_archives_are_accepted(tmp_path, kind):
+    archive = tmp_path / "q3tts-env.tar.gz"
+    archive.write_bytes(b"")
+    env = str(archive) if kind == "archive" else "$$TRITON_MODEL_DIRECTORY/q3tts-env.tar.gz"
+    for config in render(tmp_path, "--execution-env", env).values():
+        assert f'{{ key: "EXECUTION_ENV_PATH" value: {{ string_value: "{env}" }} }}' in config
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--execution-env", "/"], "a folder must be a venv"),
+    (["--execution-env", "/no/such/env.zip"], "neither a venv folder nor a packed env archive"),
+    (["--gpus", "first"], "--gpus must be each, none or GPU indices"),
+    (["--chunk-schedule", "0"], "chunk_schedule entries must be in 1..1000"),
+])
+def test_bad_flags_get_one_clear_error(tmp_path, capsys, flags, needle):
+    assert main(["render-repository", str(tmp_path / "repo"), "--model", "ckpt", *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and not (tmp_path / "repo").exists()
