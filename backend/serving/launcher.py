@@ -113,6 +113,7 @@ class TritonServer:
         self.proc: subprocess.Popen | None = None
         self.log_path = self.run_dir / "server.log"
         self._lock = threading.Lock()
+        self._listening_pid: int | None = None  # the server process whose log showed our three ports
 
     # --- urls ---------------------------------------------------------------------------------------------
     @property
@@ -185,10 +186,14 @@ class TritonServer:
             self.http_url, f"127.0.0.1:{self.metrics_port}", max(len(self.gpus), 1)) is None
 
     def _listening(self) -> bool:
+        if self._listening_pid == self.proc.pid:  # seen once for this process: the log only grows
+            return True
         log = self.log_text()
-        return all(f'Started {service} at {self.bind}:{port}"' in log for service, port in (
+        seen = all(f'Started {service} at {self.bind}:{port}"' in log for service, port in (
             ("GRPCInferenceService", self.grpc_port), ("HTTPService", self.http_port),
             ("Metrics Service", self.metrics_port)))
+        self._listening_pid = self.proc.pid if seen else None
+        return seen
 
     def check_ports(self) -> None:
         """Refuse to start when a port is taken, naming it (tritonserver would die with 'Socket already in use'
