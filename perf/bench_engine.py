@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from report import emit
+from report import append_csv, emit
 import torch
 
 from q3tts.core import SamplingParams, UnknownSequence, VoiceSpec
@@ -82,10 +83,28 @@ def bench_batch(engine: Engine, batch: int, steps: int, device: str) -> dict:
     dt = (time.perf_counter() - t0) / steps
     s = engine.stats()
     replays, decodes = s["graph_replays"] - replays0, s["decode_steps"] - decode0
+    kernels = kernels_per_step(engine, device)
     drain(engine, ids)
     fps = made / (dt * steps)
     return dict(batch=batch, bucket=engine.config.bucket_for(batch), ms=dt * 1e3, fps=fps,
-                audio=fps * 0.08, replays=replays, decodes=decodes, rows=made / steps)
+                audio=fps * 0.08, replays=replays, decodes=decodes, rows=made / steps, kernels=kernels)
+
+
+def kernels_per_step(engine: Engine, device: str) -> int | None:
+    """GPU kernels one decode step launches (= the nodes its graph replays): one eager step under the
+    profiler, memcpy/memset excluded. None on CPU."""
+    if not device.startswith("cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = bool(engine.runner.graph_buckets)
+    engine.runner.use_graphs(False)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        sync(device)
+    engine.runner.use_graphs(graphs)
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(1 for n in names if not n.lower().startswith(("memcpy", "memset")))
 
 
 def first_step(engine: Engine, n: int, device: str, repeats: int = 3) -> dict:
@@ -130,6 +149,15 @@ def graph_vs_eager(engine: Engine, batch: int, steps: int = 4) -> bool:
     return results[0] == results[1]
 
 
+ENGINE_CSV_COLUMNS = ("batch", "ms_per_step", "audio_s_per_s", "kernels_per_step", "gpu", "commit", "date")
+
+
+def config_name(args) -> str:
+    """The EngineConfig switches a row ran with (default = today's defaults)."""
+    on = [n for n in ("codec_kernels", "fused_code_predictor") if getattr(args, n)]
+    return "+".join(on) or "default"
+
+
 def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     """The checkpoint / device / batch flags shared by the engine benchmarks."""
     p.add_argument("--model", help="checkpoint folder (default: make a random one)")
@@ -138,6 +166,8 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--batches", type=int, nargs="+", default=batches)
     p.add_argument("--codec-kernels", action="store_true", help="EngineConfig.codec_kernels (Triton conv/SnakeBeta)")
+    p.add_argument("--fused-code-predictor", action="store_true",
+                   help="EngineConfig.fused_code_predictor (the code predictor in few Triton kernels)")
 
 
 def build_engine(args, frames: int) -> Engine:
@@ -151,7 +181,8 @@ def build_engine(args, frames: int) -> Engine:
                        max_frames=frames + 16, max_prompt_tokens=256, max_text_tokens=256,
                        kv_memory_fraction=0.5, graph_batch_sizes=buckets,
                        num_pages=None if args.device.startswith("cuda") else 2 * max_b * (frames + 300) // 16,
-                       use_cuda_graphs=not args.no_cuda_graphs, codec_kernels=args.codec_kernels)
+                       use_cuda_graphs=not args.no_cuda_graphs, codec_kernels=args.codec_kernels,
+                       fused_code_predictor=args.fused_code_predictor)
     model = make_model(args)
     t0 = time.perf_counter()
     engine = Engine(model, cfg)
@@ -181,13 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     same = graph_vs_eager(engine, min(8, max(args.batches))) if graphs_on else None
     print(f"one graph replay per decode step: {one_launch}; graph == eager (greedy, bit-exact): {same}")
     first = [first_step(engine, n, args.device) for n in args.arrivals if n <= engine.config.max_slots]
-    table = ["| batch | bucket | ms/step | frames/s | audio-s/s | RTF/stream | replays/steps |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    table = ["| batch | bucket | ms/step | frames/s | audio-s/s | RTF/stream | replays/steps | kernels/step |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         table.append(f"| {r['batch']} | {r['bucket']} | {r['ms']:.2f} | {r['fps']:.1f} | {r['audio']:.2f} | "
-                     f"{r['ms'] / 80:.4f} | {r['replays']}/{r['decodes']} |")
+                     f"{r['ms'] / 80:.4f} | {r['replays']}/{r['decodes']} | {r['kernels']} |")
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    codec = ", codec kernels" if args.codec_kernels else ""
+    codec = f", {config_name(args)}" if config_name(args) != "default" else ""
     md = (f"# Engine decode step ({args.scale} 1.7B CustomVoice, {dtype}, {dev}{codec})\n\n" + "\n".join(table)
           + f"\n\none graph replay per decode step: {one_launch}; graph == eager: {same}\n\n"
           + "First step after n arrivals on an idle engine (prefill + first frame; medians of 3; device times from"
@@ -196,7 +227,13 @@ def main(argv: list[str] | None = None) -> int:
           + "|---:|---:|---:|---:|---:|---:|---:|\n"
           + "".join(f"| {f['n']} | {f['frames']} | {f['add_ms']:.2f} | {f['step_ms']:.2f} | {f['prefill_ms']:.2f} | "
                     f"{f['decode_ms']:.2f} | {f['host_ms']:.2f} |\n" for f in first))
-    emit(md, "engine_bench_codec_kernels.md" if args.codec_kernels else "engine_bench.md")
+    emit(md, f"engine_bench_{config_name(args)}.md")
+    if args.device.startswith("cuda"):
+        csv_rows = [dict(batch=r["batch"], ms_per_step=r["ms"], audio_s_per_s=r["audio"],
+                         kernels_per_step=r["kernels"]) for r in rows]
+        name = "engine.csv" if config_name(args) == "default" else f"engine-{config_name(args)}.csv"
+        for folder in (Path(__file__).resolve().parent / "results", Path(os.environ.get("OUT", "/tmp"))):
+            append_csv(folder / name, csv_rows, columns=ENGINE_CSV_COLUMNS)
     return 0 if (one_launch in (True, None) and same in (True, None)) else 1
 
 
