@@ -39,6 +39,10 @@ class RepositorySettings:
     voice_cache_size: int | None = None
     execution_env: str | None = None  # EXECUTION_ENV_PATH; None = the server's own python3
 
+    def __post_init__(self) -> None:
+        if "max_slots" in self.pool:  # it is also the batcher's max_candidate_sequences: one value, one flag
+            raise ValueError("set the engine slots with --max-slots, not --pool max_slots=...")
+
     @property
     def on_gpu(self) -> bool:
         return self.gpus != ()

@@ -49,6 +49,7 @@ def test_packed_env_archives_are_accepted(tmp_path, kind):
     (["--execution-env", "/no/such/env.zip"], "neither a venv folder nor a packed env archive"),
     (["--gpus", "first"], "--gpus must be each, none or GPU indices"),
     (["--chunk-schedule", "0"], "chunk_schedule entries must be in 1..1000"),
+    (["--pool", "max_slots=9"], "set the engine slots with --max-slots"),
 ])
 def test_bad_flags_get_one_clear_error(tmp_path, capsys, flags, needle):
     assert main(["render-repository", str(tmp_path / "repo"), "--model", "ckpt", *flags]) == 2
