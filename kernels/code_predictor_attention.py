@@ -198,8 +198,10 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
     t = tokens_per_row
     assert qkv_weight.shape == ((num_heads + 2 * num_kv) * d, hidden) and num_heads % num_kv == 0, \
         f"qkv_attention: qkv_weight {tuple(qkv_weight.shape)} vs cache {tuple(k_cache.shape)}"
-    assert v_cache.shape == k_cache.shape and k_cache.dtype == v_cache.dtype == x.dtype, \
-        f"qkv_attention: caches {tuple(k_cache.shape)}/{k_cache.dtype}, x {x.dtype}"
+    assert v_cache.shape == k_cache.shape and k_cache.dtype == v_cache.dtype == x.dtype \
+        == qkv_weight.dtype, \
+        f"qkv_attention: caches {tuple(k_cache.shape)}/{k_cache.dtype}, x {x.dtype}, weight " \
+        f"{qkv_weight.dtype}"
     assert d >= 16 and d & (d - 1) == 0, f"qkv_attention: head_dim {d} must be a power of 2 >= 16"
     assert rows % t == 0 and rows // t <= k_cache.shape[0], \
         f"qkv_attention: {rows} rows, {t} tokens per row, cache for {k_cache.shape[0]} rows"

@@ -38,8 +38,6 @@ class GemmConfig(NamedTuple):
     num_stages: int
 
 
-
-
 def interpret_config(cols: int) -> GemmConfig:
     """The CPU interpreter's config: few programs (its cost is per program and per nested jit call,
     not per element): the widest power-of-2 tile <= 512 that divides `cols`, one K slice (the tests

@@ -123,6 +123,7 @@ def _run(name: str, config: GemmConfig | None, **kw) -> None:
     for label, t in (("x", x), ("weight", w), ("out", kw["out"])):
         assert t.stride(-1) == 1, f"{name}: {label} last dim must be contiguous"
         assert t.device == w.device, f"{name}: {label} on {t.device}, weight on {w.device}"
+    assert x.dtype == w.dtype, f"{name}: x {x.dtype} and weight {w.dtype} differ"
     assert kw["counters"].dtype == torch.int32, f"{name}: counters must be int32 (zeros)"
     if kw["rows"] == 0:
         return

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -33,6 +32,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("Q3TTS_TRITON_ON_CPU", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_step import Timer, capture  # noqa: E402
 from report import emit  # noqa: E402
 
 from q3tts.checkpoint.maker import _init_tensor  # noqa: E402
@@ -84,34 +84,12 @@ class Inputs:
 
 # ------------------------------------------------------------------------------------ timing
 
-def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Warm fn up on a side stream (tunes the kernels), then capture it; returns (graph, outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph, out
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
-    """Median device ms of one replay (CUDA events around each)."""
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def capture_with_outputs(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`profile_step.capture` of fn (warm-up on a side stream: tunes the kernels), and the
+    captured call's outputs (static tensors the replays rewrite)."""
+    outs: list[object] = []
+    graph = capture(lambda: outs.append(fn()))
+    return graph, outs[-1]
 
 
 def kernels_launched(fn: Callable[[], object]) -> int:
@@ -185,12 +163,13 @@ def bench_batch(cp: CodePredictor, bsz: int, args) -> list[str]:
         return lines + ["(no CUDA: correctness only)", ""]
     inputs = Inputs(cp, bsz, greedy=args.greedy)
     with torch.no_grad():
-        eager_graph, _ = capture(lambda: inputs.run(cp.generate))
-        fused_graph, fused_out = capture(lambda: inputs.run(fused.generate))
+        eager_graph, _ = capture_with_outputs(lambda: inputs.run(cp.generate))
+        fused_graph, fused_out = capture_with_outputs(lambda: inputs.run(fused.generate))
         fused_graph.replay()
         replayed = fused_out[0].clone()
         eager_codes = inputs.run(fused.generate)[0]
-        ms = {"eager": replay_ms(eager_graph, args.iters), "fused": replay_ms(fused_graph, args.iters)}
+        timer = Timer(torch.device("cuda"), args.iters, eager_iters=1)
+        ms = {"eager": timer.graph(eager_graph), "fused": timer.graph(fused_graph)}
         launches = {"eager": kernels_launched(lambda: inputs.run(cp.generate)),
                     "fused": kernels_launched(lambda: inputs.run(fused.generate))}
     lines += [f"fused graph replay == fused eager: {torch.equal(replayed, eager_codes)}", "",
@@ -200,8 +179,7 @@ def bench_batch(cp: CodePredictor, bsz: int, args) -> list[str]:
     lines += ["", "| fused launch (pass 8, alone in a graph) | us | MB | GB/s |", "|---|---:|---:|---:|"]
     with torch.no_grad():
         for name, nbytes, fn in pass_launches(cp, bsz):
-            graph, _ = capture(fn)
-            us = 1e3 * replay_ms(graph, args.iters)
+            us = 1e3 * timer.graph(capture(fn))
             lines.append(f"| {name} | {us:.1f} | {nbytes / 1e6:.2f} | {nbytes / us / 1e3:.0f} |")
     return lines + [""]
 

@@ -15,21 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_checks import assert_close_3way
+from code_predictor_cases import REAL, AttentionFrame, Inputs, check_gemms
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-H, I, NH, KVH, D, P, V, TALKER_H, EPS = 1024, 3072, 16, 8, 128, 16, 2048, 2048, 1e-6
 BF16 = torch.bfloat16
 
 
 @pytest.fixture(scope="module")
-def kernels():
-    from q3tts.kernels import code_predictor as cpk
-    from q3tts.kernels import code_predictor_reference as ref
+def cpk():
+    from q3tts.kernels import code_predictor
 
-    return cpk, ref
+    return code_predictor
 
 
 def _bench():
@@ -45,75 +43,15 @@ def code_predictor_fp32():
     return _bench().random_code_predictor("full", torch.float32, "cuda")
 
 
-def _rand(gen, *shape, scale=1.0, dtype=BF16):
-    return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
-
-
-def _nan(*shape, dtype=BF16):
-    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-
-
-def _f32(*ts):
-    return [t.float() for t in ts]
+@pytest.mark.parametrize("rows", [1, 64])
+def test_gemm_kernels_at_real_shapes(cpk, rows):
+    check_gemms(cpk, REAL, rows, BF16, Inputs("cuda", 1, rows), None)
 
 
 @pytest.mark.parametrize("bsz", [1, 64])
-def test_gemm_kernels_at_real_shapes(kernels, bsz):
-    cpk, R = kernels
-    gen = torch.Generator(device="cuda").manual_seed(bsz)
-    counters = torch.zeros(cpk.counters_needed(2 * bsz, I // cpk.MIN_BLOCK_N), dtype=torch.int32,
-                           device="cuda")
-    h, nw = _rand(gen, bsz, H, scale=2), 1 + _rand(gen, H, scale=0.05)
-    table, proj_w, proj_b = _rand(gen, V, TALKER_H, scale=0.5), _rand(gen, H, TALKER_H,
-                                                                        scale=TALKER_H ** -0.5), \
-        _rand(gen, H, scale=0.02)
-    ids = torch.randint(0, V, (bsz, 15), generator=gen, device="cuda")[:, 4]
-    out = cpk.project(table, proj_w, proj_b, counters, ids=ids, out=_nan(bsz, H))
-    assert_close_3way(out, R.project_ref(table, proj_w, proj_b, ids),
-                      R.project_ref(*_f32(table, proj_w, proj_b), ids), BF16, "project")
-    for k in (NH * D, I):  # o_proj, down_proj
-        x, w = _rand(gen, bsz, k), _rand(gen, H, k, scale=k ** -0.5)
-        out = cpk.linear_residual(x, w, h, counters, out=_nan(bsz, H))
-        assert_close_3way(out, R.linear_residual_ref(x, w, h),
-                          R.linear_residual_ref(*_f32(x, w, h)), BF16, f"linear_residual K={k}")
-    w = _rand(gen, 2 * I, H, scale=H ** -0.5)
-    out = cpk.norm_gate_up(h, nw, w, EPS, counters, out=_nan(bsz, I))
-    assert_close_3way(out, R.norm_gate_up_ref(h, nw, w, EPS),
-                      R.norm_gate_up_ref(*_f32(h, nw, w), EPS), BF16, "norm_gate_up")
-    w = _rand(gen, V, H, scale=H ** -0.5)
-    out = cpk.norm_head(h, nw, w, EPS, counters, out=_nan(bsz, V, dtype=torch.float32))
-    assert_close_3way(out, R.norm_head_ref(h, nw, w, EPS), R.norm_head_ref(*_f32(h, nw, w), EPS),
-                      BF16, "norm_head")
-    torch.cuda.synchronize()
-    assert not counters.any()
-
-
-@pytest.mark.parametrize("bsz", [1, 64])
-def test_qkv_attention_at_real_shapes(kernels, bsz):
-    from q3tts.kernels.reference import rope_cos_sin
-
-    cpk, R = kernels
-    gen = torch.Generator(device="cuda").manual_seed(100 + bsz)
-    counters = torch.zeros(cpk.counters_needed(2 * bsz, KVH), dtype=torch.int32, device="cuda")
-    weights = (1 + _rand(gen, H, scale=0.05), _rand(gen, (NH + 2 * KVH) * D, H, scale=H ** -0.5),
-               1 + _rand(gen, D, scale=0.05), 1 + _rand(gen, D, scale=0.05))
-    rope = rope_cos_sin(torch.arange(P, device="cuda"), D, 1e6, BF16)
-    kernel = [_nan(bsz, P, KVH, D) for _ in range(2)]  # unwritten positions must never be read
-    ref = [torch.zeros_like(c) for c in kernel]
-    ref32 = [c.float() for c in ref]
-    for pos0, tokens in ((0, 2), (2, 1), (3, 1), (4, 1)):
-        x = _rand(gen, bsz * tokens, H, scale=2)
-        args = (pos0, tokens, EPS, D ** -0.5)
-        out = cpk.qkv_attention(x, *weights, *rope, *kernel, *args, counters,
-                                out=_nan(bsz * tokens, NH * D))
-        want = R.qkv_attention_ref(x, *weights, *rope, *ref, *args)
-        want32 = R.qkv_attention_ref(*_f32(x, *weights, *rope), *ref32, *args)
-        assert_close_3way(out, want, want32, BF16, f"attention at {pos0}")
-        seen = slice(0, pos0 + tokens)
-        for got, w, w32 in zip(kernel, ref, ref32):
-            assert_close_3way(got[:, seen], w[:, seen], w32[:, seen], BF16, f"cache at {pos0}")
-    torch.cuda.synchronize()
-    assert not counters.any()
+def test_qkv_attention_at_real_shapes(cpk, bsz):
+    frame = AttentionFrame(cpk, REAL, bsz, BF16, Inputs("cuda", 2, bsz))
+    frame.run_frame(None, passes=((0, 2), (2, 1), (3, 1), (4, 1)))
 
 
 def _inputs(cp, bsz: int, greedy: bool, seed: int = 0):
@@ -165,7 +103,7 @@ def test_fused_graph_replay_equals_eager_and_nothing_compiles_after_warmup(fused
 
     cp, fused = fused_bf16
     inputs = _inputs(cp, 64, greedy=False)  # the largest batch first: buffers never grow later
-    graph, out = _bench().capture(lambda: inputs.run(fused.generate))
+    graph, out = _bench().capture_with_outputs(lambda: inputs.run(fused.generate))
     for seed in (1, 2):
         fresh = _inputs(cp, 64, greedy=False, seed=seed)
         inputs.past_hidden.copy_(fresh.past_hidden)
