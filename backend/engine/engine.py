@@ -1,37 +1,42 @@
 """`Engine`: continuous batching of Qwen3-TTS sequences (contract in docs/ARCHITECTURE.md).
 
-Single-threaded, and it only orchestrates: the `InputProcessor` turns requests into `Sequence`s
-(voice, text feed, prompt), the `Scheduler` decides who starts and who steps, the `ModelRunner` runs
+Called from one thread, and it only orchestrates: `RequestIntake` (engine/requests.py) takes requests,
+the `InputProcessor` turns them into `Sequence`s (voice, text feed, prompt; reference audio is encoded on
+the `Preparer`'s own thread), the `Scheduler` decides who starts and who steps, the `ModelRunner` runs
 the device work. `step()` = start (prefill, all in one ragged forward) the sequences the scheduler
 admits, then one batched decode step for every running sequence whose next text is known; it
 returns one StepOutput per sequence that made a frame or finished. Text can arrive in pieces
 (`append_text`, `end_text`): in incremental mode token T_{t+1} enters with frame t (spec b.4), so a
-sequence whose text ran out before `end_text` waits in its slot until more arrives.
+sequence whose text ran out before `end_text` waits in its slot until more arrives. A failure of the
+step's device work that leaves the device usable ends only the sequences that fail on their own
+(engine/isolation.py); the others stream on.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Hashable
+from typing import Any
 
 import torch
 
 from q3tts.codec.audio import SAMPLE_RATE
-from q3tts.core import (EngineError, InvalidRequest, SamplingParams, StepOutput, UnknownSequence,
-                        VoiceSpec)
+from q3tts.core import SamplingParams, StepOutput
 from q3tts.models.sampling import UniformSource
 
 from .config import EngineConfig
 from .cuda_graph import DecodeRow
-from .faults import check_token_ids, inject_device_fault, nonfinite_error
+from .faults import check_token_ids, inject_device_fault, is_device_fault, nonfinite_error
 from .input_processor import InputProcessor
+from .isolation import decode_undo, isolated, step_error
 from .model_runner import ModelRunner, PrefillRow, make_codec, resolve_config
+from .preparer import Preparer
+from .requests import RequestIntake
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .timing import PhaseClock, StepTimes
 
 
-class Engine:
+class Engine(RequestIntake):
     sample_rate = SAMPLE_RATE
 
     def __init__(self, checkpoint_or_path: Any, config: EngineConfig | None = None, *,
@@ -48,6 +53,7 @@ class Engine:
         check_token_ids(ckpt.tokenizer.vocab_size, ckpt.config.talker.text_vocab_size)
         self.model = Qwen3TTS.from_checkpoint(ckpt).to(device=config.device, dtype=dtype)
         self.inputs = InputProcessor(self.model, ckpt, config)
+        self.preparer = Preparer(self.inputs.encode)  # reference audio is encoded on its own thread
         self.codec_eos_id = ckpt.config.talker.codec_eos_id
         codec = make_codec(ckpt, config) if with_codec else None
         self.config = resolve_config(self.model, config)  # after the codec: KV takes a share of what is left
@@ -69,51 +75,10 @@ class Engine:
         """The checkpoint's generation_config.json defaults (requests override field by field)."""
         return SamplingParams.from_generation_config(self.checkpoint.generation)
 
-    # --- requests ---------------------------------------------------------------------------------
-
-    def add(self, seq_id: Hashable, voice: VoiceSpec, sampling: SamplingParams | None = None,
-            text: str = "", text_done: bool = False) -> None:
-        """Queue a sequence (sampling None: `default_sampling`). Raises InvalidRequest (bad voice,
-        params or text) or AdmissionRejected; a refused sequence leaves nothing behind."""
-        if seq_id in self.scheduler.seqs or any(o.seq_id == seq_id for o in self._outbox):
-            raise InvalidRequest(f"sequence id {seq_id!r} is already in use")
-        seq = self.inputs.new_sequence(seq_id, voice, sampling or self.default_sampling)
-        self._take_text(seq, text, text_done)
-        if not seq.prompt_ready:  # size it already, so that a prompt that can never fit is refused now
-            seq.prompt_len = self.inputs.estimate_prompt_len(seq)
-            self.scheduler.check_fits(seq)
-        self.scheduler.add(seq)
-
-    def append_text(self, seq_id: Hashable, text: str) -> None:
-        seq = self._live(seq_id)
-        if seq is None:
-            return
-        if seq.feed.done:
-            raise InvalidRequest(f"sequence {seq_id!r}: text already ended")
-        self._guarded(seq, lambda: self._take_text(seq, text, False))
-
-    def end_text(self, seq_id: Hashable) -> None:
-        seq = self._live(seq_id)
-        if seq is not None and not seq.feed.done:
-            self._guarded(seq, lambda: self._take_text(seq, "", True))
-
-    def abort(self, seq_id: Hashable) -> None:
-        """Stop a sequence now: pages and slot return at once; its final output comes with the next step."""
-        seq = self._live(seq_id)
-        if seq is not None:
-            self._finish(seq, "aborted", None)
-
-    def _take_text(self, seq: Sequence, text: str, done: bool) -> None:
-        """Feed the text; build the prompt as soon as the feed allows it and check that it fits."""
-        seq.feed.add(text, done)
-        if not seq.prompt_ready and seq.feed.is_ready:
-            self.inputs.build_prompt(seq)
-            self.scheduler.check_fits(seq)
-            seq.prompt_ready, seq.ready_at = True, time.monotonic()
-
     # --- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        self._admit_prepared(idle=not (self.scheduler.has_work() or self._outbox))
         outputs, self._outbox = self._outbox, []
         started, decode, victims = self.scheduler.schedule()
         outputs += [seq.final_output() for seq in victims]
@@ -121,9 +86,8 @@ class Engine:
         if started:
             self._prefill(started)
         for seq in decode:
-            queued = self.inputs.trailing_rows(seq)
-            if queued is not None:
-                self.runner.push_text(seq.slot, *queued)
+            self._push_text(seq)
+        decode = [s for s in decode if s.status is Status.RUNNING]  # not ended by a failure of its own
         t_decode = self.clock.stamp() if started or decode else None
         decode_s = prefill_s = None
         if decode:
@@ -145,11 +109,29 @@ class Engine:
     def _prefill(self, seqs: list[Sequence]) -> None:
         """One ragged prefill forward for the sequences started this step; their prompts are dropped."""
         now = time.monotonic()
-        self.runner.start_batch([PrefillRow(s.slot, s.sampling, s.prompt, self.scheduler.kv.pages(s.seq_id),
-                                            self.inputs.codec_context(s)) for s in seqs])
-        for seq in seqs:
+        rows = [PrefillRow(s.slot, s.sampling, s.prompt, self.scheduler.kv.pages(s.seq_id),
+                           self.inputs.codec_context(s)) for s in seqs]
+        results = isolated(self._start_batch, rows, self.runner.device)
+        for seq, result in zip(seqs, results):
             seq.prompt = None
             self.times.queue_wait_seconds += now - seq.ready_at
+            if isinstance(result, Exception):
+                self._finish(seq, "error", step_error("prefill", 0))
+
+    def _start_batch(self, rows: list[PrefillRow]) -> list[PrefillRow]:
+        self.runner.start_batch(rows)
+        return rows
+
+    def _push_text(self, seq: Sequence) -> None:
+        """The sequence's trailing text ids not yet in its slot's queue, embedded, into the queue."""
+        try:
+            queued = self.inputs.trailing_rows(seq)
+            if queued is not None:
+                self.runner.push_text(seq.slot, *queued)
+        except Exception as exc:  # noqa: BLE001 - its own text failed: it ends alone (a device fault does not)
+            if is_device_fault(exc, self.runner.device):
+                raise
+            self._finish(seq, "error", step_error("its text", seq.num_frames))
 
     def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
         """One decode step; a row whose sampling went non-finite ends (reason 'error') without its frame."""
@@ -158,16 +140,20 @@ class Engine:
             inject_device_fault(self.runner.device)
         rows = [DecodeRow(s.slot, s.prompt_len + s.num_frames, s.num_frames,
                           self.scheduler.kv.pages(s.seq_id)) for s in seqs]
-        frames, c0_next, pcm, faults = self.runner.decode(rows)
+        results = isolated(self._decode_rows, rows, self.runner.device, decode_undo(self.runner.state))
         outputs = []
-        for i, seq in enumerate(seqs):
-            if faults[i]:
+        for seq, result in zip(seqs, results):
+            if isinstance(result, Exception):
+                self._finish(seq, "error", step_error("decode", seq.num_frames))
+                continue
+            frame, c0_next, pcm, fault = result
+            if fault:
                 self._finish(seq, "error", nonfinite_error(seq.sampling))
                 continue
             seq.num_frames += 1
-            out = StepOutput(seq.seq_id, codes=frames[i:i + 1].copy(), pcm=pcm[i].copy(),
+            out = StepOutput(seq.seq_id, codes=frame[None], pcm=pcm,
                              stats=seq.first_frame() if seq.num_frames == 1 else {})
-            reason = ("eos" if c0_next[i] == self.codec_eos_id
+            reason = ("eos" if c0_next == self.codec_eos_id
                       else "max_frames" if seq.num_frames >= seq.frame_cap else None)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
@@ -175,8 +161,13 @@ class Engine:
             outputs.append(out)
         return outputs
 
+    def _decode_rows(self, rows: list[DecodeRow]) -> list[tuple]:
+        """One decode step -> per row (frame [16], next c0, pcm [1920], fault), copied (on the CPU the
+        runner's arrays are views of its buffers, which the next attempt of a bisection overwrites)."""
+        return list(zip(*(column.copy() for column in self.runner.decode(rows))))
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._outbox)
+        return self.scheduler.has_work() or bool(self._outbox) or bool(self.preparer)
 
     def stats(self) -> dict[str, Any]:
         sch = self.scheduler
@@ -188,25 +179,6 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-
-    # --- completion -------------------------------------------------------------------------------
-
-    def _live(self, seq_id: Hashable) -> Sequence | None:
-        seq = self.scheduler.seqs.get(seq_id)
-        if seq is None:
-            raise UnknownSequence(f"unknown sequence {seq_id!r}")
-        return None if seq.status is Status.FINISHED else seq
-
-    def _guarded(self, seq: Sequence, fn: Callable[[], None]) -> None:
-        """Run a text update; an error there ends the sequence (reason 'error') instead of raising."""
-        try:
-            fn()
-        except (EngineError, ValueError) as exc:
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-
-    def _finish(self, seq: Sequence, reason: str, error: str | None) -> None:
-        self.scheduler.finish(seq, reason, error)
-        self._outbox.append(seq.final_output())
 
 
 __all__ = ["Engine", "EngineConfig"]

@@ -13,7 +13,7 @@ from typing import Hashable
 import numpy as np
 import torch
 
-from q3tts.codec.voice import resolve_voice
+from q3tts.codec.voice import check_reference, resolve_voice
 from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.models.prompt import PromptBuilder, icl_prefill_rows
 
@@ -36,11 +36,22 @@ class InputProcessor:
     def new_sequence(self, seq_id: Hashable, voice: VoiceSpec, sampling: SamplingParams) -> Sequence:
         """A sequence with a resolved, checked voice and an empty text feed; raises InvalidRequest."""
         sampling.validate()
-        voice = resolve_voice(voice, self.model, self._reference_encoder)
+        voice = self.encode(voice)
         self.builder.validate(voice)
         given = sampling.max_frames
         return Sequence(seq_id, voice, sampling, self._feed(voice), text_cap=self.config.text_frame_cap,
                         max_frames=None if given is None else min(given, self.config.max_frames))
+
+    def check_unencoded(self, voice: VoiceSpec, sampling: SamplingParams) -> None:
+        """Everything `new_sequence` checks that needs no encoding of the voice's reference audio (its
+        limits included): a request that would be refused is refused before any work."""
+        sampling.validate()
+        check_reference(voice.ref_audio, voice.ref_sample_rate)
+        self.builder.validate(voice, encoded=False)
+
+    def encode(self, voice: VoiceSpec) -> VoiceSpec:
+        """The voice with its reference audio encoded (a no-op when there is nothing to encode)."""
+        return resolve_voice(voice, self.model, self._reference_encoder)
 
     def _feed(self, voice: VoiceSpec) -> TextFeed:
         mode = self.builder.text_mode(voice)

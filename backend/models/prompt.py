@@ -19,11 +19,17 @@ import torch
 from q3tts.checkpoint.tokenizer import TextTokenizer
 from q3tts.core import TEXT_MODES, InvalidRequest, VoiceSpec
 from q3tts.models.tts_model import Qwen3TTS
+from q3tts_client import protocol as P
 
 DEFAULT_TEXT_MODE = {"custom_voice": "whole", "voice_design": "whole", "base": "incremental"}
 _ROLE_TOKENS = 3  # <|im_start|> assistant \n
 _TARGET_TAIL = 5  # <|im_end|> \n <|im_start|> assistant \n
 _REF_TAIL = 2  # <|im_end|> \n
+ICL_NEEDS = "ICL voice cloning needs ref_codes [F, 16] and ref_text (input REF_TEXT), or set xvector_only"
+# VoiceSpec field -> the request input or parameter that sets it (a registered VOICE sets ref_codes, xvector)
+VOICE_INPUTS = {"speaker": P.INPUT_SPEAKER, "instruct": P.INPUT_INSTRUCT, "ref_audio": P.INPUT_REF_AUDIO,
+                "ref_text": P.INPUT_REF_TEXT, "ref_codes": P.INPUT_VOICE, "xvector": P.INPUT_VOICE,
+                "xvector_only": P.PARAM_XVECTOR_ONLY}
 
 
 @dataclass
@@ -116,14 +122,22 @@ class PromptBuilder:
             lang_id = self.tcfg.language_ids[dialect]
         return lang_id
 
-    def validate(self, voice: VoiceSpec) -> None:
+    def validate(self, voice: VoiceSpec, encoded: bool = True) -> None:
         """Raise InvalidRequest for a voice that `build` would refuse (speaker, language, instruct,
-        clone inputs, text mode), without computing any embedding."""
+        clone inputs, text mode), without computing any embedding, or that gives a field the variant
+        does not use (the request table's `variants`, q3tts_client.protocol: `build` ignores those, as the
+        reference does). `encoded=False`: its reference audio is still to be encoded (the clone inputs
+        that encoding makes are not checked)."""
         self.text_mode(voice)
-        self._check_voice(voice)
+        self._check_voice(voice, encoded)
         self._language_id(voice)
+        given = [wire for name, wire in VOICE_INPUTS.items() if _given(getattr(voice, name))]
+        try:
+            P.check_variant(self.config.variant, self.config.size, given)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
 
-    def _check_voice(self, voice: VoiceSpec) -> None:
+    def _check_voice(self, voice: VoiceSpec, encoded: bool = True) -> None:
         variant = self.config.variant
         if variant == "custom_voice":
             speakers = sorted(self.tcfg.speaker_ids)
@@ -137,11 +151,15 @@ class PromptBuilder:
         if variant == "voice_design" and not voice.instruct:
             raise InvalidRequest("VoiceDesign needs `instruct`: the voice description")
         if variant == "base":
-            self._check_clone(voice)
+            self._check_clone(voice, encoded)
 
-    def _check_clone(self, voice: VoiceSpec) -> None:
+    def _check_clone(self, voice: VoiceSpec, encoded: bool) -> None:
         if voice.instruct:
             raise InvalidRequest("Base models take no instruct")
+        if not encoded:
+            if not (voice.xvector_only or voice.ref_text):
+                raise InvalidRequest(ICL_NEEDS)
+            return
         if voice.xvector is None:
             raise InvalidRequest("Base needs an x-vector (or ref_audio encoded into one first)")
         if np.asarray(voice.xvector).shape != (self.tcfg.hidden_size,):
@@ -150,8 +168,7 @@ class PromptBuilder:
         if voice.xvector_only:
             return
         if voice.ref_codes is None or not voice.ref_text:
-            raise InvalidRequest("ICL voice cloning needs ref_codes [F, 16] and ref_text "
-                                 "(or set xvector_only)")
+            raise InvalidRequest(ICL_NEEDS)
         codes = np.asarray(voice.ref_codes)
         groups = self.tcfg.num_code_groups
         if codes.ndim != 2 or codes.shape[1] != groups or codes.shape[0] == 0:
@@ -235,3 +252,8 @@ class PromptBuilder:
             return x[:cut] + y, x[cut:]
         x = torch.cat((x, pad.expand(cut - x.shape[0], -1)))
         return x + y, pad
+
+
+def _given(value) -> bool:
+    """Whether a VoiceSpec field was set (None, "" and False are its unset values; arrays are set)."""
+    return value is not None and not (isinstance(value, (str, bool)) and not value)
