@@ -2,7 +2,7 @@
 
     project          input rows (or codec-embedding rows by id) @ small_to_mtp_projection + bias
     per layer (x5):
-      qkv_attention  RMSNorm + QKV + QK-norm + RoPE + K/V cache write + attention over <= 16 positions
+      qkv_attention  RMSNorm + QKV + QK-norm + RoPE + K/V cache write + attention (<= 16 positions)
       linear_residual o_proj + residual
       norm_gate_up   RMSNorm + gate/up + SiLU * up
       linear_residual down_proj + residual

@@ -205,8 +205,9 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
     assert d >= 16 and d & (d - 1) == 0, f"qkv_attention: head_dim {d} must be a power of 2 >= 16"
     assert rows % t == 0 and rows // t <= k_cache.shape[0], \
         f"qkv_attention: {rows} rows, {t} tokens per row, cache for {k_cache.shape[0]} rows"
-    assert 0 <= pos0 and pos0 + t <= positions and cos.shape == sin.shape == (cos.shape[0], d) \
-        and pos0 + t <= cos.shape[0], f"qkv_attention: positions {pos0}..{pos0 + t - 1} out of range"
+    assert 0 <= pos0 and pos0 + t <= min(positions, cos.shape[0]) \
+        and cos.shape == sin.shape == (cos.shape[0], d), \
+        f"qkv_attention: positions {pos0}..{pos0 + t - 1} out of range"
     assert BLOCK_M % t == 0, f"qkv_attention: {t} tokens per row must divide {BLOCK_M}"
     for name, ten in (("x", x), ("qkv_weight", qkv_weight), ("cos", cos), ("sin", sin),
                       ("k_cache", k_cache), ("v_cache", v_cache)):

@@ -1,8 +1,8 @@
 """Skinny-GEMM building blocks of the code-predictor kernels: out[M, N] = X[M, K] @ W[N, K]^T.
 
 The code predictor runs at M = batch (1..256) rows, so every GEMM is weight-bandwidth bound. One
-program owns BLOCK_M rows x BLOCK_N weight rows x one of SPLIT slices of K (grid: row blocks fastest,
-so the programs that share a weight tile run together and re-read it from L2, not HBM). With
+program owns BLOCK_M rows x BLOCK_N weight rows x one of SPLIT slices of K (grid: row blocks
+fastest, so the programs that share a weight tile run together and re-read it from L2). With
 SPLIT > 1 each program stores an fp32 partial and takes a ticket; the last program of a unit (a
 column tile, or a kv-head group for attention) sums the partials in split order 0..SPLIT-1 and runs
 the epilogue. No program waits on another, so any grid is safe (the interpreter runs programs one
@@ -144,9 +144,10 @@ def store_partial(part_ptr, acc, split, rows, cols, M_PAD, NP):
 
 @triton.jit
 def arrive(cnt_ptr, arrivals):
-    """Take a ticket on counter `cnt_ptr`; True in the last of `arrivals` programs, which also resets
-    the counter for the next launch. NOTE: the barrier orders every thread's partial stores before
-    the release of the ticket (the acquire on the last program's side orders its reads after)."""
+    """Take a ticket on counter `cnt_ptr`; True in the last of `arrivals` programs, which also
+    resets the counter for the next launch. NOTE: the barrier orders every thread's partial stores
+    before the release of the ticket (the acquire on the last program's side orders its reads
+    after)."""
     tl.debug_barrier()
     ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     last = ticket == arrivals - 1

@@ -5,8 +5,9 @@ GREEDY: argmax (first index of the maximum, as torch). TOPK: temperature (an exa
 the same scaled values) -> keep scores >= the row's k-th largest (k clamped to [1, cap]; found by a
 32-step radix select on order-preserving integer keys of the scores, no sort: the same threshold and
 ties as `apply_top_k_capped`) -> softmax -> inverse-CDF draw with the row's uniform, clamped to the
-last id of non-zero probability; greedy rows take the argmax. The kept set is exactly the reference's; the probabilities are summed in another order, so
-a draw can differ from the reference only where u * total lands within fp32 rounding of a CDF step.
+last id of non-zero probability; greedy rows take the argmax. The kept set is exactly the
+reference's; the probabilities are summed in another order, so a draw can differ from the reference
+only where u * total lands within fp32 rounding of a CDF step.
 The finite guard is the reference's (`guard_ids`): a row whose scores (after temperature) hold a NaN
 or +inf, or are all -inf, draws id 0 and is or-ed into `faults`.
 """

@@ -1,9 +1,9 @@
 """Code-predictor bench: the 15 passes of a frame, fused kernels vs today's eager passes.
 
 H200: python3 perf/bench_code_predictor.py            [--batches 1 16 64] [--iters 50] [--greedy]
-    a real-size 1.7B code predictor (hidden 1024, 5 layers, 16/8 heads x 128, intermediate 3072, input
-    projection 2048 -> 1024, 15 heads of 2048) with the checkpoint maker's random weights, bf16, default
-    sampling (TOPK: temperature 0.9, top-k 50) or --greedy. For each batch size:
+    a real-size 1.7B code predictor (hidden 1024, 5 layers, 16/8 heads x 128, intermediate 3072,
+    input projection 2048 -> 1024, 15 heads of 2048) with the checkpoint maker's random weights,
+    bf16, default sampling (TOPK: temperature 0.9, top-k 50) or --greedy. For each batch size:
       correctness  greedy codes of the fused passes vs the eager ones (share of equal codes; bf16
                    rounding differs, so not all), and the fused passes graph-replayed == eager
       15-pass ms   device time of one CUDA-graph replay of each (CUDA events, median of --iters);
@@ -175,8 +175,10 @@ def bench_batch(cp: CodePredictor, bsz: int, args) -> list[str]:
     lines += [f"fused graph replay == fused eager: {torch.equal(replayed, eager_codes)}", "",
               "| passes | 15-pass ms | per pass ms | kernels / pass |", "|---|---:|---:|---:|"]
     for name in ("eager", "fused"):
-        lines.append(f"| {name} | {ms[name]:.3f} | {ms[name] / 15:.4f} | {launches[name] / 15:.1f} |")
-    lines += ["", "| fused launch (pass 8, alone in a graph) | us | MB | GB/s |", "|---|---:|---:|---:|"]
+        per_pass = launches[name] / 15
+        lines.append(f"| {name} | {ms[name]:.3f} | {ms[name] / 15:.4f} | {per_pass:.1f} |")
+    lines += ["", "| fused launch (pass 8, alone in a graph) | us | MB | GB/s |",
+              "|---|---:|---:|---:|"]
     with torch.no_grad():
         for name, nbytes, fn in pass_launches(cp, bsz):
             us = 1e3 * timer.graph(capture(fn))

@@ -88,10 +88,12 @@ def gemm_cases(cpk, s: Shapes, rows: int, dtype: torch.dtype, inp: Inputs) -> li
     h2 = inp.randn(2 * rows, hidden, scale=2, dtype=dtype)  # two tokens per row (pass 0)
     f = _f32
     return [
-        GemmCase("project", lambda c, cfg, o: cpk.project(x_in, proj_w, proj_b, c, config=cfg, out=o),
+        GemmCase("project",
+                 lambda c, cfg, o: cpk.project(x_in, proj_w, proj_b, c, config=cfg, out=o),
                  lambda t: R.project_ref(*f(t, x_in, proj_w, proj_b)), (rows, hidden), dtype),
         GemmCase("project by id",
-                 lambda c, cfg, o: cpk.project(table, proj_w, proj_b, c, ids=ids, config=cfg, out=o),
+                 lambda c, cfg, o: cpk.project(table, proj_w, proj_b, c, ids=ids, config=cfg,
+                                               out=o),
                  lambda t: R.project_ref(*f(t, table, proj_w, proj_b), ids), (rows, hidden), dtype),
         GemmCase("o_proj + residual",
                  lambda c, cfg, o: cpk.linear_residual(o_x, o_w, h, c, config=cfg, out=o),
@@ -133,7 +135,8 @@ class AttentionFrame:
         self.weights = (inp.norm_weight(s.hidden, dtype),
                         inp.weight((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, dtype),
                         inp.norm_weight(s.head_dim, dtype), inp.norm_weight(s.head_dim, dtype))
-        self.rope = rope_cos_sin(torch.arange(s.positions, device=inp.device), s.head_dim, 1e6, dtype)
+        positions = torch.arange(s.positions, device=inp.device)
+        self.rope = rope_cos_sin(positions, s.head_dim, 1e6, dtype)
         shape = (bsz + 1, s.positions, s.kv_heads, s.head_dim)
         self.kernel = [inp.poisoned(*shape, dtype=dtype) for _ in range(2)]
         self.ref = [torch.zeros_like(c) for c in self.kernel]

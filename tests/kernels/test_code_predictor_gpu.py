@@ -1,5 +1,5 @@
-"""GPU: the code-predictor kernels and the fused predictor at the real 1.7B shapes (hidden 1024, 16/8
-heads x 128, intermediate 3072, codebook 2048, projection from 2048), tuned launch configs.
+"""GPU: the code-predictor kernels and the fused predictor at the real 1.7B shapes (hidden 1024,
+16/8 heads x 128, intermediate 3072, codebook 2048, projection from 2048), tuned launch configs.
 
 Kernels vs their references (same checks as the interpreter tests: poisoned outputs, counters left
 zero, tolerance from the dtype); the fused passes vs the eager ones (fp32: the same greedy codes;
@@ -84,7 +84,7 @@ def test_fused_bf16_is_as_close_to_fp32_as_the_eager_bf16_passes(code_predictor_
     inputs = _inputs(cp16, 64, greedy=True)
     eager = (inputs.run(cp16.generate)[0] == want).float().mean().item()
     fused = (inputs.run(FusedCodePredictor(cp16).generate)[0] == want).float().mean().item()
-    assert fused >= eager - 0.02, f"fused bf16 agrees on {fused:.3f} of codes, eager bf16 {eager:.3f}"
+    assert fused >= eager - 0.02, f"fused bf16 agrees on {fused:.3f} of codes, eager {eager:.3f}"
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,7 @@ def test_fused_graph_replay_equals_eager_and_nothing_compiles_after_warmup(fused
     import triton
 
     cp, fused = fused_bf16
+    _inputs(cp, 64, greedy=True).run(fused.generate)  # the GREEDY draw's variant compiled too
     inputs = _inputs(cp, 64, greedy=False)  # the largest batch first: buffers never grow later
     graph, out = _bench().capture_with_outputs(lambda: inputs.run(fused.generate))
     for seed in (1, 2):

@@ -41,8 +41,8 @@ CONFIG_IDS = ["default", "split2", "split4"]
 def test_gemm_kernels_match_their_references(dtype, rows, config):
     """project (rows given and by id), o_proj / down + residual, norm + gate_up, norm + head (one
     and two tokens per row); 19 rows span two row blocks."""
-    check_gemms(cpk, TINY, rows, dtype, Inputs(DEVICE, 1, rows, CONFIGS.index(config), dtype.itemsize),
-                config)
+    inp = Inputs(DEVICE, 1, rows, CONFIGS.index(config), dtype.itemsize)
+    check_gemms(cpk, TINY, rows, dtype, inp, config)
 
 
 @pytest.mark.parametrize("config", [None, GemmConfig(16, 32, 3, 1, 1)], ids=["default", "split3"])
@@ -128,8 +128,8 @@ def test_sample_topk_mode_draws_what_warp_and_draw_draws():
 
 @pytest.mark.parametrize("mode", [GREEDY, TOPK])
 def test_sample_finite_guard_matches_the_reference(mode):
-    """NaN / +inf scores, an all -inf row and (TOPK) NaN or zero temperatures draw id 0 and are or-ed
-    into faults; a fault already set stays set."""
+    """NaN / +inf scores, an all -inf row and (TOPK) NaN or zero temperatures draw id 0 and are
+    or-ed into faults; a fault already set stays set."""
     inp = Inputs(DEVICE, 9, mode == TOPK)
     base = SamplingParams(greedy=mode == GREEDY)
     temps = [0.9, 0.9, 0.9, float("nan"), 0.0, 0.9, 0.9] if mode == TOPK else [0.9] * 7
@@ -210,8 +210,8 @@ def _engine_frames(ckpt_dir, fused: bool) -> dict[str, list[list[int]]]:
 
 
 def test_engine_fused_code_predictor_switch(tmp_path, fused_calls, monkeypatch):
-    """EngineConfig.fused_code_predictor (tiny 1.7B, with its input projection, fp32): a greedy and a
-    sampled (TOPK) sequence make the same two frames as with the eager passes (frame 1's c0 comes
+    """EngineConfig.fused_code_predictor (tiny 1.7B, with its input projection, fp32): a greedy and
+    a sampled (TOPK) sequence make the same two frames as with the eager passes (frame 1's c0 comes
     from the talker fed with the fused passes' next input)."""
     assert EngineConfig().fused_code_predictor is False
     with pytest.raises(ValueError, match="fused_code_predictor must be true or false"):
