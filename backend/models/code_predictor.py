@@ -49,8 +49,8 @@ class CodePredictor(nn.Module):
         self._fused: FusedCodePredictor | None = None
 
     def use_fused(self, on: bool) -> None:
-        """`generate` through the fused kernels (models/code_predictor_fused.py) where they serve the
-        inputs' device (EngineConfig.fused_code_predictor); off: the eager passes below."""
+        """`generate` through the fused kernels (models/code_predictor_fused.py) where they serve
+        the inputs' device (EngineConfig.fused_code_predictor); off: the eager passes below."""
         self._fused = FusedCodePredictor(self) if on else None
 
     def _kv(self, batch: int, ref: torch.Tensor) -> PagedKVCache:
