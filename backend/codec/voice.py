@@ -96,5 +96,8 @@ def encode_reference(model, codec, wav: np.ndarray,
     except RuntimeError as exc:  # e.g. a clip shorter than the speaker encoder's reflect padding
         raise InvalidRequest(f"input {INPUT_REF_AUDIO}: a recording of {wav24.shape[0] / SAMPLE_RATE:.3f} s "
                              "could not be encoded (too short?)") from exc
-    return (codes.cpu().numpy().astype(np.int64),
-            xvector.float().cpu().numpy().astype(np.float32))
+    xvector = xvector.float().cpu().numpy().astype(np.float32)
+    if not np.isfinite(xvector).all():  # e.g. samples far outside [-1, 1]: the encoders overflow
+        raise InvalidRequest(f"input {INPUT_REF_AUDIO}: its speaker embedding is not finite (peak sample "
+                             f"{float(np.abs(wav).max()):g}; float PCM lies in [-1, 1])")
+    return codes.cpu().numpy().astype(np.int64), xvector

@@ -78,8 +78,8 @@ class Scheduler:
         """Reject a sequence that can never run (its prompt length must be known)."""
         cfg = self.config
         if seq.prompt_len > cfg.max_prompt_tokens:
-            raise AdmissionRejected(f"prompt of {seq.prompt_len} tokens exceeds max_prompt_tokens="
-                                    f"{cfg.max_prompt_tokens}")
+            raise AdmissionRejected(f"the prompt (TEXT, INSTRUCT, REF_TEXT and the reference's frames) has "
+                                    f"{seq.prompt_len} tokens; max_prompt_tokens={cfg.max_prompt_tokens}")
         need = self.kv.pages_for(seq.prompt_len + seq.frame_cap)
         if need > self.kv.num_pages:
             raise AdmissionRejected(
