@@ -152,9 +152,7 @@ class ModelRunner:
             self.prefill_graphs.capture()
         if not self.config.use_cuda_graphs:
             return
-        # kernels tune on their first launch: warm them on real page layouts first (the capture's own
-        # warm-up runs padding rows only, context length 1)
-        self.talker.warm_kernels(self.config.page_size, self.meta.max_pages, self.buckets)
+        # NOTE: kernels tune on their first launch; GraphRunner.capture warms every bucket up first
         pool = None
         with torch.no_grad():
             for mode in (TOPK, FULL):
