@@ -34,6 +34,7 @@ IDLE_MARGIN_S = 1.0  # after Triton's own idle timeout: Triton has dropped the s
 CANCEL_CHECK_S = 0.5  # how often a session's open request is asked is_cancelled() between responses
 SHUTTING_DOWN = "the model is being unloaded (the server is shutting down or was asked to unload it)"
 RESTARTING = "instance restarting after a device fault"
+INTERNAL = "an internal error: the server log has its traceback"  # never the exception's own text
 RESPAWN_RETRY_S = 5.0  # a replacement engine that failed to start is tried again after this long
 
 
@@ -93,7 +94,9 @@ class EngineLoop:
         try:
             cmd = R.parse_request(request, self.default_schedule, self.defaults, self.checkpoint)
         except Exception as e:  # noqa: BLE001 - whatever the parser could not read gets one clear error
-            msg = str(e) if isinstance(e, R.BadRequest) else f"could not read the request: {type(e).__name__}: {e}"
+            if not isinstance(e, R.BadRequest):
+                self.log("error", f"reading a request failed: {traceback.format_exc()}")
+            msg = str(e) if isinstance(e, R.BadRequest) else f"could not read the request's inputs ({INTERNAL})"
             cmd = Refuse(*R.sequence_flags(request), msg)
         self.commands.put(dataclasses.replace(cmd, reply=reply, at=now))
 
@@ -152,7 +155,7 @@ class EngineLoop:
             except Exception as e:  # never let one request kill the engine thread
                 self.log("error", f"{type(cmd).__name__} of sequence {cmd.key} failed: {traceback.format_exc()}")
                 if not cmd.reply.done:
-                    refuse(cmd.reply, "INTERNAL", f"internal error: {type(e).__name__}: {e}")
+                    refuse(cmd.reply, "INTERNAL", f"sequence {cmd.key}: {type(cmd).__name__} failed ({INTERNAL})")
         # NOTE: `cmds` dies with this frame: no response sender is held past its FINAL (see _response_main)
         return True
 
@@ -165,7 +168,7 @@ class EngineLoop:
             return
         except Exception as e:  # an engine bug: fail every live session, keep serving
             self.log("error", f"engine step failed: {traceback.format_exc()}")
-            self._close_all("error", f"engine step failed: {e}")
+            self._close_all("error", f"the engine step failed ({INTERNAL})")
             return
         for out in outputs:
             s = self.table.running(out.seq_id)
@@ -175,7 +178,7 @@ class EngineLoop:
                 self._route(s, out, returned)
             except Exception as e:
                 self.log("error", f"routing output of sequence {s.key} failed: {traceback.format_exc()}")
-                self._close(s, "error", f"internal error: {type(e).__name__}: {e}", why="it failed with an internal error")
+                self._close(s, "error", f"sending its audio failed ({INTERNAL})", why="it failed with an internal error")
 
     def _route(self, s: Session, out: StepOutput, returned: float) -> None:
         s.feed(out.pcm, last=out.finished, stamps={**out.stats, "step_returned": returned} if out.stats else None)
