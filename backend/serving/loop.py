@@ -31,7 +31,7 @@ from q3tts.serving.session import Reply, Session, SessionTable, refuse
 
 TICK_S = 0.2  # engine thread housekeeping period
 IDLE_MARGIN_S = 1.0  # after Triton's own idle timeout: Triton has dropped the sequence by then
-CANCEL_CHECK_S = 0.5  # how often a session's open request is asked is_cancelled() between responses
+CANCEL_CHECK_S = 0.5  # how often a request is asked is_cancelled() (a round trip to the server), at most
 SHUTTING_DOWN = "the model is being unloaded (the server is shutting down or was asked to unload it)"
 RESTARTING = "instance restarting after a device fault"
 INTERNAL = "an internal error: the server log has its traceback"  # never the exception's own text
@@ -357,10 +357,9 @@ class EngineLoop:
             if not s.ended and now - s.last_request > limit:  # Triton expired it silently
                 self._close(s, "unavailable", f"no request for {self.idle_s:g} s without END: the sequence "
                             "idled out", why="it idled out")
-            elif s.reply is not None and now - s.last_cancel_check > CANCEL_CHECK_S:
-                s.last_cancel_check = now  # cancellation while no audio flows (waiting for text or a slot)
-                if s.reply.cancelled():
-                    self._close(s, "cancelled", "the request was cancelled", why="it was cancelled")
+            elif s.reply is not None and s.reply.check_cancelled(now, CANCEL_CHECK_S):
+                # where no audio flows (waiting for text or a slot): the response thread asks the others
+                self._close(s, "cancelled", "the request was cancelled", why="it was cancelled")
         self.table.expire(now - limit)
         self._check_unload()
         self._update_metrics()
@@ -387,7 +386,7 @@ class EngineLoop:
             reply, response, final = item
             try:
                 R.send(reply.sender, response, final)
-                if not final and reply.cancelled():
+                if not final and reply.check_cancelled(time.monotonic(), CANCEL_CHECK_S):
                     self.commands.put(Cancel(reply.key, reply))
             except Exception as e:  # a closed/cancelled stream: nothing more can reach the client
                 self.log("warn", f"send failed for sequence {reply.key}: {e}")

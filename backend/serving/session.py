@@ -36,6 +36,7 @@ class Reply:
         self.sender, self.out, self.key = sender, out, key
         self.done = False
         self.sent_data = False
+        self.last_cancel_check = time.monotonic()  # the last is_cancelled() query
 
     def send(self, response) -> None:
         assert not self.done, "response after FINAL"
@@ -49,6 +50,14 @@ class Reply:
 
     def cancelled(self) -> bool:
         return self.sender.is_cancelled()
+
+    def check_cancelled(self, now: float, every_s: float) -> bool:
+        """`cancelled()`, asked at most once per `every_s` (each query is a round trip to the server, which
+        would hold up the responses queued behind it); False between queries."""
+        if now - self.last_cancel_check <= every_s:
+            return False
+        self.last_cancel_check = now
+        return self.cancelled()
 
 
 def refuse(reply: Reply, code: str, message: str, metrics=None) -> None:
@@ -72,7 +81,6 @@ class Session:
     outcome: tuple[str, str | None] | None = None  # (reason, error) once closed
     finished: bool = False  # the outcome was delivered: nothing more goes out
     last_request: float = 0.0
-    last_cancel_check: float = 0.0
     stamps: dict[str, float] = field(default_factory=dict)  # time.monotonic() per TIMING stage (first frame)
     chunker: Chunker = field(init=False)
 

@@ -63,3 +63,28 @@ def test_without_max_frames_the_text_caps_the_frames(server):
     floor = EngineConfig().min_text_frames  # "Hi." is a few tokens: the floor is its cap
     assert r.error is None and r.finish_reason in ("eos", "max_frames")
     assert frames == floor if r.finish_reason == "max_frames" else frames < floor
+
+
+class _Sender:
+    def __init__(self) -> None:
+        self.queries = 0
+
+    def is_cancelled(self) -> bool:
+        self.queries += 1
+        return True
+
+
+def test_cancellation_is_asked_at_most_once_per_period():
+    """Each is_cancelled() is a round trip to the server that holds up the responses queued behind it."""
+    import queue
+    import time
+
+    from q3tts.serving.session import Reply
+
+    sender = _Sender()
+    reply = Reply(sender, queue.Queue())
+    start = time.monotonic()
+    assert not reply.check_cancelled(start + 0.1, 0.5) and sender.queries == 0  # too soon after it opened
+    assert reply.check_cancelled(start + 0.6, 0.5) and sender.queries == 1
+    assert not reply.check_cancelled(start + 0.9, 0.5) and sender.queries == 1
+    assert reply.check_cancelled(start + 1.2, 0.5) and sender.queries == 2
