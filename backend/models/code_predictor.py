@@ -10,15 +10,19 @@ by `context_lens`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from q3tts import kernels
 from q3tts.config import TalkerConfig
 from q3tts.models.attention import DecodeContext, PagedKVCache
-from q3tts.models.code_predictor_fused import FusedCodePredictor
 from q3tts.models.layers import DecoderStack
 from q3tts.models.sampling import SubtalkerSampler
+
+if TYPE_CHECKING:
+    from q3tts.models.code_predictor_fused import FusedCodePredictor
 
 
 class CodePredictorModel(DecoderStack):
@@ -50,8 +54,13 @@ class CodePredictor(nn.Module):
 
     def use_fused(self, on: bool) -> None:
         """`generate` through the fused kernels (models/code_predictor_fused.py) where they serve
-        the inputs' device (EngineConfig.fused_code_predictor); off: the eager passes below."""
-        self._fused = FusedCodePredictor(self) if on else None
+        the inputs' device (EngineConfig.fused_code_predictor); off, or without triton: the eager
+        passes below."""
+        self._fused = None
+        if on and kernels.HAS_TRITON:
+            from q3tts.models.code_predictor_fused import FusedCodePredictor  # imports triton
+
+            self._fused = FusedCodePredictor(self)
 
     def _kv(self, batch: int, ref: torch.Tensor) -> PagedKVCache:
         cp = self.model.cfg

@@ -20,12 +20,12 @@ from q3tts.config import ModelConfig
 from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
-from q3tts.models.code_predictor_fused import FusedCodePredictor
 from q3tts.models.sampling import (GREEDY, TOPK, TOPK_CAP, SamplingTensors, SubtalkerSampler,
                                    apply_temperature, apply_top_k_capped, uniforms, warp_and_draw)
 from q3tts.models.talker import Talker
 
-cpk = kernel_module("code_predictor")
+cpk = kernel_module("code_predictor")  # skips the module without triton
+from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402 (imports triton)
 GemmConfig = cpk.GemmConfig
 
 DTYPES = [torch.float32, torch.bfloat16]
