@@ -9,7 +9,7 @@
 # (0) unpack .gpu/loadtest under $WORK/carry (xz: the slim tritonserver, the numpy<2 stub wheel, the client
 #     site, perf_analyzer 2.51, the peers' site; COMMIT names the tree the carry was built from)
 # (serve) perf/gpu_serve.sh with BENCH_CMD = perf/loadtest.sh: CustomVoice 1.7B full random weights (seed 0),
-#     bf16, MAX_SLOTS 128: closed loop 1..128 streams, open loop 1..32 requests/s, perf_analyzer 1..128
+#     bf16, MAX_SLOTS 128: closed loop 1..128 streams, perf_analyzer 1..128, open loop 1..32 requests/s
 # (peers) perf/peers/run.py on that checkpoint: qwen-tts-hf batch 1 and 64; faster-qwen3-tts batch 1 and
 #     streamed at 1 frame per chunk
 # (plots) perf/plots.py over this call's CSV and perf/results/loadtest-<commit>-*.csv (an earlier call's)
@@ -64,21 +64,26 @@ CSV="$OUT/loadtest-$LOADTEST_COMMIT-$(tr -s ',' '-' <<<"${PHASES:1:-1}").csv"
 rm -f "$CSV"
 log "commit $LOADTEST_COMMIT, gpu $LOADTEST_GPU, phases ${PHASES:1:-1}, budget $BUDGET s; unpacking $CARRY"
 rm -rf "$U"; mkdir -p "$U/site" "$U/peers"
-xz -dc "$CARRY/pytriton_slim.tar.xz" | gzip -1 >"$U/pytriton_slim.tgz" &  # gpu_serve unpacks a .tgz
+unxz() {  # FILE.xz -> stdout, through Python's lzma where the image has no xz
+  if command -v xz >/dev/null; then xz -dc "$1"; else
+    "$PY" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer, 1 << 20)' "$1"; fi
+}
+unxz "$CARRY/pytriton_slim.tar.xz" | gzip -1 >"$U/pytriton_slim.tgz" &  # gpu_serve unpacks a .tgz
 unpacking=($!)
-xz -dc "$CARRY/peers.tar.xz" | tar -C "$U/peers" -xf - &
+unxz "$CARRY/peers.tar.xz" | tar -C "$U/peers" -xf - &
 unpacking+=($!)
-xz -dc "$NUMPY_XZ" >"$NUMPY_WHL"
-xz -dc "$CARRY/site.tar.xz" | tar -C "$U/site" -xf -
-xz -dc "$CARRY/perf_analyzer.xz" >"$U/perf_analyzer" && chmod +x "$U/perf_analyzer"
-for j in "${unpacking[@]}"; do wait "$j" || { log "FAILED: unpacking $CARRY"; exit 1; }; done
+unxz "$NUMPY_XZ" >"$NUMPY_WHL" && unxz "$CARRY/site.tar.xz" | tar -C "$U/site" -xf - \
+  && unxz "$CARRY/perf_analyzer.xz" >"$U/perf_analyzer" && chmod +x "$U/perf_analyzer"
+unpacked=$?
+for j in "${unpacking[@]}"; do wait "$j" || unpacked=1; done
+[ "$unpacked" -eq 0 ] || { log "FAILED: unpacking $CARRY"; exit 1; }
 log "unpacked: $(du -sh "$U" | cut -f1)"
 
 # --- (serve) ------------------------------------------------------------------------------------------
 if phase serve; then
   if phase peers; then reserve=230; else reserve=10; fi  # the peers' two runs, or the plots
   SERVE_BUDGET=$(( $(left) - reserve ))
-  log "serve phase (budget $SERVE_BUDGET s): closed, open and perf_analyzer load on our server"
+  log "serve phase (budget $SERVE_BUDGET s): closed-loop, perf_analyzer and open-loop load on our server"
   # ends 50 s before the phase's budget, 10 s before gpu_serve.py's own bench timeout would kill bash alone:
   # timeout stops the whole process group (bench_serve, perf_analyzer), and the rows written so far stay
   export LOADTEST_DEADLINE=$(( $(date +%s) + SERVE_BUDGET - 50 ))
