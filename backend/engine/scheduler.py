@@ -132,13 +132,13 @@ class Scheduler:
         started: list[Sequence] = []
         tokens = 0
         ready = sorted((s for s in self.waiting if s.is_prefillable), key=lambda s: s.ready_at)
+        playing = any(s.playing_since is not None for s in self.running)
         for seq in ready:
             rows = tokens + seq.prompt_len
             if started and rows > self.config.max_prefill_tokens:
                 break
-            if ((started or any(s.playing_since is not None for s in self.running))
-                    and prefill_seconds is not None
-                    and self.cost.prefill_s_per_row * rows > prefill_seconds):
+            too_long = prefill_seconds is not None and self.cost.prefill_s_per_row * rows > prefill_seconds
+            if too_long and (started or playing):  # nobody plays: the first starts, however long
                 break
             if not self._try_start(seq):
                 break
