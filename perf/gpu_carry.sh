@@ -9,7 +9,8 @@
 # three above as xz (25 MiB less than as gzip/zip), perf_analyzer 2.51 and the peers' site, about 50 MiB:
 #   pytriton_slim.tar.xz  numpy-1.26.4-cp312-cp312-slim.whl.xz (a stored zip)  site.tar.xz  perf_analyzer.xz
 #   peers.tar.xz (perf/peers/site.sh gpu)  COMMIT (HEAD, "-dirty" when the tree that travels differs from it)
-# Build it right before the call: COMMIT is what the results CSV names (the GPU machine gets no .git).
+# Run it right before the call: COMMIT is what the results CSV names (the GPU machine gets no .git); parts
+# already built are kept, so a second run only restamps COMMIT.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$ROOT"
 SITE_PACKAGES="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
@@ -34,14 +35,18 @@ mkdir -p "$TMP/np" && unzip -q "$TMP"/numpy-1.26.4-*.whl -d "$TMP/np"
   --exclude='libpython3-419a3a08.13.so.1.0' pytriton/tritonserver nvidia_pytriton.libs)
 du -sh .gpu/site .gpu/pytriton_slim.tgz .whl/numpy-1.26.4-cp312-cp312-slim.whl
 [ "${1:-}" = --loadtest ] || exit 0
-LT=.gpu/loadtest
-rm -rf "$LT"; mkdir -p "$LT" "$TMP/npw"
-gzip -dc .gpu/pytriton_slim.tgz | xz -6 -T0 >"$LT/pytriton_slim.tar.xz"
-(cd "$TMP/npw" && unzip -q "$ROOT/.whl/numpy-1.26.4-cp312-cp312-slim.whl" && zip -q -0 -r ../numpy-slim.whl .)
-xz -6 -T0 -c "$TMP/numpy-slim.whl" >"$LT/numpy-1.26.4-cp312-cp312-slim.whl.xz"
-tar -C .gpu/site -cf - . | xz -6 -T0 >"$LT/site.tar.xz"
-unzip -p "$TMP"/tritonclient-2.51.0-*.whl tritonclient-2.51.0.data/data/bin/perf_analyzer | xz -6 -T0 >"$LT/perf_analyzer.xz"
-bash perf/peers/site.sh gpu "$TMP/peers"
-tar -C "$TMP/peers" -cf - . | xz -6 -T0 >"$LT/peers.tar.xz"
+LT=.gpu/loadtest  # its parts come from pinned versions: one already built is kept (rm -rf .gpu/loadtest rebuilds)
+mkdir -p "$LT" "$TMP/npw"
+part() { [ -s "$LT/$1" ] || { echo "building $LT/$1" && "${@:2}" >"$LT/$1.tmp" && mv "$LT/$1.tmp" "$LT/$1"; }; }
+xz6() { xz -6 -T0 -c "$@"; }
+numpy_stored() {  # the slim wheel as a stored zip, which xz compresses
+  (cd "$TMP/npw" && unzip -qo "$ROOT/.whl/numpy-1.26.4-cp312-cp312-slim.whl" && zip -q -0 -r ../numpy-slim.whl .) && xz6 "$TMP/numpy-slim.whl"
+}
+peers_site() { bash perf/peers/site.sh gpu "$TMP/peers" >&2 && tar -C "$TMP/peers" -cf - . | xz6; }
+part pytriton_slim.tar.xz bash -c 'gzip -dc .gpu/pytriton_slim.tgz | xz -6 -T0'
+part numpy-1.26.4-cp312-cp312-slim.whl.xz numpy_stored
+part site.tar.xz bash -c 'tar -C .gpu/site -cf - . | xz -6 -T0'
+part perf_analyzer.xz bash -c "unzip -p $TMP/tritonclient-2.51.0-*.whl tritonclient-2.51.0.data/data/bin/perf_analyzer | xz -6 -T0"
+part peers.tar.xz peers_site
 echo "$(git rev-parse --short HEAD)$([ -z "$(git status --porcelain)" ] || echo -dirty)" >"$LT/COMMIT"
 du -sh "$LT"/* "$LT"
