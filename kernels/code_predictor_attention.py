@@ -28,6 +28,7 @@ from .code_predictor_gemm import (BLOCK_M, NORM, GemmConfig, arrive, interpret_c
                                   mainloop, row_blocks, row_offsets, row_rstd, store_partial)
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": the first update has no inf - inf
+_NORM = tl.constexpr(NORM)  # a jit function reads globals only as constexpr (the interpreter does not check)
 
 
 @triton.jit
@@ -139,11 +140,11 @@ def _qkv_attention_kernel(
     m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
-    x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, 1, 0, stride_xm, 0, NORM)
+    x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, 1, 0, stride_xm, 0, _NORM)
     rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M, BLOCK_K)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = mainloop(x_ptr, x_off, row_mask, w_ptr, cols.to(tl.int64) * stride_w, split, K, nw_ptr,
-                   rstd, NORM, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION)
+                   rstd, _NORM, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION)
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     store_partial(part_ptr, acc, split, rows, cols, M_PAD, NP)
     # the kv group of this tile: q heads g*GROUP.., then k head g, then v head g
