@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +99,10 @@ def test_a_non_finite_row_ends_alone_inside_the_decode_graphs(checkpoint):
 def test_validation_table(server):
     reference = synthesize(server.grpc_url, [TEXT], VOICE, LONG)
     assert reference.error is None
+    again = synthesize(server.grpc_url, [TEXT], VOICE, LONG)
+    # NOTE: on the H200 at 730fd85 the healthy stream beside the bad requests differed from the reference;
+    # this separates "a second run alone differs" (run-to-run, not the bad requests) from their effect
+    assert np.array_equal(again.audio, reference.audio), "the same request alone gives other bits when repeated"
     ROWS.extend(validation_cases(server.grpc_url, reference, LONG))
 
 
