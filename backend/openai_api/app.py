@@ -10,7 +10,8 @@ set the server's sampling parameters (client/protocol.py SAMPLING_PARAMS: greedy
 `language`. The status and headers wait for the first audio, so every refusal before it is an ordinary
 HTTP error in OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 bad input, 404 unknown
 voice, 429 too many requests (this endpoint's limit or the engine's wait queue), 503 the server cannot
-serve. A failure after audio has started ends the body early (SSE: an `error` event).
+serve. A failure after audio has started ends the body early (SSE: an `error` event). The Server-Timing
+header splits the time to the first byte into the sequence's own time to first audio and the endpoint's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -135,6 +137,13 @@ async def _sse_body(stream: SpeechStream, first, fmt: str):
         yield _event({"type": "error", "error": {"message": str(e), "type": ERROR_TYPES.get(e.status)}})
 
 
+def _server_timing(stream: SpeechStream, handler_s: float) -> str:
+    """`first-audio`: the sequence's own time to first audio (its gRPC stream opened -> first audio, what a
+    gRPC client measures); `endpoint`: the rest of the handler's time to the first byte (ms)."""
+    first = stream.first_audio_s or 0.0
+    return f"first-audio;dur={1000 * first:.3f}, endpoint;dur={1000 * (handler_s - first):.3f}"
+
+
 def create_app(bridge: TritonBridge) -> FastAPI:
     """The ASGI app serving `bridge`'s Triton server."""
     app = FastAPI(title="Qwen3-TTS OpenAI-compatible speech API")
@@ -152,13 +161,16 @@ def create_app(bridge: TritonBridge) -> FastAPI:
 
     @app.post("/v1/audio/speech")
     async def speech(req: SpeechRequest):
+        t0 = time.perf_counter()
         params = _check(req, formats)
         voice = await _voice(bridge, req)
         stream, first = await bridge.speak(req.input, voice, params)
+        headers = {"Server-Timing": _server_timing(stream, time.perf_counter() - t0)}
         if req.stream_format == "sse":
-            return StreamingResponse(_sse_body(stream, first, req.response_format), media_type="text/event-stream")
+            return StreamingResponse(_sse_body(stream, first, req.response_format), media_type="text/event-stream",
+                                     headers=headers)
         return StreamingResponse(_audio_body(stream, first, req.response_format),
-                                 media_type=audio.MEDIA_TYPES[req.response_format])
+                                 media_type=audio.MEDIA_TYPES[req.response_format], headers=headers)
 
     @app.get("/v1/audio/voices")
     async def voices():

@@ -36,7 +36,6 @@ STATUS_BY_MESSAGE = (
     ("internal error", 500), ("engine step failed", 500),
 )
 log = logging.getLogger("q3tts.openai")
-CATALOGUE_TTL_S = 5.0  # a voice registered elsewhere is found at once anyway: a miss refreshes the catalogue
 
 
 def http_status(message: str) -> int:
@@ -65,16 +64,22 @@ class SpeechStream:
         self.lock = threading.Lock()
         self.done = False
         self.frames = 0  # frames of the chunks taken so far (the first one included)
+        self.first_audio_s: float | None = None  # synthesize called -> its first audio (Server-Timing)
 
     def run(self, text: str, voice: dict, params: dict) -> None:
         """The worker thread: synthesize, pushing chunks, then the outcome."""
         with self.lock:
             self.client = self.bridge.take_client()
-        outcome = self._END
+        outcome, t0 = self._END, time.perf_counter()
+
+        def on_audio(audio, _rate):
+            if self.first_audio_s is None:
+                self.first_audio_s = time.perf_counter() - t0
+            self._push(audio)
+
         try:
             res = synthesize(self.bridge.url, [text], voice, {**params, P.PARAM_AUDIO_FORMAT: "int16"},
-                             sequence_id=self.sequence_id, client=self.client,
-                             on_audio=lambda audio, _sr: self._push(audio))
+                             sequence_id=self.sequence_id, client=self.client, on_audio=on_audio)
             if res.error and res.finish_reason != "aborted":
                 outcome = Refusal(http_status(res.error), res.error)
         except Exception as e:  # noqa: BLE001 - a broken connection is one refusal, not a crash of the app
@@ -123,7 +128,7 @@ class TritonBridge:
         self.executor = ThreadPoolExecutor(max_streams + 2, thread_name_prefix="q3tts-openai")
         self.slots = threading.BoundedSemaphore(max_streams)
         self._ids = itertools.count((os.getpid() % 100000) * 1_000_000 + 500_001)
-        self._catalogue: tuple[float, dict] | None = None
+        self._catalogue: dict | None = None
         self.aborted = 0  # sequences aborted because their HTTP client went away
 
     def take_client(self):
@@ -153,12 +158,11 @@ class TritonBridge:
         return stream, first
 
     async def catalogue(self, refresh: bool = False) -> dict:
-        """The server's variant, speakers and registered voices (cached for CATALOGUE_TTL_S)."""
-        now = time.monotonic()
-        if refresh or self._catalogue is None or now - self._catalogue[0] > CATALOGUE_TTL_S:
-            doc = await asyncio.get_running_loop().run_in_executor(self.executor, self._fetch_catalogue)
-            self._catalogue = (now, doc)
-        return self._catalogue[1]
+        """The server's variant, speakers and registered voices, as last read (read again with `refresh`:
+        a name missing from it, GET /v1/audio/voices). A voice removed since is refused by the server."""
+        if refresh or self._catalogue is None:
+            self._catalogue = await asyncio.get_running_loop().run_in_executor(self.executor, self._fetch_catalogue)
+        return self._catalogue
 
     def _fetch_catalogue(self) -> dict:
         client = self.take_client()
