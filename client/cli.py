@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     voice = ap.add_argument_group("text and voice")
     voice.add_argument("--text", default=None, help="the text (default: stdin, one piece per line)")
     voice.add_argument("--speaker", default=None)
+    voice.add_argument("--voice", default=None, help="a registered voice (q3tts voice add; Base models)")
     voice.add_argument("--language", default=None)
     voice.add_argument("--instruct", default=None)
     voice.add_argument("--ref-audio", default=None, help="reference recording for voice cloning (Base models)")
@@ -157,7 +158,7 @@ def stream_ids(base: int | str | None, n: int) -> list:
 
 def _voice(args: argparse.Namespace) -> dict:
     voice = {"speaker": args.speaker, "language": args.language, "instruct": args.instruct,
-             "ref_text": args.ref_text}
+             "ref_text": args.ref_text, "voice": args.voice}
     if args.ref_audio:
         import soundfile as sf
 

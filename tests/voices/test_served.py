@@ -9,8 +9,10 @@ import time
 
 import numpy as np
 import pytest
+import soundfile as sf
 
 from q3tts.voices.store import Family, Voice, VoiceStore
+from q3tts_client.cli import main as client_main
 from q3tts_client.metrics import scrape
 from q3tts_client.stream_client import synthesize
 from q3tts_client.voices import VoicesClient, VoicesError
@@ -52,6 +54,13 @@ def test_voice_input_equals_its_reference_audio_and_persists(server, alice, ref_
     by_audio = speak(server, {"ref_audio": ref_wav, "ref_sample_rate": REF_SR, "ref_text": REF_TEXT})
     np.testing.assert_array_equal(by_name, by_audio)
     assert VoiceStore(server.voices_dir).read("alice").sha256 == info["sha256"]  # what a restart reads
+
+
+def test_client_cli_voice_flag(server, alice, tmp_path):
+    out = tmp_path / "alice.wav"
+    assert client_main(["--url", server.grpc_url, "--text", TEXT, "--voice", "alice", "--greedy", "--seed", "0",
+                        "--max-frames", "12", "--out", str(out)]) == 0
+    np.testing.assert_array_equal(sf.read(str(out), dtype="float32")[0], speak(server, {"voice": "alice"}))
 
 
 def test_list_and_remove_while_serving(server, voices, ref_wav):
