@@ -5,9 +5,15 @@ has a leading slot dim; one extra scratch slot, `scratch_slot`, takes padding ro
 states of the given slots, runs the decoder's chunk path on the new frames only, and scatters the
 states back: nothing is ever re-decoded, shapes are static per batch size, and there is no host sync,
 so `decode_frame` can be captured in a CUDA graph. Each stream sits at its own frame position.
+
+A stream that starts after a context (Base ICL: the reference frames) gets its state from `prime_state`,
+which decodes the context into private tensors (never the pool), so it may run on another thread while
+the pool's streams are stepped; `load_state` then copies that state into the stream's slot.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import Tensor
@@ -38,11 +44,17 @@ class StreamingDecoder:
         One multi-tensor zeroing over every (state, slot) row: a few launches, not one per state tensor
         (this runs on the time-to-first-audio path of every admitted batch)."""
         ids = slots.tolist() if isinstance(slots, Tensor) else list(slots)
+        if not ids:
+            return
         rows: dict[torch.dtype, list[Tensor]] = {}  # the fused path needs one dtype per call
         for state in self.pool:
             rows.setdefault(state.dtype, []).extend(state[i] for i in ids)
         for group in rows.values():
             torch._foreach_zero_(group)
+
+    def padded_rows(self, num: int) -> int:
+        """The rows a call for `num` streams runs with (`pad_to`)."""
+        return next((b for b in self.pad_to if b >= num), num)
 
     @torch.no_grad()
     def decode_chunk(self, slots: Tensor, codes: Tensor) -> Tensor:
@@ -50,7 +62,7 @@ class StreamingDecoder:
 
         Slots must be distinct, except `scratch_slot`, which padding rows may share (its state is junk)."""
         num = slots.shape[0]
-        rows = next((b for b in self.pad_to if b >= num), num)
+        rows = self.padded_rows(num)
         if rows > num:
             slots = torch.cat([slots, slots.new_full((rows - num,), self.scratch_slot)])
             codes = torch.cat([codes, codes.new_zeros((rows - num, *codes.shape[1:]))])
@@ -63,3 +75,40 @@ class StreamingDecoder:
     def decode_frame(self, slots: Tensor, codes: Tensor) -> Tensor:
         """Decode the newest frame of each stream: slots [B], codes [B, 16] -> pcm [B, 1920]."""
         return self.decode_chunk(slots, codes[:, :, None])
+
+    @torch.no_grad()
+    def prime_state(self, codes: Tensor, rows: int = 1) -> list[Tensor]:
+        """The state of a fresh stream after decoding `codes` [16, F] (its audio is dropped): one tensor
+        [1, ...] per pool tensor. Computed in private tensors, so it is safe on another thread while the
+        pool is stepped (on CUDA on its own stream, finished before it returns). The stream is row 0 of
+        a call of `rows` rows (padded further as `decode_chunk` pads), the others zero codes on zero
+        state: bit for bit the state that `reset` + `decode_chunk` of the same call shape leave."""
+        rows = self.padded_rows(rows)
+        codes = torch.cat((codes[None], codes.new_zeros((rows - 1, *codes.shape))))  # [rows, 16, F]
+        dtype, device = self.pool[0].dtype, self.pool[0].device
+        with _side_stream(device) as side:
+            states = self.decoder.spec.zeros(rows, dtype, device)
+            self.decoder.forward_chunk(codes.to(device), states)
+            states = [state[:1].clone() for state in states]
+        if side is not None:
+            side.synchronize()
+        return states
+
+    @torch.no_grad()
+    def load_state(self, slot: int, state: list[Tensor]) -> None:
+        """Copy a `prime_state` result into `slot` (replaces `reset` for that stream)."""
+        for dst, src in zip(self.pool, state):
+            dst[slot:slot + 1].copy_(src)
+            if src.is_cuda:  # made on another stream: keep its memory until this copy has run
+                src.record_stream(torch.cuda.current_stream(src.device))
+
+
+@contextlib.contextmanager
+def _side_stream(device: torch.device):
+    """A CUDA stream of its own for work off the engine thread (None on CPU)."""
+    if device.type != "cuda":
+        yield None
+        return
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        yield side

@@ -53,13 +53,15 @@ class Engine(RequestIntake):
         check_token_ids(ckpt.tokenizer.vocab_size, ckpt.config.talker.text_vocab_size)
         self.model = Qwen3TTS.from_checkpoint(ckpt).to(device=config.device, dtype=dtype)
         self.inputs = InputProcessor(self.model, ckpt, config)
-        self.preparer = Preparer(self.inputs.encode)  # reference audio is encoded on its own thread
         self.codec_eos_id = ckpt.config.talker.codec_eos_id
         codec = make_codec(ckpt, config) if with_codec else None
         self.config = resolve_config(self.model, config)  # after the codec: KV takes a share of what is left
         self.scheduler = Scheduler(self.config)
         self.runner = ModelRunner(self.model, codec, self.config, self.inputs.pad_row, uniform_source)
         self.runner.capture_graphs()
+        # reference audio is encoded (and an ICL codec stream primed) on its own thread, never during capture
+        self.preparer = Preparer(self.inputs.encode,
+                                 lambda voice: self.runner.prime_state(self.inputs.codec_context(voice)))
         self._outbox: list[StepOutput] = []  # finished outputs produced between steps (abort, errors)
         self.num_steps = 0
         self.clock = PhaseClock(self.runner.device)
@@ -110,10 +112,10 @@ class Engine(RequestIntake):
         """One ragged prefill forward for the sequences started this step; their prompts are dropped."""
         now = time.monotonic()
         rows = [PrefillRow(s.slot, s.sampling, s.prompt, self.scheduler.kv.pages(s.seq_id),
-                           self.inputs.codec_context(s)) for s in seqs]
+                           self.inputs.codec_context(s.voice), s.codec_state) for s in seqs]
         results = isolated(self._start_batch, rows, self.runner.device)
         for seq, result in zip(seqs, results):
-            seq.prompt = None
+            seq.prompt = seq.codec_state = None
             self.times.queue_wait_seconds += now - seq.ready_at
             if isinstance(result, Exception):
                 self._finish(seq, "error", step_error("prefill", 0))

@@ -83,12 +83,12 @@ class InputProcessor:
         """L0 before the text allows the prompt: that of a one-token text (never-fits rejects early)."""
         return self.builder.build("a", seq.voice).prefill.shape[0]
 
-    def codec_context(self, seq: Sequence) -> np.ndarray | None:
+    def codec_context(self, voice: VoiceSpec) -> np.ndarray | None:
         """Base ICL: the reference codes [F, 16] that precede the generated frames in the codec's
         input (spec e.1), so streamed audio continues the reference like the official decode."""
-        if not self.builder.is_icl(seq.voice) or seq.voice.ref_codes is None:
+        if not self.builder.is_icl(voice) or voice.ref_codes is None:
             return None
-        return np.asarray(seq.voice.ref_codes, dtype=np.int64)
+        return np.asarray(voice.ref_codes, dtype=np.int64)
 
     # --- trailing text ----------------------------------------------------------------------------
 

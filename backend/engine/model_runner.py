@@ -51,6 +51,7 @@ class PrefillRow:
     prefill: torch.Tensor                   # prompt rows [L0, H]
     pages: list[int]                        # the sequence's pages, in order
     codec_context: np.ndarray | None = None  # [F, 16] frames primed into the codec stream
+    codec_state: list[torch.Tensor] | None = None  # those frames already primed (`prime_state`)
 
 
 class DecodeOutput(NamedTuple):
@@ -187,7 +188,7 @@ class ModelRunner:
         st.rep_mask[sl] = False
         st.text_len[sl] = 0
         if self.codec is not None:
-            self._prime_codec(rows, sl)
+            self._prime_codec(rows)
         c0, hidden, faults = self._prefill(rows, sl)
         st.last_c0[sl] = c0
         st.past_hidden[sl] = hidden
@@ -221,21 +222,25 @@ class ModelRunner:
             self.slot_modes[r.slot] = (row_mode(p.greedy, p.top_k, _f32(p.top_p)),
                                        row_mode(p.cp_greedy, p.subtalker_top_k, _f32(p.subtalker_top_p)))
 
-    def _prime_codec(self, rows: list[PrefillRow], sl: torch.Tensor) -> None:
-        """Reset the rows' codec streams; Base ICL: decode each one's reference frames into it first
-        (contexts of equal length in one call, padded to the decode bucket on the scratch slot, so a
-        stream's bits do not depend on how many others are primed with it)."""
-        self.codec.reset([r.slot for r in rows])
-        by_frames: dict[int, list[int]] = {}
-        for i, r in enumerate(rows):
-            if r.codec_context is not None and len(r.codec_context):
-                by_frames.setdefault(len(r.codec_context), []).append(i)
-        for idx in by_frames.values():
-            context = torch.stack([torch.as_tensor(rows[i].codec_context, device=self.device).T
-                                   for i in idx])  # [G, 16, F]
-            slots = self._pad_slots(sl[idx])
-            context = torch.cat((context, context.new_zeros((len(slots) - len(idx), *context.shape[1:]))))
-            self.codec.decode_chunk(slots, context)
+    def prime_state(self, context: np.ndarray | None) -> list[torch.Tensor] | None:
+        """Base ICL: the codec state of a stream primed with reference frames `context` [F, 16] (None
+        when there is nothing to prime). Private tensors (`StreamingDecoder.prime_state`), so the
+        preparer's thread makes it while the engine steps; decoded alone in a call padded to the decode
+        bucket, so its bits depend on no other stream."""
+        if self.codec is None or context is None or not len(context):
+            return None
+        codes = torch.as_tensor(context).T  # [16, F] (host; moved on the codec's own stream)
+        return self.codec.prime_state(codes, self.config.bucket_for(1) or 1)
+
+    def _prime_codec(self, rows: list[PrefillRow]) -> None:
+        """Reset the rows' codec streams; Base ICL: load each one's primed state instead (made off the
+        engine thread by the preparer; made here only for a row that came without one)."""
+        states = {r.slot: r.codec_state if r.codec_state is not None else self.prime_state(r.codec_context)
+                  for r in rows}
+        self.codec.reset([slot for slot, state in states.items() if state is None])
+        for slot, state in states.items():
+            if state is not None:
+                self.codec.load_state(slot, state)
 
     def _pad_slots(self, sl: torch.Tensor) -> torch.Tensor:
         """slots [n] -> [bucket]: padded to the decode bucket with the dummy slot."""

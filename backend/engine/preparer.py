@@ -5,8 +5,10 @@ about as long as the recording on a CPU, far longer than a decode step. `Engine.
 to the preparer (its limits were checked first, `q3tts.codec.voice.check_reference`): one worker thread
 with its own queue encodes it (torch releases the GIL inside its ops, so the engine thread keeps
 stepping the playing streams), while text that arrives for the sequence, its end and its abort are kept
-in its `Pending` record. `Engine.step` takes the prepared ones (`take`) and admits them like any other
-request; one whose reference could not be encoded ends with that error.
+in its `Pending` record. A Base ICL voice's streaming codec state (the reference frames decoded into a
+private state, `ModelRunner.prime_state`) is made there too, so admitting it only copies that state.
+`Engine.step` takes the prepared ones (`take`) and admits them like any other request; one whose
+reference could not be encoded ends with that error.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -34,13 +36,16 @@ class Pending:
     text_done: bool = False
     aborted: bool = False
     result: VoiceSpec | Exception | None = None  # the resolved voice, or why it could not be
+    codec_state: Any = None  # its primed codec state (Base ICL), from `prime`
 
 
 class Preparer:
-    """`resolve(voice) -> voice` runs on the worker thread, one voice at a time, in arrival order."""
+    """`resolve(voice) -> voice`, then `prime(resolved voice) -> codec state or None`, run on the worker
+    thread, one voice at a time, in arrival order (the thread starts with the first job: after the
+    engine's CUDA graphs are captured)."""
 
-    def __init__(self, resolve: Callable[[VoiceSpec], VoiceSpec]) -> None:
-        self.resolve = resolve
+    def __init__(self, resolve: Callable[[VoiceSpec], VoiceSpec], prime: Callable[[VoiceSpec], Any]) -> None:
+        self.resolve, self.prime = resolve, prime
         self.pending: dict[Hashable, Pending] = {}  # engine thread only
         self._jobs: queue.Queue[Pending] = queue.Queue()
         self._done: queue.Queue[Pending] = queue.Queue()
@@ -88,6 +93,7 @@ class Preparer:
                 try:
                     with torch.inference_mode():
                         job.result = self.resolve(job.voice)
+                        job.codec_state = self.prime(job.result)
                 except Exception as exc:  # noqa: BLE001 - the engine thread reports it as the request's error
                     job.result = exc
             self._done.put(job)

@@ -86,8 +86,9 @@ class RequestIntake:
             try:
                 if isinstance(job.result, Exception):
                     raise job.result
-                self._admit(self.inputs.new_sequence(job.seq_id, job.result, job.sampling),
-                            "".join(job.text), job.text_done)
+                seq = self.inputs.new_sequence(job.seq_id, job.result, job.sampling)
+                seq.codec_state = job.codec_state
+                self._admit(seq, "".join(job.text), job.text_done)
             except EngineError as exc:
                 self._outbox.append(ended(job.seq_id, "error", str(exc)))
 

@@ -47,6 +47,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     prompt: Any = None             # the model runner's prefill input (opaque to the scheduler)
+    codec_state: Any = None        # Base ICL: its codec stream primed off the engine thread (Preparer)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,56 @@
+"""`StreamingDecoder.prime_state` + `load_state` (a stream primed off the engine thread) against the priming
+the engine did before them: `reset` + one `decode_chunk` of the context in the stream's slot, padded with
+scratch rows. Bit for bit, on every state tensor and on the audio decoded after it; the pool untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from q3tts.codec import StreamingDecoder
+
+SLOT = 2
+
+
+def _primed_in_pool(codec, context, rows, pad_to=()):
+    """The old path: reset SLOT, decode `context` [16, F] there in a call of `rows` rows (the rest are
+    zero codes on the scratch slot)."""
+    stream = StreamingDecoder(codec.decoder, max_streams=4, pad_to=pad_to)
+    stream.reset([SLOT])
+    slots = torch.tensor([SLOT] + [stream.scratch_slot] * (rows - 1))
+    codes = torch.cat((context[None], context.new_zeros((rows - 1, *context.shape))))
+    stream.decode_chunk(slots, codes)
+    return stream
+
+
+def _primed_by_state(codec, context, rows, pad_to=()):
+    stream = StreamingDecoder(codec.decoder, max_streams=4, pad_to=pad_to)
+    stream.load_state(SLOT, stream.prime_state(context, rows))
+    return stream
+
+
+@pytest.mark.parametrize("rows, pad_to", [(1, ()), (4, ()), (1, (2, 4))], ids=["alone", "bucket4", "pad_to"])
+def test_prime_state_equals_decode_chunk_priming(codec, codes, rows, pad_to):
+    context, more = codes[0, :, :80], codes[0, :, 80:]  # 80 > the 72-frame window: the KV window is full
+    old = _primed_in_pool(codec, context, rows, pad_to)
+    new = _primed_by_state(codec, context, rows, pad_to)
+    for a, b in zip(old.pool, new.pool):
+        assert torch.equal(a[SLOT], b[SLOT])
+    assert int(new.pool[codec.decoder.pre_transformer.pos_state][SLOT]) == 80  # it did decode the context
+    slot = torch.tensor([SLOT])
+    pcm_old = torch.cat([old.decode_frame(slot, more[None, :, t]) for t in range(more.shape[-1])], 1)
+    pcm_new = torch.cat([new.decode_frame(slot, more[None, :, t]) for t in range(more.shape[-1])], 1)
+    assert torch.equal(pcm_old, pcm_new) and pcm_new.abs().max() > 0
+
+
+def test_prime_state_leaves_the_pool_alone(codec, codes):
+    """Other streams mid-decode keep their state bit for bit while a context is primed beside them."""
+    stream = StreamingDecoder(codec.decoder, max_streams=4)
+    slots = torch.tensor([0, 1])
+    stream.reset(slots)
+    stream.decode_chunk(slots, codes[:2, :, :10])
+    before = [state.clone() for state in stream.pool]
+    state = stream.prime_state(codes[2, :, :50])
+    assert all(torch.equal(a, b) for a, b in zip(before, stream.pool))
+    assert [s.shape for s in state] == [(1, *p.shape[1:]) for p in stream.pool]
+    assert [s.dtype for s in state] == [p.dtype for p in stream.pool]
