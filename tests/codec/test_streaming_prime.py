@@ -4,6 +4,8 @@ scratch rows. Bit for bit, on every state tensor and on the audio decoded after 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -12,32 +14,44 @@ from q3tts.codec import StreamingDecoder
 SLOT = 2
 
 
-def _primed_in_pool(codec, context, rows, pad_to=()):
+def _primed_in_pool(codec, context, rows, pad_to=(), device="cpu"):
     """The old path: reset SLOT, decode `context` [16, F] there in a call of `rows` rows (the rest are
     zero codes on the scratch slot)."""
-    stream = StreamingDecoder(codec.decoder, max_streams=4, pad_to=pad_to)
+    stream = StreamingDecoder(copy.deepcopy(codec.decoder), max_streams=4, pad_to=pad_to, device=device)
+    context = context.to(device)
     stream.reset([SLOT])
-    slots = torch.tensor([SLOT] + [stream.scratch_slot] * (rows - 1))
+    slots = torch.tensor([SLOT] + [stream.scratch_slot] * (rows - 1), device=device)
     codes = torch.cat((context[None], context.new_zeros((rows - 1, *context.shape))))
     stream.decode_chunk(slots, codes)
     return stream
 
 
-def _primed_by_state(codec, context, rows, pad_to=()):
-    stream = StreamingDecoder(codec.decoder, max_streams=4, pad_to=pad_to)
+def _primed_by_state(codec, context, rows, pad_to=(), device="cpu"):
+    stream = StreamingDecoder(copy.deepcopy(codec.decoder), max_streams=4, pad_to=pad_to, device=device)
     stream.load_state(SLOT, stream.prime_state(context, rows))
     return stream
 
 
 @pytest.mark.parametrize("rows, pad_to", [(1, ()), (4, ()), (1, (2, 4))], ids=["alone", "bucket4", "pad_to"])
 def test_prime_state_equals_decode_chunk_priming(codec, codes, rows, pad_to):
-    context, more = codes[0, :, :80], codes[0, :, 80:]  # 80 > the 72-frame window: the KV window is full
-    old = _primed_in_pool(codec, context, rows, pad_to)
-    new = _primed_by_state(codec, context, rows, pad_to)
+    _check_priming(codec, codes, rows, pad_to, "cpu")
+
+
+@pytest.mark.gpu
+def test_prime_state_equals_decode_chunk_priming_cuda(codec, codes):
+    """The same on CUDA, where prime_state runs on a stream of its own (a bucket of 4 rows)."""
+    _check_priming(codec, codes, 4, (), "cuda")
+
+
+def _check_priming(codec, codes, rows, pad_to, device):
+    """Equal pool state after priming both ways, and equal audio for the frames that follow."""
+    context, more = codes[0, :, :80], codes[0, :, 80:].to(device)  # 80 > the 72-frame window: it is full
+    old = _primed_in_pool(codec, context, rows, pad_to, device)
+    new = _primed_by_state(codec, context, rows, pad_to, device)
     for a, b in zip(old.pool, new.pool):
         assert torch.equal(a[SLOT], b[SLOT])
     assert int(new.pool[codec.decoder.pre_transformer.pos_state][SLOT]) == 80  # it did decode the context
-    slot = torch.tensor([SLOT])
+    slot = torch.tensor([SLOT], device=device)
     pcm_old = torch.cat([old.decode_frame(slot, more[None, :, t]) for t in range(more.shape[-1])], 1)
     pcm_new = torch.cat([new.decode_frame(slot, more[None, :, t]) for t in range(more.shape[-1])], 1)
     assert torch.equal(pcm_old, pcm_new) and pcm_new.abs().max() > 0
@@ -54,3 +68,4 @@ def test_prime_state_leaves_the_pool_alone(codec, codes):
     assert all(torch.equal(a, b) for a, b in zip(before, stream.pool))
     assert [s.shape for s in state] == [(1, *p.shape[1:]) for p in stream.pool]
     assert [s.dtype for s in state] == [p.dtype for p in stream.pool]
+
