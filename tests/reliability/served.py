@@ -70,9 +70,12 @@ class Stream:
         return self.result
 
 
-def validation_cases(url: str, reference: Result, healthy_params: dict = HEALTHY) -> list[Row]:
+def validation_cases(url: str, reference: Result, healthy_params: dict = HEALTHY,
+                     bit_exact: bool = True) -> list[Row]:
     """Every BAD_CASES request while a healthy stream (`healthy_params`) plays: each gets one error naming its
-    parameter; the healthy stream's audio equals `reference` (the same request played alone)."""
+    parameter; the healthy stream ends normally with as many frames as `reference` (the same request played
+    alone), and with its bits when `bit_exact` (the CPU: on the H200 the same request repeated alone already
+    differs in bits, so there the table reports the difference instead)."""
     healthy = Stream(url, healthy_params, 900_001).start()
     assert healthy.started.wait(300), "the healthy stream never started"
     rows = []
@@ -85,8 +88,12 @@ def validation_cases(url: str, reference: Result, healthy_params: dict = HEALTHY
     assert healthy.done_at is None, "the healthy stream ended before the last bad request: make it longer"
     result = healthy.wait()
     assert result.error is None and result.finals == 1
-    assert np.array_equal(result.audio, reference.audio), "the healthy stream was touched"
-    rows.append(Row("healthy stream beside them", f"untouched ({result.finish_reason}, {result.audio_s:.2f} s)"))
+    assert result.audio.size == reference.audio.size, "the healthy stream was cut or lengthened"
+    if bit_exact:
+        assert np.array_equal(result.audio, reference.audio), "the healthy stream was touched"
+    diff = float(np.abs(result.audio - reference.audio).max())
+    rows.append(Row("healthy stream beside them", f"ended normally ({result.finish_reason}, "
+                    f"{result.audio_s:.2f} s), max |diff| vs alone {diff:.3g}"))
     return rows
 
 

@@ -100,10 +100,13 @@ def test_validation_table(server):
     reference = synthesize(server.grpc_url, [TEXT], VOICE, LONG)
     assert reference.error is None
     again = synthesize(server.grpc_url, [TEXT], VOICE, LONG)
-    # NOTE: on the H200 at 730fd85 the healthy stream beside the bad requests differed from the reference;
-    # this separates "a second run alone differs" (run-to-run, not the bad requests) from their effect
-    assert np.array_equal(again.audio, reference.audio), "the same request alone gives other bits when repeated"
-    ROWS.extend(validation_cases(server.grpc_url, reference, LONG))
+    # NOTE: on the H200 (c0e5453) the same request repeated alone already differs in bits (bf16 is not
+    # run-to-run invariant there: issue 11's batch-invariance item), so the healthy stream beside the bad
+    # requests is held to what the bad requests could change (an error, a cut) and its difference is shown
+    repeat = float(np.abs(again.audio - reference.audio).max()) if again.audio.size == reference.audio.size \
+        else float("nan")
+    ROWS.append(Row("the same request alone, twice", f"max |diff| {repeat:.3g}"))
+    ROWS.extend(validation_cases(server.grpc_url, reference, LONG, bit_exact=False))
 
 
 def test_device_side_assert_heals_the_instance(server):
