@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from q3tts.core import InvalidRequest
 from q3tts.voices.store import VoiceError, VoiceStore, default_voices_dir
 from q3tts_client.voices import VoicesClient, VoicesError
 
@@ -65,12 +66,12 @@ def _reference(args) -> tuple:
         return pcm, 24000, args.script, "design", args.design
     if not args.ref_audio:
         raise UsageError("voice add needs --ref-audio (with --ref-text or --xvector-only) or --design")
-    from q3tts.codec.audio import read_wav
+    from q3tts.codec.voice import read_reference
 
     try:
-        wav, sr = read_wav(args.ref_audio)
-    except Exception as e:  # noqa: BLE001 - soundfile raises several types for unreadable files
-        raise UsageError(f"--ref-audio {args.ref_audio}: cannot read: {e}") from None
+        wav, sr = read_reference(args.ref_audio)
+    except InvalidRequest as e:
+        raise UsageError(f"--ref-audio: {e}") from None
     return wav, sr, args.ref_text, "audio", None
 
 

@@ -21,26 +21,6 @@ from q3tts.voices.store import Family, Voice, VoiceError, check_name
 from q3tts_client import protocol as P
 
 
-def check_reference(name: str, wav: np.ndarray, sample_rate: int) -> np.ndarray:
-    """The recording as float32 mono [n]; raises VoiceError for empty, too long, non-finite audio or a
-    sample rate outside the protocol's range (protocol.FIELDS)."""
-    try:
-        P.FIELDS[P.INPUT_REF_SAMPLE_RATE].check(int(sample_rate))
-    except ValueError as e:
-        raise VoiceError(f"voice {name!r}: {e}") from None
-    wav = np.asarray(wav, dtype=np.float32)
-    if wav.ndim != 1:
-        raise VoiceError(f"voice {name!r}: reference audio must be mono [n], got shape {list(wav.shape)}")
-    if wav.size == 0:
-        raise VoiceError(f"voice {name!r}: reference audio is empty")
-    if wav.size > P.MAX_REF_SECONDS * sample_rate:
-        raise VoiceError(f"voice {name!r}: reference audio is {wav.size / sample_rate:.1f} s long; "
-                         f"the limit is {P.MAX_REF_SECONDS} s")
-    if not np.isfinite(wav).all():
-        raise VoiceError(f"voice {name!r}: reference audio has NaN or infinite samples")
-    return wav
-
-
 def _weight_files(root: Path) -> list[Path]:
     if (root / MAIN_WEIGHTS).is_file():
         return [root / MAIN_WEIGHTS]
@@ -87,7 +67,8 @@ class Enroller:
 
     def enroll(self, name: str, wav: np.ndarray, sample_rate: int, ref_text: str | None = None,
                xvector_only: bool = False, source: str = "audio", prompt: str | None = None) -> Voice:
-        """Encode one reference recording into an unsaved `Voice` (VoiceError names what is wrong).
+        """Encode one reference recording into an unsaved `Voice` (VoiceError names the voice and what is
+        wrong; the recording's limits are `q3tts.codec.voice.check_reference`'s).
 
         ICL voices (the default) need `ref_text`, the transcript of the recording; `xvector_only` keeps
         only the speaker embedding.
@@ -95,7 +76,6 @@ class Enroller:
         from q3tts.codec.voice import encode_reference
 
         name = check_name(name)
-        wav = check_reference(name, wav, sample_rate)
         if not xvector_only and not (ref_text or "").strip():
             raise VoiceError(f"voice {name!r}: the transcript of the reference (ref_text) is required, "
                              "or register an x-vector-only voice")

@@ -46,7 +46,7 @@ def test_add_list_rm(base_ckpt, ref_path, tmp_path, capsys):
     (["--ref-text", REF_TEXT], "--model"),
     (["--model", "{ckpt}"], "--ref-audio"),
     (["--model", "{ckpt}", "--ref-audio", "{ref}"], "transcript"),
-    (["--model", "{ckpt}", "--ref-audio", "{missing}", "--ref-text", "x"], "cannot read"),
+    (["--model", "{ckpt}", "--ref-audio", "{missing}", "--ref-text", "x"], "no such file"),
     (["--model", "{ckpt}", "--design", "a calm voice"], "--design-model"),
 ])
 def test_add_usage_errors(base_ckpt, ref_path, tmp_path, capsys, argv, match):
