@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from q3tts_client.protocol import FIELDS, SAMPLING_FIELD_NAMES
+from q3tts_client.protocol import FIELDS, SAMPLE_RATE, SAMPLING_FIELD_NAMES
 
 TEXT_MODES = FIELDS["text_mode"].choices  # ("whole", "incremental")
 
@@ -53,7 +53,7 @@ class VoiceSpec:
     ref_codes: np.ndarray | None = None
     xvector: np.ndarray | None = None
     ref_audio: np.ndarray | None = None
-    ref_sample_rate: int = 24000
+    ref_sample_rate: int = SAMPLE_RATE
     xvector_only: bool = False
     text_mode: str | None = None
 

@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from q3tts.codec.audio import SAMPLE_RATE
 from q3tts.core import InvalidRequest
 from q3tts.voices.store import VoiceError, VoiceStore, default_voices_dir
 from q3tts_client.voices import VoicesClient, VoicesError
@@ -63,7 +64,7 @@ def _reference(args) -> tuple:
 
         pcm = render_design(args.design_model, args.design, args.script, args.language, args.seed, args.device,
                             **({"max_frames": args.max_frames} if args.max_frames else {}))
-        return pcm, 24000, args.script, "design", args.design
+        return pcm, SAMPLE_RATE, args.script, "design", args.design
     if not args.ref_audio:
         raise UsageError("voice add needs --ref-audio (with --ref-text or --xvector-only) or --design")
     from q3tts.codec.voice import read_reference
