@@ -16,13 +16,13 @@ from typing import Callable
 
 from tokenizers import Regex, pre_tokenizers
 
+from q3tts.models.prompt import ROLE_TOKENS as HEAD_IDS
+from q3tts.models.prompt import TARGET_HEAD, TARGET_TAIL
+from q3tts.models.prompt import TARGET_TAIL_TOKENS as TAIL_IDS
+
 QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
                r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 _SPLIT = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")
-
-TARGET_HEAD = "<|im_start|>assistant\n"
-TARGET_TAIL = "<|im_end|>\n<|im_start|>assistant\n"
-HEAD_IDS, TAIL_IDS = 3, 5
 
 
 class TextStreamError(ValueError):

@@ -22,9 +22,13 @@ from q3tts.models.tts_model import Qwen3TTS
 from q3tts_client import protocol as P
 
 DEFAULT_TEXT_MODE = {"custom_voice": "whole", "voice_design": "whole", "base": "incremental"}
-_ROLE_TOKENS = 3  # <|im_start|> assistant \n
-_TARGET_TAIL = 5  # <|im_end|> \n <|im_start|> assistant \n
-_REF_TAIL = 2  # <|im_end|> \n
+# the chat template around the text to speak (the one statement of it; engine/text_stream.py reads it too)
+TARGET_HEAD = "<|im_start|>assistant\n"
+TARGET_TAIL = "<|im_end|>\n<|im_start|>assistant\n"
+REF_TAIL = "<|im_end|>\n"
+ROLE_TOKENS = 3  # tokens of TARGET_HEAD: <|im_start|> assistant \n
+TARGET_TAIL_TOKENS = 5  # tokens of TARGET_TAIL: <|im_end|> \n <|im_start|> assistant \n
+_REF_TAIL = 2  # tokens of REF_TAIL: <|im_end|> \n
 ICL_NEEDS = "ICL voice cloning needs ref_codes [F, 16] and ref_text (input REF_TEXT), or set xvector_only"
 # VoiceSpec field -> the request input or parameter that sets it (a registered VOICE sets ref_codes, xvector)
 VOICE_INPUTS = {"speaker": P.INPUT_SPEAKER, "instruct": P.INPUT_INSTRUCT, "ref_audio": P.INPUT_REF_AUDIO,
@@ -42,11 +46,11 @@ class Prompt:
 
 
 def target_string(text: str) -> str:
-    return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    return TARGET_HEAD + text + TARGET_TAIL
 
 
 def ref_string(text: str) -> str:
-    return f"<|im_start|>assistant\n{text}<|im_end|>\n"
+    return TARGET_HEAD + text + REF_TAIL
 
 
 def instruct_string(instruct: str) -> str:
@@ -96,7 +100,7 @@ class PromptBuilder:
 
     def ref_ids(self, ref_text: str) -> list[int]:
         """Base ICL: the text ids of the reference transcript (the head of the text track)."""
-        return self.tokenizer.encode(ref_string(ref_text))[_ROLE_TOKENS:-_REF_TAIL]
+        return self.tokenizer.encode(ref_string(ref_text))[ROLE_TOKENS:-_REF_TAIL]
 
     def is_icl(self, voice: VoiceSpec) -> bool:
         """Base voice cloning with the reference in the prompt (not x-vector only)."""
@@ -185,13 +189,13 @@ class PromptBuilder:
         self._check_voice(voice)
         mode = self.text_mode(voice)
         ids = self.target_ids(text)
-        if len(ids) <= _ROLE_TOKENS + _TARGET_TAIL:
+        if len(ids) <= ROLE_TOKENS + TARGET_TAIL_TOKENS:
             raise InvalidRequest("text is empty")
         bos, eos, pad = self.special_embeds()
         codec = self._codec_prefix(voice)  # [K, H]
-        rows = [self._instruct_rows(voice), self.embed_text(ids[:_ROLE_TOKENS]),
+        rows = [self._instruct_rows(voice), self.embed_text(ids[:ROLE_TOKENS]),
                 torch.cat((pad.expand(codec.shape[0] - 2, -1), bos)) + codec[:-1]]
-        text_ids = ids[_ROLE_TOKENS:-_TARGET_TAIL]
+        text_ids = ids[ROLE_TOKENS:-TARGET_TAIL_TOKENS]
         if self.is_icl(voice):
             body, trailing = self._icl_rows(text_ids, voice, eos, pad, mode == "whole")
         elif mode == "whole":
