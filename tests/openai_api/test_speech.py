@@ -115,13 +115,16 @@ def test_refusals_have_openai_shape(api, body, status, param, match):
 
 
 def long_request(api) -> httpx.Response:
-    """A streamed request that would run for minutes (2000 frames), its first bytes already received."""
+    """A streamed request that would run for minutes, its first bytes already received. The tiny checkpoint's
+    sampled stream ends on EOS after 111 frames with the default seed (a few seconds: gone before the metrics are
+    read); with seed 2 it runs to the 2000-frame cap (88 s on a 2-core CPU)."""
     client = httpx.Client(timeout=120)
     response = client.send(client.build_request(
         "POST", f"{api.url}/v1/audio/speech", json={"model": "m", "input": TEXT * 4, "voice": "alice",
-                                                   "response_format": "pcm", "max_frames": 2000}), stream=True)
+                                                   "response_format": "pcm", "max_frames": 2000, "seed": 2}), stream=True)
     assert response.status_code == 200
-    next(response.iter_bytes())
+    response.chunks = response.iter_bytes()  # kept: a dropped iterator closes the connection (an abort)
+    next(response.chunks)
     response.client = client
     return response
 
