@@ -70,6 +70,10 @@ class EngineConfig:
     fused_code_predictor run the code predictor's 15 passes through its fused kernels (kernels/code_predictor.py,
                          23 launches a pass) where the kernels serve the device. Off until measured on the
                          H200 (perf/bench_code_predictor.py: fused vs eager time and launches per pass)
+    voice_cache_bytes    device memory for the Base voices kept prepared (engine/voice_cache.py: x-vector,
+                         reference codes, an ICL voice's primed codec stream; least recently used first
+                         out). 256 MiB holds about 60 ICL voices of the released 1.7B in bfloat16 (a
+                         primed stream is 2.5 MiB, 30 s of reference codes 48 KiB); 0 keeps none
     fault_injection_seed TEST ONLY (refused unless Q3TTS_TEST_HOOKS=1): a decode step holding a sequence with
                          this seed causes a device fault (engine/faults.py: on CUDA a real device-side
                          assert, which poisons the context), to test the serving layer's healing
@@ -95,6 +99,7 @@ class EngineConfig:
     prefill_graphs: bool = True
     codec_kernels: bool = False
     fused_code_predictor: bool = False
+    voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -116,6 +121,7 @@ class EngineConfig:
         need(math.isfinite(self.frames_per_text_token) and self.frames_per_text_token > 0,
              f"frames_per_text_token must be a finite number > 0, got {self.frames_per_text_token}")
         need(self.min_text_frames >= 1, f"min_text_frames must be >= 1, got {self.min_text_frames}")
+        need(self.voice_cache_bytes >= 0, f"voice_cache_bytes must be >= 0, got {self.voice_cache_bytes}")
         need(self.kv_policy in KV_POLICIES, f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         bs = self.graph_batch_sizes

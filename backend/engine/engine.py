@@ -34,6 +34,7 @@ from .requests import RequestIntake
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .timing import PhaseClock, StepTimes
+from .voice_cache import VoiceCache
 
 
 class Engine(RequestIntake):
@@ -59,9 +60,10 @@ class Engine(RequestIntake):
         self.scheduler = Scheduler(self.config)
         self.runner = ModelRunner(self.model, codec, self.config, self.inputs.pad_row, uniform_source)
         self.runner.capture_graphs()
-        # reference audio is encoded (and an ICL codec stream primed) on its own thread, never during capture
-        self.preparer = Preparer(self.inputs.encode,
-                                 lambda voice: self.runner.prime_state(self.inputs.codec_context(voice)))
+        # voices are encoded and prepared (an ICL codec stream primed) on their own thread, never during capture
+        self.voices = VoiceCache(self.config.voice_cache_bytes,
+                                 lambda voice: self.inputs.prepare(voice, self.runner.prime_state))
+        self.preparer = Preparer(self.inputs.encode, self.voices.get_or_prepare)
         self._outbox: list[StepOutput] = []  # finished outputs produced between steps (abort, errors)
         self.num_steps = 0
         self.clock = PhaseClock(self.runner.device)
@@ -177,7 +179,7 @@ class Engine(RequestIntake):
                     kv_pages_total=sch.kv.num_pages, slots_used=sch.slots.num_used,
                     slots_total=sch.slots.num_slots, steps=self.num_steps,
                     decode_steps=self.runner.num_decode_steps,
-                    graph_replays=self.runner.num_graph_replays, **self.times.as_stats())
+                    graph_replays=self.runner.num_graph_replays, **self.times.as_stats(), **self.voices.stats())
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

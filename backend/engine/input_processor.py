@@ -1,19 +1,20 @@
 """`InputProcessor`: requests -> `Sequence`s, and the model inputs the engine takes from them.
 
 A request's voice is resolved (reference audio encoded: `q3tts.codec.voice.resolve_voice`) and
-checked, its text gets a `TextFeed` (Base ICL: split as `q3tts.models.prompt.icl_prefill_rows`
-says), its prompt rows are built once the feed allows, and the feed's trailing ids are embedded for
-the slot's device text queue. Nothing here touches the scheduler or the model runner.
+checked, a Base voice is prepared on the device (`prepare`, kept by `engine/voice_cache.py`), its text
+gets a `TextFeed` (Base ICL: split as `q3tts.models.prompt.icl_prefill_rows` says), its prompt rows are
+built once the feed allows, and the feed's trailing ids are embedded for the slot's device text queue.
+Nothing here touches the scheduler or the model runner.
 """
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Callable, Hashable
 
 import numpy as np
 import torch
 
-from q3tts.codec.voice import check_reference, resolve_voice
+from q3tts.codec.voice import check_reference, needs_encoding, resolve_voice
 from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.models.prompt import PromptBuilder, icl_prefill_rows
 
@@ -21,6 +22,7 @@ from .config import EngineConfig
 from .sequence import Sequence
 from .text_feed import TextFeed
 from .text_stream import TextStream
+from .voice_cache import PreparedVoice
 
 EMBED_ROWS = 16  # text rows are embedded in groups of >= 16 so their bits do not depend on the count
 
@@ -33,33 +35,44 @@ class InputProcessor:
             _, self.eos_row, self.pad_row = self.builder.special_embeds()  # [1, H] each
         self._encoder = None  # the codec encoder, built when a reference recording first needs it
 
-    def new_sequence(self, seq_id: Hashable, voice: VoiceSpec, sampling: SamplingParams) -> Sequence:
-        """A sequence with a resolved, checked voice and an empty text feed; raises InvalidRequest."""
-        sampling.validate()
+    def new_sequence(self, seq_id: Hashable, voice: VoiceSpec, sampling: SamplingParams,
+                     prepared: PreparedVoice | None = None) -> Sequence:
+        """A sequence with a resolved, checked voice and an empty text feed; raises InvalidRequest.
+        `prepared`: the voice on the device (`prepare`; None: its prompt makes what it needs)."""
         voice = self.encode(voice)
-        self.builder.validate(voice)
+        self.check(voice, sampling)
         given = sampling.max_frames
-        return Sequence(seq_id, voice, sampling, self._feed(voice), text_cap=self.config.text_frame_cap,
-                        max_frames=None if given is None else min(given, self.config.max_frames))
+        tensors = prepared.tensors if prepared is not None else None
+        return Sequence(seq_id, voice, sampling, self._feed(voice, tensors), text_cap=self.config.text_frame_cap,
+                        max_frames=None if given is None else min(given, self.config.max_frames),
+                        voice_tensors=tensors, codec_state=prepared.codec_state if prepared is not None else None)
 
-    def check_unencoded(self, voice: VoiceSpec, sampling: SamplingParams) -> None:
-        """Everything `new_sequence` checks that needs no encoding of the voice's reference audio (its
-        limits included): a request that would be refused is refused before any work."""
+    def check(self, voice: VoiceSpec, sampling: SamplingParams) -> None:
+        """Everything `new_sequence` checks, without device work (reference audio still to be encoded:
+        its limits): a request that would be refused is refused before any work."""
         sampling.validate()
-        check_reference(voice.ref_audio, voice.ref_sample_rate)
-        self.builder.validate(voice, encoded=False)
+        encoded = not needs_encoding(voice)
+        if not encoded:
+            check_reference(voice.ref_audio, voice.ref_sample_rate)
+        self.builder.validate(voice, encoded=encoded)
+
+    def prepare(self, voice: VoiceSpec, prime: Callable[[np.ndarray | None], list | None]) -> PreparedVoice:
+        """A checked Base voice on the device: its prompt tensors, and for ICL its codec stream primed with
+        the reference frames (`prime`: `ModelRunner.prime_state`). Run by the preparer's worker."""
+        return PreparedVoice(self.builder.voice_tensors(voice), prime(self.codec_context(voice)))
 
     def encode(self, voice: VoiceSpec) -> VoiceSpec:
         """The voice with its reference audio encoded (a no-op when there is nothing to encode)."""
         return resolve_voice(voice, self.model, self._reference_encoder)
 
-    def _feed(self, voice: VoiceSpec) -> TextFeed:
+    def _feed(self, voice: VoiceSpec, tensors) -> TextFeed:
         mode = self.builder.text_mode(voice)
         if mode == "whole":
             return TextFeed(mode, count_tokens=lambda text: len(self.builder.tokenizer.encode(text)))
         head, prompt_rows = [], 1
         if self.builder.is_icl(voice):
-            head, prompt_rows = self.builder.ref_ids(voice.ref_text), icl_prefill_rows(len(voice.ref_codes))
+            head = tensors.ref_ids if tensors is not None else self.builder.ref_ids(voice.ref_text)
+            prompt_rows = icl_prefill_rows(len(voice.ref_codes))
         return TextFeed(mode, TextStream(self.builder.tokenizer.encode), head, prompt_rows,
                         eos_id=self.checkpoint.config.tts_eos_id, max_trailing=self.config.max_text_tokens)
 
@@ -76,12 +89,12 @@ class InputProcessor:
 
     def build_prompt(self, seq: Sequence) -> None:
         """seq.prompt [L0, H] and seq.prompt_len from the feed's text (call once `feed.is_ready`)."""
-        prompt = self.builder.build(seq.feed.prompt_text(), seq.voice)
+        prompt = self.builder.build(seq.feed.prompt_text(), seq.voice, seq.voice_tensors)
         seq.prompt, seq.prompt_len = prompt.prefill, prompt.prefill.shape[0]
 
     def estimate_prompt_len(self, seq: Sequence) -> int:
         """L0 before the text allows the prompt: that of a one-token text (never-fits rejects early)."""
-        return self.builder.build("a", seq.voice).prefill.shape[0]
+        return self.builder.build("a", seq.voice, seq.voice_tensors).prefill.shape[0]
 
     def codec_context(self, voice: VoiceSpec) -> np.ndarray | None:
         """Base ICL: the reference codes [F, 16] that precede the generated frames in the codec's

@@ -1,14 +1,15 @@
-"""`Preparer`: reference audio is encoded off the decode loop.
+"""`Preparer`: voices are encoded and prepared off the decode loop.
 
 Turning a request's reference recording into ref_codes + x-vector (codec encoder, speaker encoder) takes
-about as long as the recording on a CPU, far longer than a decode step. `Engine.add` hands such a voice
-to the preparer (its limits were checked first, `q3tts.codec.voice.check_reference`): one worker thread
-with its own queue encodes it (torch releases the GIL inside its ops, so the engine thread keeps
-stepping the playing streams), while text that arrives for the sequence, its end and its abort are kept
-in its `Pending` record. A Base ICL voice's streaming codec state (the reference frames decoded into a
-private state, `ModelRunner.prime_state`) is made there too, so admitting it only copies that state.
-`Engine.step` takes the prepared ones (`take`) and admits them like any other request; one whose
-reference could not be encoded ends with that error.
+about as long as the recording on a CPU, far longer than a decode step, and priming a Base ICL voice's
+codec stream (its reference frames decoded into a private state, `ModelRunner.prime_state`) is a decode
+of the whole reference. `Engine.add` hands the preparer every voice with reference audio, and every Base
+voice its `VoiceCache` does not keep yet (registered, batch-file or request arrays), once checked: one
+worker thread with its own queue encodes it and prepares it on the device (kept in the cache; torch
+releases the GIL inside its ops, so the engine thread keeps stepping the playing streams), while text
+that arrives for the sequence, its end and its abort are kept in its `Pending` record. `Engine.step`
+takes the prepared ones (`take`) and admits them like any other request, so admitting one only copies its
+primed state; one whose voice could not be prepared ends with that error.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Callable, Hashable
 
 import torch
 
 from q3tts.core import SamplingParams, VoiceSpec
+
+from .voice_cache import PreparedVoice
 
 WAIT_S = 0.01  # Engine.step with nothing but preparation to do waits this long for one to finish
 
@@ -36,16 +39,17 @@ class Pending:
     text_done: bool = False
     aborted: bool = False
     result: VoiceSpec | Exception | None = None  # the resolved voice, or why it could not be
-    codec_state: Any = None  # its primed codec state (Base ICL), from `prime`
+    prepared: PreparedVoice | None = None  # it on the device (`prepare`)
 
 
 class Preparer:
-    """`resolve(voice) -> voice`, then `prime(resolved voice) -> codec state or None`, run on the worker
-    thread, one voice at a time, in arrival order (the thread starts with the first job: after the
-    engine's CUDA graphs are captured)."""
+    """`resolve(voice) -> voice` (reference audio encoded), then `prepare(resolved voice) -> PreparedVoice
+    or None`, run on the worker thread, one voice at a time, in arrival order (the thread starts with the
+    first job: after the engine's CUDA graphs are captured)."""
 
-    def __init__(self, resolve: Callable[[VoiceSpec], VoiceSpec], prime: Callable[[VoiceSpec], Any]) -> None:
-        self.resolve, self.prime = resolve, prime
+    def __init__(self, resolve: Callable[[VoiceSpec], VoiceSpec],
+                 prepare: Callable[[VoiceSpec], PreparedVoice | None]) -> None:
+        self.resolve, self.prepare = resolve, prepare
         self.pending: dict[Hashable, Pending] = {}  # engine thread only
         self._jobs: queue.Queue[Pending] = queue.Queue()
         self._done: queue.Queue[Pending] = queue.Queue()
@@ -93,7 +97,7 @@ class Preparer:
                 try:
                     with torch.inference_mode():
                         job.result = self.resolve(job.voice)
-                        job.codec_state = self.prime(job.result)
+                        job.prepared = self.prepare(job.result)
                 except Exception as exc:  # noqa: BLE001 - the engine thread reports it as the request's error
                     job.result = exc
             self._done.put(job)

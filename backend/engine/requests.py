@@ -1,10 +1,11 @@
 """`RequestIntake`: the Engine's request API (add, append_text, end_text, abort), between steps.
 
 A request becomes a `Sequence` (InputProcessor) and joins the scheduler's queue, or is refused at once
-(InvalidRequest / AdmissionRejected) leaving nothing behind. A voice with reference audio to encode is
-checked first (limits, variant, parameters: no work yet) and then prepared off the engine thread
-(`Preparer`); text, end and abort that arrive meanwhile are kept with it, and once it is encoded the
-next `step` admits it, or ends it with the error that prevented that.
+(InvalidRequest / AdmissionRejected) leaving nothing behind. A voice with reference audio to encode, or a
+Base voice the engine's `VoiceCache` does not keep yet, is checked first (limits, variant, parameters: no
+work yet) and then prepared off the engine thread (`Preparer`); text, end and abort that arrive meanwhile
+are kept with it, and once it is prepared the next `step` admits it, or ends it with the error that
+prevented that. A kept voice is admitted at once with its device tensors and primed codec state.
 """
 
 from __future__ import annotations
@@ -22,23 +23,26 @@ from .sequence import Sequence, Status
 
 
 class RequestIntake:
-    """Mixed into `Engine` (it owns `inputs`, `scheduler`, `preparer`, `_outbox`, `default_sampling`)."""
+    """Mixed into `Engine` (it owns `inputs`, `scheduler`, `preparer`, `voices`, `_outbox`,
+    `default_sampling`)."""
 
     def add(self, seq_id: Hashable, voice: VoiceSpec, sampling: SamplingParams | None = None,
             text: str = "", text_done: bool = False) -> None:
         """Queue a sequence (sampling None: `default_sampling`). Raises InvalidRequest (bad voice,
         params or text) or AdmissionRejected; a refused sequence leaves nothing behind. A voice whose
-        reference audio must be encoded is checked, then encoded off the engine thread: an error of
-        the encoding ends the sequence (reason 'error') with a later step."""
+        reference audio must be encoded, or that is not kept on the device yet, is checked, then
+        prepared off the engine thread: an error there ends the sequence (reason 'error') with a later
+        step."""
         if (seq_id in self.scheduler.seqs or seq_id in self.preparer
                 or any(o.seq_id == seq_id for o in self._outbox)):
             raise InvalidRequest(f"sequence id {seq_id!r} is already in use")
         sampling = sampling or self.default_sampling
-        if needs_encoding(voice):
-            self.inputs.check_unencoded(voice, sampling)
+        prepared = None if needs_encoding(voice) else self.voices.get(voice)
+        if prepared is None and (needs_encoding(voice) or self.voices.keeps(voice)):
+            self.inputs.check(voice, sampling)
             self.preparer.submit(Pending(seq_id, voice, sampling, [text], text_done))
             return
-        self._admit(self.inputs.new_sequence(seq_id, voice, sampling), text, text_done)
+        self._admit(self.inputs.new_sequence(seq_id, voice, sampling, prepared), text, text_done)
 
     def append_text(self, seq_id: Hashable, text: str) -> None:
         job = self.preparer.pending.get(seq_id)
@@ -80,14 +84,13 @@ class RequestIntake:
         self.scheduler.add(seq)
 
     def _admit_prepared(self, idle: bool) -> None:
-        """Admit the sequences whose voices were encoded since the last step (waits WAIT_S for one when
+        """Admit the sequences whose voices were prepared since the last step (waits WAIT_S for one when
         the engine has nothing else to do); one that cannot be admitted ends with its error."""
         for job in self.preparer.take(WAIT_S if idle else 0.0):
             try:
                 if isinstance(job.result, Exception):
                     raise job.result
-                seq = self.inputs.new_sequence(job.seq_id, job.result, job.sampling)
-                seq.codec_state = job.codec_state
+                seq = self.inputs.new_sequence(job.seq_id, job.result, job.sampling, job.prepared)
                 self._admit(seq, "".join(job.text), job.text_done)
             except EngineError as exc:
                 self._outbox.append(ended(job.seq_id, "error", str(exc)))

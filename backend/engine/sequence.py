@@ -47,6 +47,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     prompt: Any = None             # the model runner's prefill input (opaque to the scheduler)
+    voice_tensors: Any = None      # Base: its voice on the device (engine/voice_cache.py), None: made per prompt
     codec_state: Any = None        # Base ICL: its codec stream primed off the engine thread (Preparer)
 
     @property

@@ -45,6 +45,16 @@ class Prompt:
     pad: torch.Tensor
 
 
+@dataclass(frozen=True)
+class VoiceTensors:
+    """What a Base prompt takes from its voice, on the model's device (`PromptBuilder.voice_tensors`):
+    made once per voice, so the prompts of a voice the engine keeps copy nothing of it from the host."""
+
+    xvector: torch.Tensor  # [H], the model's dtype
+    ref_codes: torch.Tensor | None  # [F, 16] int64 (ICL; None: x-vector only)
+    ref_ids: list[int] | None  # the transcript's text ids (`ref_ids`; ICL)
+
+
 def target_string(text: str) -> str:
     return TARGET_HEAD + text + TARGET_TAIL
 
@@ -184,20 +194,35 @@ class PromptBuilder:
     # ------------------------------------------------------------------ building
 
     @torch.no_grad()
-    def build(self, text: str, voice: VoiceSpec) -> Prompt:
-        """The prompt of one request; raises InvalidRequest on a bad voice/text."""
+    def voice_tensors(self, voice: VoiceSpec) -> VoiceTensors | None:
+        """A checked Base voice's x-vector and (ICL) reference codes on the device, with its transcript's
+        ids; None for the other variants (their voice is a speaker id or an instruction)."""
+        if self.config.variant != "base":
+            return None
+        weight = self.talker.codec_head.weight
+        xvector = torch.as_tensor(np.asarray(voice.xvector)).to(device=weight.device, dtype=weight.dtype)
+        if not self.is_icl(voice):
+            return VoiceTensors(xvector, None, None)
+        codes = torch.as_tensor(np.asarray(voice.ref_codes), dtype=torch.int64, device=self.device)
+        return VoiceTensors(xvector, codes, self.ref_ids(voice.ref_text))
+
+    @torch.no_grad()
+    def build(self, text: str, voice: VoiceSpec, tensors: VoiceTensors | None = None) -> Prompt:
+        """The prompt of one request; raises InvalidRequest on a bad voice/text. `tensors`: the voice's
+        `voice_tensors`, when the caller keeps them (else they are made here)."""
         self._check_voice(voice)
         mode = self.text_mode(voice)
         ids = self.target_ids(text)
         if len(ids) <= ROLE_TOKENS + TARGET_TAIL_TOKENS:
             raise InvalidRequest("text is empty")
         bos, eos, pad = self.special_embeds()
-        codec = self._codec_prefix(voice)  # [K, H]
+        tensors = tensors or self.voice_tensors(voice)
+        codec = self._codec_prefix(voice, tensors)  # [K, H]
         rows = [self._instruct_rows(voice), self.embed_text(ids[:ROLE_TOKENS]),
                 torch.cat((pad.expand(codec.shape[0] - 2, -1), bos)) + codec[:-1]]
         text_ids = ids[ROLE_TOKENS:-TARGET_TAIL_TOKENS]
         if self.is_icl(voice):
-            body, trailing = self._icl_rows(text_ids, voice, eos, pad, mode == "whole")
+            body, trailing = self._icl_rows(text_ids, tensors, eos, pad, mode == "whole")
         elif mode == "whole":
             body = torch.cat((torch.cat((self.embed_text(text_ids), eos))
                               + self._codec([self.tcfg.codec_pad_id] * (len(text_ids) + 1)),
@@ -214,7 +239,7 @@ class PromptBuilder:
             return None
         return self.embed_text(self.tokenizer.encode(instruct_string(voice.instruct)))
 
-    def _codec_prefix(self, voice: VoiceSpec) -> torch.Tensor:
+    def _codec_prefix(self, voice: VoiceSpec, tensors: VoiceTensors | None) -> torch.Tensor:
         """[think/nothink tags ..., speaker row?, pad, bos] codec embeddings -> [K, H]."""
         t = self.tcfg
         lang_id = self._language_id(voice)
@@ -225,33 +250,28 @@ class PromptBuilder:
             spk = self._ids(t.speaker_ids[voice.speaker.lower()])  # scalar id
             parts.append(self.talker.embed_codec(spk)[None])
         elif self.config.variant == "base":
-            parts.append(self._xvector(voice)[None])
+            parts.append(tensors.xvector[None])
         parts.append(self._codec([t.codec_pad_id, t.codec_bos_id]))
         return torch.cat(parts)
 
-    def _xvector(self, voice: VoiceSpec) -> torch.Tensor:
-        weight = self.talker.codec_head.weight
-        xvector = torch.as_tensor(np.asarray(voice.xvector))
-        return xvector.to(device=weight.device, dtype=weight.dtype)
-
-    def ref_code_embeds(self, codes: np.ndarray) -> torch.Tensor:
-        """[F, 16] codes -> [F, H]: sum over groups of talker C (group 0) and cp tables (1..15)."""
-        codes_t = torch.as_tensor(np.asarray(codes), dtype=torch.int64, device=self.device)
+    def ref_code_embeds(self, codes: torch.Tensor) -> torch.Tensor:
+        """[F, 16] int64 codes on the device -> [F, H]: sum over groups of talker C (group 0) and cp
+        tables (1..15)."""
         cp_tables = self.talker.code_predictor.model.codec_embedding
         tables = [self.talker.model.codec_embedding, *cp_tables]
-        per_group = [table(codes_t[:, g]) for g, table in enumerate(tables)]  # 16 x [F, H]
+        per_group = [table(codes[:, g]) for g, table in enumerate(tables)]  # 16 x [F, H]
         return torch.stack(per_group, dim=1).sum(1)
 
-    def _icl_rows(self, text_ids: list[int], voice: VoiceSpec, eos: torch.Tensor, pad: torch.Tensor,
+    def _icl_rows(self, text_ids: list[int], tensors: VoiceTensors, eos: torch.Tensor, pad: torch.Tensor,
                   whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        track = self.ref_ids(voice.ref_text) + text_ids
+        track = tensors.ref_ids + text_ids
         x = torch.cat((self.embed_text(track), eos))  # [n_r + n + 1, H]
         y = torch.cat((self._codec([self.tcfg.codec_bos_id]),
-                       self.ref_code_embeds(voice.ref_codes)))  # [F + 1, H]
+                       self.ref_code_embeds(tensors.ref_codes)))  # [F + 1, H]
         if whole:
             body = torch.cat((x + self._codec([self.tcfg.codec_pad_id] * x.shape[0]), y + pad))
             return body, pad
-        cut = icl_prefill_rows(len(voice.ref_codes))  # = y.shape[0]
+        cut = icl_prefill_rows(len(tensors.ref_codes))  # = y.shape[0]
         if x.shape[0] > cut:
             return x[:cut] + y, x[cut:]
         x = torch.cat((x, pad.expand(cut - x.shape[0], -1)))

@@ -367,10 +367,9 @@ class EngineLoop:
     def _update_metrics(self) -> None:
         if self.metrics is None:
             return
-        engine = {} if self.restarting else self.engine.stats()
-        voices = self.voices.stats() if self.voices is not None else {}
+        engine = {} if self.restarting else self.engine.stats()  # the voice cache's counts included
         health = {**self.health, "instance_ready": 0 if self.restarting else 1}
-        self.metrics.update({**engine, **voices, **health}, len(self.table))
+        self.metrics.update({**engine, **health}, len(self.table))
 
     def _check_unload(self) -> None:
         ready = self._model_ready()

@@ -24,8 +24,11 @@ GAUGES = {  # name -> (Engine.stats() key, None = set by the serving layer; HELP
     "q3tts_kv_pages_capacity": ("kv_pages_total", "KV cache pages of the instance."),
     "q3tts_slots_used": ("slots_used", "Engine state slots in use."),
     "q3tts_slots_capacity": ("slots_total", "Engine state slots of the instance (= max_candidate_sequences)."),
-    "q3tts_voice_cache_entries": ("voice_cache_entries", "Registered voices held resolved in the LRU cache."),
-    "q3tts_voice_cache_capacity": ("voice_cache_capacity", "Registered voices the LRU cache holds at most."),
+    "q3tts_voice_cache_entries": ("voice_cache_entries", "Base voices kept prepared on the engine's device "
+                                  "(x-vector, reference codes, primed codec stream; LRU)."),
+    "q3tts_voice_cache_bytes": ("voice_cache_bytes", "Device bytes the voice cache holds."),
+    "q3tts_voice_cache_capacity_bytes": ("voice_cache_capacity_bytes", "Device bytes the voice cache holds at "
+                                         "most (engine setting voice_cache_bytes)."),
     "q3tts_instance_ready": ("instance_ready", "1 when the instance serves, 0 while it restarts after a device "
                              "fault (strict readiness: Triton's own ready endpoint cannot show this)."),
 }
@@ -38,8 +41,10 @@ COUNTERS = {  # name -> (cumulative Engine.stats() key, sent to Triton as increm
     "q3tts_decode_steps_total": ("decode_steps", "Batched decode steps run."),
     "q3tts_queue_wait_seconds_total": ("queue_wait_seconds", "Seconds from a complete prompt to its start, "
                                        "summed over started sequences."),
-    "q3tts_voice_cache_hits_total": ("voice_cache_hits", "VOICE inputs served from the voice cache."),
-    "q3tts_voice_cache_misses_total": ("voice_cache_misses", "VOICE inputs read from the voices folder."),
+    "q3tts_voice_cache_hits_total": ("voice_cache_hits", "Base sequences whose voice the cache kept (no "
+                                     "upload, no priming)."),
+    "q3tts_voice_cache_misses_total": ("voice_cache_misses", "Base voices prepared on the device, off the engine "
+                                       "thread (kept while they fit)."),
     "q3tts_device_faults_total": ("device_faults", "Device faults (poisoned CUDA context, engine process "
                                   "died) since the model loaded."),
     "q3tts_instance_restarts_total": ("instance_restarts", "Engine processes restarted after a device fault."),

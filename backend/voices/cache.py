@@ -1,8 +1,11 @@
-"""`VoiceCache`: name -> resolved `Voice` for a serving model, least recently used first out.
+"""`VoiceCache`: name -> the `Voice` read from its file, for a serving model, least recently used first out.
 
-A hit costs one `os.stat` of the voice file: a file replaced or removed by another process (a registration
-while serving, `q3tts voice rm`) is noticed on the next use, never served stale. The family check runs on
-load, so a voice made for another checkpoint is refused before anything reaches the engine.
+This is the serving side's record of voice files (host arrays, in the Triton stub, which never touches the
+device); the engine keeps each voice's tensors on its device, by content (`q3tts.engine.voice_cache`, whose
+counts are the q3tts_voice_cache_* metrics). A hit costs one `os.stat` of the voice file: a file replaced or
+removed by another process (a registration while serving, `q3tts voice rm`) is noticed on the next use,
+never served stale. The family check runs on load, so a voice made for another checkpoint is refused
+before anything reaches the engine.
 """
 
 from __future__ import annotations
@@ -25,11 +28,10 @@ class VoiceCache:
         self.store, self.family, self.max_entries = store, family, int(max_entries)
         self._entries: OrderedDict[str, tuple[tuple, Voice]] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = self.misses = 0
 
     @classmethod
     def for_engine(cls, engine, voices_dir: str, max_entries: int | str | None = None) -> VoiceCache:
-        """The cache a serving engine uses: the voices of `voices_dir`, checked for its checkpoint
+        """The voice files a serving engine reads: those of `voices_dir`, checked for its checkpoint
         (`max_entries` as a model parameter may be text; empty = DEFAULT_MAX_ENTRIES)."""
         return cls(VoiceStore(voices_dir), Family.of(engine.checkpoint.config),
                    int(max_entries or DEFAULT_MAX_ENTRIES))
@@ -49,20 +51,12 @@ class VoiceCache:
             entry = self._entries.get(name)
             if entry is not None and entry[0] == stamp:
                 self._entries.move_to_end(name)
-                self.hits += 1
                 return entry[1]
         voice = from_file(path)
         self.family.check(voice)
         with self._lock:
-            self.misses += 1
             self._entries[name] = (stamp, voice)
             self._entries.move_to_end(name)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
         return voice
-
-    def stats(self) -> dict[str, int]:
-        """Entries held, the bound, and running hit/miss totals (serving metrics)."""
-        with self._lock:
-            return {"voice_cache_entries": len(self._entries), "voice_cache_capacity": self.max_entries,
-                    "voice_cache_hits": self.hits, "voice_cache_misses": self.misses}
