@@ -26,8 +26,8 @@ GREEDY = SamplingParams(greedy=True, max_frames=10)
 
 
 def make_engine(ckpt, **overrides) -> Engine:
-    return Engine.from_checkpoint(str(ckpt), EngineConfig(device="cpu", dtype="float32", max_slots=4,
-                                                          use_cuda_graphs=False, **overrides))
+    settings = dict(device="cpu", dtype="float32", max_slots=4, use_cuda_graphs=False) | overrides
+    return Engine.from_checkpoint(str(ckpt), EngineConfig(**settings))
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,22 @@ def test_one_upload_and_one_priming_per_voice_off_the_engine_thread(engine, monk
 
 
 def test_cached_voice_equals_the_same_arrays_uncached(engine, uncached):
+    assert_cached_equals_uncached(engine, uncached)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cached_voice_equals_uncached_on_cuda(base_ckpt, monkeypatch):
+    """On CUDA (bfloat16, graphs): the kept state was primed on the worker's own stream and is copied by
+    the engine's; the voice's tensors were made on the worker thread."""
+    settings = dict(device="cuda", dtype="bfloat16", use_cuda_graphs=True, graph_batch_sizes=(1, 2, 4))
+    primed = counting(monkeypatch, StreamingDecoder, "prime_state")
+    assert_cached_equals_uncached(make_engine(base_ckpt, **settings),
+                                  make_engine(base_ckpt, voice_cache_bytes=0, **settings))
+    assert set(primed) == {"q3tts-reference"}
+
+
+def assert_cached_equals_uncached(engine, uncached):
     voice = synthetic(engine, "same", seed=2)
     speak(engine, [voice.spec()])  # now kept
     hits = engine.voices.stats()["voice_cache_hits"]
