@@ -8,7 +8,9 @@ so `decode_frame` can be captured in a CUDA graph. Each stream sits at its own f
 
 A stream that starts after a context (Base ICL: the reference frames) gets its state from `prime_state`,
 which decodes the context into private tensors (never the pool), so it may run on another thread while
-the pool's streams are stepped; `load_state` then copies that state into the stream's slot.
+the pool's streams are stepped; `load_state` then copies that state into the stream's slot. The state
+depends only on the context and the decoder (its call shape is fixed per engine) and is only ever read,
+so one may be kept and loaded into any number of streams (the engine's voice cache does).
 """
 
 from __future__ import annotations
