@@ -82,15 +82,17 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal GQA attention over one sequence's tokens, as the official eager attention.
 
-    q: [N, NH, D]; k, v: [N, KVH, D] -> [N, NH, D]. Scores and value product in the input dtype,
-    softmax in fp32 with the probabilities cast back to the input dtype.
+    q: [N, NH, D]; k, v: [M, KVH, D] with M >= N -> [N, NH, D]. The queries are the last N of the M
+    tokens (M > N: a prefill piece after M - N earlier rows), so query i sees keys 0..M-N+i. Scores and
+    value product in the input dtype, softmax in fp32 with the probabilities cast back to the input dtype.
     """
     n, num_heads, _ = q.shape
+    m = k.shape[0]
     group = num_heads // k.shape[1]
-    keys = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [NH, N, D]
-    values = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [NH, N, D]
-    scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * scale  # [NH, N, N]
-    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    keys = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [NH, M, D]
+    values = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [NH, M, D]
+    scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * scale  # [NH, N, M]
+    future = torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1 + m - n)
     scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, values).transpose(0, 1)  # [N, NH, D]

@@ -100,7 +100,7 @@ class Engine(RequestIntake):
             self.times.decode_seconds += decode_s
         if started:  # complete already when a decode followed (its host copy waited for it)
             prefill_s = self.clock.seconds(t_prefill, t_decode)
-            self.times.add_prefill(prefill_s, len(started))
+            self.times.add_prefill(prefill_s, sum(s.is_prefilled for s in started))
         self.scheduler.observe(started, prefill_s, decode_s)
         outputs += self._outbox
         self._outbox = []
@@ -111,14 +111,18 @@ class Engine(RequestIntake):
         return outputs
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """One ragged prefill forward for the sequences started this step; their prompts are dropped."""
+        """One ragged prefill forward for this step's piece of each sequence's prompt (the whole prompt
+        unless chunked); a prompt is dropped once its last piece is in."""
         now = time.monotonic()
-        rows = [PrefillRow(s.slot, s.sampling, s.prompt, self.scheduler.kv.pages(s.seq_id),
-                           self.inputs.codec_context(s.voice), s.codec_state) for s in seqs]
+        rows = [PrefillRow(s.slot, s.sampling, s.prompt[s.piece_start:s.prefilled],
+                           self.scheduler.kv.pages(s.seq_id), self.inputs.codec_context(s.voice), s.codec_state,
+                           s.piece_start, s.is_prefilled) for s in seqs]
         results = isolated(self._start_batch, rows, self.runner.device)
         for seq, result in zip(seqs, results):
-            seq.prompt = seq.codec_state = None
-            self.times.queue_wait_seconds += now - seq.ready_at
+            if seq.is_prefilled:
+                seq.prompt = seq.codec_state = None
+            if seq.piece_start == 0:
+                self.times.queue_wait_seconds += now - seq.ready_at
             if isinstance(result, Exception):
                 self._finish(seq, "error", step_error("prefill", 0))
 

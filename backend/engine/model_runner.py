@@ -52,6 +52,8 @@ class PrefillRow:
     pages: list[int]                        # the sequence's pages, in order
     codec_context: np.ndarray | None = None  # [F, 16] frames primed into the codec stream
     codec_state: list[torch.Tensor] | None = None  # those frames already primed (`prime_state`)
+    start: int = 0       # chunked prefill: `prefill` is the piece of the prompt after its first `start` rows
+    final: bool = True   # the piece ends the prompt: only then is the sequence started (state, first c0)
 
 
 class DecodeOutput(NamedTuple):
@@ -175,7 +177,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def start_batch(self, rows: list[PrefillRow]) -> None:
-        """Start several sequences (distinct slots) with one talker forward over all prompts.
+        """Start several sequences (distinct slots) with one talker forward over all prompts. A row may
+        be a piece of its prompt (chunked prefill: `PrefillRow.start`, `final`): its K/V fill the
+        prompt's pages after the earlier pieces', and it attends to those; the sequence is started (slot
+        state reset, first c0 drawn) with the piece that ends its prompt. A step with a piece other than
+        a whole prompt runs the eager forward (the captured prefill buckets take whole prompts only).
 
         A sequence's result does not depend on the others as far as the talker's GEMMs give a row the
         same bits whatever the row count (true on the CPU test sizes; on CUDA and for large CPU
@@ -183,13 +189,18 @@ class ModelRunner:
         if not rows:
             return
         st = self.state
-        self._load_sampling(rows)
-        sl = torch.tensor([r.slot for r in rows], device=self.device)
+        self._load_sampling(rows)  # every row's head draw reads its slot's parameters
+        final = [i for i, r in enumerate(rows) if r.final]
+        started = [rows[i] for i in final]
+        sl = torch.tensor([r.slot for r in started], dtype=torch.int64, device=self.device)
         st.rep_mask[sl] = False
         st.text_len[sl] = 0
         if self.codec is not None:
-            self._prime_codec(rows)
-        c0, hidden, faults = self._prefill(rows, sl)
+            self._prime_codec(started)
+        c0, hidden, faults = self._prefill(rows, torch.tensor([r.slot for r in rows], device=self.device))
+        if len(started) < len(rows):  # the draws of pieces that do not end their prompt are dropped
+            index = torch.tensor(final, dtype=torch.int64, device=self.device)
+            c0, hidden, faults = c0[index], hidden[index], faults[index]
         st.last_c0[sl] = c0
         st.past_hidden[sl] = hidden
         self.slot_faults[sl] = faults
@@ -201,17 +212,21 @@ class ModelRunner:
         [n]: a prefill graph replay when they fit a captured token bucket, else the eager `prefill_batch`."""
         n, lens, mapping = len(rows), [r.prefill.shape[0] for r in rows], self._slot_mapping(rows)
         graphs = self.prefill_graphs
-        if graphs is not None and graphs.bucket_for(sum(lens), n) is not None:
+        whole = all(r.start == 0 and r.final for r in rows)
+        if whole and graphs is not None and graphs.bucket_for(sum(lens), n) is not None:
             c0, hidden = graphs.run([r.prefill for r in rows], mapping, [r.slot for r in rows])
             return c0, hidden, graphs.faults[:n]
         head_sl = self._pad_slots(sl)  # sampling head rows: the decode bucket, padding rows greedy
         mode = sampling_mode(self.slot_modes[r.slot][0] for r in rows)
         embeds = torch.cat([r.prefill.to(self.device, self.dtype) for r in rows])  # [sum L0, H]
         faults = torch.zeros(head_sl.shape[0], dtype=torch.bool, device=self.device)
+        prefixes = None if whole else [
+            torch.from_numpy(_cache_slots(r.pages, 0, r.start, self.kv.page_size)).to(self.device)
+            if r.start else None for r in rows]
         c0, hidden = step.prefill_batch(self.talker, self.kv, embeds, lens,
                                         torch.from_numpy(mapping).to(self.device),
                                         self.talker_params(head_sl, mode), self.state.seed[head_sl],
-                                        self.uniform_source, faults=faults)
+                                        self.uniform_source, faults=faults, prefixes=prefixes)
         return c0[:n], hidden[:n], faults[:n]
 
     def _load_sampling(self, rows: list[PrefillRow]) -> None:
@@ -248,11 +263,9 @@ class ModelRunner:
         return torch.cat((sl, sl.new_full(((self.config.bucket_for(n) or n) - n,), self.dummy_slot)))
 
     def _slot_mapping(self, rows: list[PrefillRow]) -> np.ndarray:
-        """[sum L0] (host): each prompt row's KV cache slot (position p of a row -> its page p // page_size)."""
-        ps = self.kv.page_size
-        mapping = [np.asarray(r.pages, dtype=np.int64)[np.arange(n) // ps] * ps + np.arange(n) % ps
-                   for r, n in ((r, r.prefill.shape[0]) for r in rows)]
-        return np.concatenate(mapping)
+        """[sum L0] (host): each prompt row's KV cache slot (positions start.. of each row's piece)."""
+        return np.concatenate([_cache_slots(r.pages, r.start, r.start + r.prefill.shape[0], self.kv.page_size)
+                               for r in rows])
 
     @torch.no_grad()
     def push_text(self, slot: int, start: int, rows: torch.Tensor) -> None:
@@ -330,6 +343,13 @@ class ModelRunner:
         _mark_generated(st.rep_mask, sl, c0_next)
         if self.codec is not None:
             buf.pcm[:bs] = self.codec.decode_frame(sl, frames).float()
+
+
+def _cache_slots(pages: list[int], start: int, stop: int, page_size: int) -> np.ndarray:
+    """[stop - start] int64: the KV cache slots of positions start..stop-1 of a sequence holding `pages`
+    (position p -> its page p // page_size, offset p % page_size)."""
+    positions = np.arange(start, stop)
+    return np.asarray(pages, dtype=np.int64)[positions // page_size] * page_size + positions % page_size
 
 
 def _f32(x: float) -> float:

@@ -11,13 +11,15 @@ Policy, in the order `schedule()` applies it each step:
    decode step + the prefill of the rows) within `max_step_seconds` and within the slack of the playing
    streams (the earliest moment a playing stream's audio runs out: it started playing when its first
    frame came out and every frame adds 80 ms). So a step that prefills never starves a playing stream,
-   and arrivals take the room the players' buffers leave. The first of a step always starts when no
-   stream is playing (a prompt past the budget runs alone). A sequence that cannot be prefilled yet
-   (whole mode before end_text, incremental mode before its first token) is skipped, not waited on; one
-   that does not fit stops admission (no overtaking by smaller ones). The sequences started in one step
-   are prefilled together, in one forward.
-   Pages taken at start: 'reserve' policy = prompt + max_frames (promised, taken as used);
-   'on_demand' = prompt + the first frame.
+   and arrivals take the room the players' buffers leave. The time bound holds for the first of a step
+   only while a stream is playing. Chunked prefill: the first of a step whose prompt does not fit the
+   budget is prefilled in pieces (`Sequence.piece` rows a step, as many as the budget leaves), one a
+   step, before anyone behind it; it makes its first frame in the step of its last piece. A sequence
+   that cannot be prefilled yet (whole mode before end_text, incremental mode before its first token)
+   is skipped, not waited on; one that does not fit and is not the first stops admission (no overtaking
+   by smaller ones): it comes first in the next step. The sequences a step prefills share one forward.
+   Pages taken at start (its first piece): 'reserve' policy = prompt + max_frames (promised, taken as
+   used); 'on_demand' = prompt + the first frame.
 3. Decode: every running sequence whose next trailing text is known steps; one whose text ran out
    before end_text waits in its slot (keeps its pages, does not step) and holds nobody back.
 4. Page growth (`on_demand`): before the step, each stepping sequence's lease is grown to cover the
@@ -28,6 +30,7 @@ Policy, in the order `schedule()` applies it each step:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -96,8 +99,8 @@ class Scheduler:
     # --- per step ---------------------------------------------------------------------------------
 
     def schedule(self, now: float | None = None) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
-        """Returns (newly started = to prefill, to decode this step, aborted for lack of pages).
-        `now`: time.monotonic() of the step (a modelled clock in tests).
+        """Returns (to prefill: each one's piece of its prompt, rows `piece_start`..`prefilled`-1, to decode
+        this step, aborted for lack of pages). `now`: time.monotonic() of the step (a modelled clock in tests).
 
         Running sequences take the pages they need first; waiting ones start on what is left (their
         open lease already covers their first decode step), so a sequence is never started and then
@@ -106,19 +109,21 @@ class Scheduler:
         for seq in self.running:
             if seq.num_frames and seq.playing_since is None:
                 seq.playing_since = now  # its first frame came out of the previous step
-        decode = [s for s in self.running if s.is_decodable]
+        decode = [s for s in self.running if s.is_prefilled and s.is_decodable]
         decode, victims = self._grow(decode)  # 'reserve': draws on the promise, never aborts
-        started = self._start_waiting(self._prefill_seconds(decode, now))
-        for seq in started:
-            seq.stamps["prefill_start"] = now
-        return started, decode + [s for s in started if s.is_decodable], victims
+        prefill = self._pieces(self._prefill_seconds(decode, now))
+        for seq in prefill:
+            seq.stamps.setdefault("prefill_start", now)
+        return prefill, decode + [s for s in prefill if s.is_prefilled and s.is_decodable], victims
 
-    def observe(self, started: list[Sequence], prefill_s: float | None, decode_s: float | None) -> None:
+    def observe(self, prefilled: list[Sequence], prefill_s: float | None, decode_s: float | None) -> None:
         """A step's measured device seconds (None: it had no prefill / no decode): into the cost model, and
-        into the stamps of the sequences it started (their first frame's timing)."""
-        self.cost.observe(sum(s.prompt_len for s in started), prefill_s, decode_s)
-        for seq in started:
-            seq.stamps.update(prefill_device=prefill_s or 0.0, decode_device=decode_s or 0.0)
+        into the stamps of the sequences it prefilled (their first frame's timing; the prefill seconds of
+        a chunked prompt add up over its pieces)."""
+        self.cost.observe(sum(s.piece for s in prefilled), prefill_s, decode_s)
+        for seq in prefilled:
+            seq.stamps.update(prefill_device=seq.stamps.get("prefill_device", 0.0) + (prefill_s or 0.0),
+                              decode_device=decode_s or 0.0)
 
     def _prefill_seconds(self, decode: list[Sequence], now: float) -> float | None:
         """The prefill time this step may take: within max_step_seconds and before the first playing
@@ -128,25 +133,38 @@ class Scheduler:
         bounds = [seq.runs_dry_at - now for seq in decode if seq.playing_since is not None]
         return min([self.config.max_step_seconds, *bounds]) - self.cost.step_seconds(0)
 
-    def _start_waiting(self, prefill_seconds: float | None) -> list[Sequence]:
-        started: list[Sequence] = []
-        tokens = 0
-        ready = sorted((s for s in self.waiting if s.is_prefillable), key=lambda s: s.ready_at)
+    def _pieces(self, prefill_seconds: float | None) -> list[Sequence]:
+        """The sequences this step prefills, their `piece` set: first a prompt part-way in the KV, then
+        the ready waiting ones (started here) in the order they became ready, within the budget."""
+        prefill: list[Sequence] = []
+        rows = 0
         playing = any(s.playing_since is not None for s in self.running)
-        for seq in ready:
-            rows = tokens + seq.prompt_len
-            if started and rows > self.config.max_prefill_tokens:
+        chunking = [s for s in self.running if not s.is_prefilled]
+        ready = sorted((s for s in self.waiting if s.is_prefillable), key=lambda s: s.ready_at)
+        for seq in chunking + ready:
+            room = self._room(rows, prefill_seconds if prefill or playing else None)
+            left = seq.prompt_len - seq.prefilled
+            if left > room and (prefill or room == 0):
                 break
-            too_long = prefill_seconds is not None and self.cost.prefill_s_per_row * rows > prefill_seconds
-            if too_long and (started or playing):  # nobody plays: the first starts, however long
+            if seq.status is Status.WAITING and not self._try_start(seq):
                 break
-            if not self._try_start(seq):
-                break
-            self.waiting.remove(seq)
-            self.running.append(seq)
-            started.append(seq)
-            tokens += seq.prompt_len
-        return started
+            seq.piece = min(left, room)
+            seq.prefilled += seq.piece
+            prefill.append(seq)
+            rows += seq.piece
+        return prefill
+
+    def _room(self, rows: int, prefill_seconds: float | None) -> int:
+        """Prompt rows a step that already prefills `rows` may add: up to `max_prefill_tokens` in all, and
+        (`prefill_seconds` not None) as many as the modelled prefill time leaves."""
+        room = self.config.max_prefill_tokens - rows
+        if prefill_seconds is not None:
+            per_row = self.cost.prefill_s_per_row
+            if per_row > 0:
+                room = min(room, math.floor(prefill_seconds / per_row + 1e-9) - rows)
+            elif prefill_seconds < 0:
+                room = 0
+        return max(room, 0)
 
     def _try_start(self, seq: Sequence) -> bool:
         if self.slots.num_free == 0:
@@ -159,6 +177,8 @@ class Scheduler:
             return False
         seq.slot = self.slots.acquire(seq.seq_id)
         seq.status = Status.RUNNING
+        self.waiting.remove(seq)
+        self.running.append(seq)
         return True
 
     def _grow(self, decode: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:

@@ -36,6 +36,8 @@ class Sequence:
     max_frames: int | None         # min(sampling.max_frames, EngineConfig.max_frames); None: follows the text
     text_cap: Callable[[int | None], int] | None = None  # EngineConfig.text_frame_cap (when max_frames is None)
     prompt_len: int = 0            # L0 (known once the prompt can be built)
+    prefilled: int = 0             # prompt rows in the KV once this step's prefill ran (chunked: piece by piece)
+    piece: int = 0                 # prompt rows this step prefills (set by the scheduler; 0: none)
     status: Status = Status.WAITING
     slot: int = -1
     num_frames: int = 0            # frames made so far
@@ -87,6 +89,16 @@ class Sequence:
     @property
     def is_prefillable(self) -> bool:
         return self.prompt_ready
+
+    @property
+    def is_prefilled(self) -> bool:
+        """Its whole prompt is in the KV (after this step's prefill): it is started and may decode."""
+        return self.prefilled == self.prompt_len > 0
+
+    @property
+    def piece_start(self) -> int:
+        """The first prompt row of this step's piece (rows piece_start..prefilled-1)."""
+        return self.prefilled - self.piece
 
     @property
     def is_decodable(self) -> bool:

@@ -62,31 +62,49 @@ class PrefillContext(AttentionContext):
     exactly its single-sequence prefill: the CPU default); True = one batched attention per group of
     sequences padded to the group's longest (a few launches per layer whatever the count: the CUDA
     default; equal to the loop up to floating-point rounding).
+    prefixes (chunked prefill): per sequence None, or the cache slots [P_i] of its P_i earlier prompt
+    rows already in the cache; its rows are then a piece at positions P_i.. that also attends to those
+    keys (read from the cache: a sequence with a prefix always takes the per-sequence loop).
     """
 
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, scale: float,
-                 seq_lens: list[int] | None = None, padded: bool | None = None):
+                 seq_lens: list[int] | None = None, padded: bool | None = None,
+                 prefixes: list[torch.Tensor | None] | None = None):
         super().__init__(cache, slot_mapping)
         self.scale = scale
         self.seq_lens = None if seq_lens is None else [int(n) for n in seq_lens]
-        self.padded = slot_mapping.device.type == "cuda" if padded is None else padded
+        self.prefixes = prefixes if prefixes is not None and any(p is not None for p in prefixes) else None
+        assert self.prefixes is None or len(self.prefixes) == len(self.seq_lens), "one prefix per sequence"
+        self.padded = (slot_mapping.device.type == "cuda" if padded is None else padded) and not self.prefixes
         self._groups: list[_PaddedGroup] | None = None  # built on first use, shared by all layers
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self._store(layer, k, v)
         lens = self.seq_lens
-        if lens is None or (len(lens) == 1 and lens[0] == q.shape[0]):
+        if self.prefixes is None and (lens is None or (len(lens) == 1 and lens[0] == q.shape[0])):
             return causal_attention(q, k, v, self.scale)
         if self.padded:
             return self._attend_padded(q, k, v)
         parts, start = [], 0
-        for n in lens:
-            parts.append(causal_attention(q[start:start + n], k[start:start + n], v[start:start + n],
-                                          self.scale))
+        for i, n in enumerate(lens):
+            rows = slice(start, start + n)
+            keys, values = self._with_prefix(layer, i, k[rows], v[rows])
+            parts.append(causal_attention(q[rows], keys, values, self.scale))
             start += n
         if start < q.shape[0]:
             parts.append(q.new_zeros((q.shape[0] - start, *q.shape[1:])))
         return torch.cat(parts)
+
+    def _with_prefix(self, layer: int, i: int, k: torch.Tensor, v: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence i's keys / values [n, KVH, D] behind those of its earlier rows in the cache:
+        [P_i + n, KVH, D] (unchanged without a prefix)."""
+        prefix = None if self.prefixes is None else self.prefixes[i]
+        if prefix is None:
+            return k, v
+        flat_k = self.cache.k[layer].flatten(0, 1)  # [pages * page_size, KVH, D]
+        flat_v = self.cache.v[layer].flatten(0, 1)
+        return torch.cat((flat_k[prefix], k)), torch.cat((flat_v[prefix], v))
 
     def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._groups is None:

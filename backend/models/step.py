@@ -81,7 +81,8 @@ def prefill(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, slot_mapp
 def prefill_batch(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, seq_lens: list[int],
                   slot_mapping: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor,
                   uniform_source: UniformSource, padded_attention: bool | None = None,
-                  faults: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  faults: torch.Tensor | None = None, prefixes: list[torch.Tensor | None] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompts of B = len(seq_lens) sequences in one forward.
 
     embeds [N, H]: the prompts back to back (sequence i = the next seq_lens[i] rows, at positions
@@ -89,18 +90,22 @@ def prefill_batch(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, seq
     in its sequence's pages. params / seeds: R >= B rows; rows past B are padding rows of the
     sampling head (so the caller can fix the head's row count: their hidden is 0, their draw junk).
     padded_attention: see `PrefillContext` (None = per device). faults [R] bool: see the module docstring.
+    prefixes (chunked prefill, see `PrefillContext`): sequence i's rows are a piece of its prompt after
+    the P_i rows whose cache slots prefixes[i] [P_i] holds (None: none), at positions P_i..P_i+L_i-1;
+    the result of a piece that is not its prompt's last is that of its last row (the caller drops it).
     Returns c0[0] [R] int64 and past_hidden [R, H] (final-normed hidden of each prompt's last row).
     """
     device = embeds.device
     lens = [int(n) for n in seq_lens]
     total, rows = sum(lens), seeds.shape[0]
     assert len(lens) >= 1 and min(lens) >= 1 and total <= embeds.shape[0] and rows >= len(lens)
+    starts = [0 if p is None else int(p.shape[0]) for p in prefixes] if prefixes else [0] * len(lens)
     if len(lens) == 1 and total == embeds.shape[0]:
-        positions = torch.arange(total, device=device)
-    else:  # positions restart at 0 per sequence; padding rows at 0
-        pos = [torch.arange(n) for n in lens] + [torch.zeros(embeds.shape[0] - total, dtype=torch.int64)]
-        positions = torch.cat(pos).to(device)
-    ctx = PrefillContext(cache, slot_mapping, talker.attn_scale, lens, padded_attention)
+        positions = torch.arange(starts[0], starts[0] + total, device=device)
+    else:  # positions from each sequence's start; padding rows at 0
+        pos = [torch.arange(p, p + n) for p, n in zip(starts, lens)]
+        positions = torch.cat(pos + [torch.zeros(embeds.shape[0] - total, dtype=torch.int64)]).to(device)
+    ctx = PrefillContext(cache, slot_mapping, talker.attn_scale, lens, padded_attention, prefixes)
     out = talker(embeds, positions, ctx)  # [N, H]
     if len(lens) == 1:
         hidden = out[lens[0] - 1:lens[0]]  # [1, H]

@@ -111,11 +111,12 @@ def test_max_prefill_tokens_caps_a_step(tiny_ckpt, prefill_calls):
     while eng.has_work():
         eng.step()
     baseline(eng)
-    # a budget below every prompt: one sequence per step (the first of a step always starts)
+    # a budget below every prompt: each is prefilled in pieces of at most the budget, one prompt after
+    # the other (chunked prefill, tests/engine/test_chunked_prefill.py)
     prefill_calls.clear()
-    eng = make_engine(tiny_ckpt, max_prefill_tokens=1)
+    eng = make_engine(tiny_ckpt, max_prefill_tokens=8)
     out = run(eng, reqs)
-    assert prefill_calls == [[n] for n in lens]
+    assert prefill_calls == [[min(8, n - a)] for n in lens for a in range(0, n, 8)]
     for r in reqs:  # when a sequence starts does not change its codes
         assert np.array_equal(out[r["id"]][0], ref[r["id"]][0]), r["id"]
         assert np.array_equal(out[r["id"]][1], ref[r["id"]][1]), r["id"]

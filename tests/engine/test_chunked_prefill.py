@@ -1,0 +1,179 @@
+"""Chunked prefill (scheduler.py, 2.): a prompt that does not fit a step's prefill budget is prefilled in
+pieces over several steps, each piece attending to the earlier pieces' K/V in the paged cache, while the
+playing streams keep stepping; the sequence makes its first frame in the step of its last piece. The
+pieces give what the whole prompt gives (model level: hidden, logits and KV within fp32 rounding; engine
+level: the same greedy codes), and an abort between pieces returns the pages and the slot."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from q3tts.core import SamplingParams, VoiceSpec
+from q3tts.models import step
+from q3tts.models.attention import PagedKVCache
+from q3tts.models.prompt import PromptBuilder
+from q3tts.models.sampling import SamplingTensors, uniforms
+from q3tts.models.tts_model import Qwen3TTS
+
+from test_engine import CFG, TEXT, make_engine
+
+LONG = TEXT * 2  # a prompt of a little over 60 rows
+BUDGET = 16      # max_prefill_tokens of the chunking engines: the long prompt takes 4+ pieces
+
+
+@pytest.fixture
+def prefill_calls(monkeypatch):
+    """The (seq_lens, piece starts) of every `step.prefill_batch` call the runner makes."""
+    calls: list[tuple[list[int], list[int]]] = []
+    real = step.prefill_batch
+
+    def spy(talker, cache, embeds, seq_lens, *args, prefixes=None, **kw):
+        starts = [0 if p is None else p.shape[0] for p in prefixes] if prefixes else [0] * len(seq_lens)
+        calls.append((list(seq_lens), starts))
+        return real(talker, cache, embeds, seq_lens, *args, prefixes=prefixes, **kw)
+
+    monkeypatch.setattr(step, "prefill_batch", spy)
+    return calls
+
+
+def first_codes(engine, requests: list[dict]) -> dict:
+    """Runs the requests (added at once) to the end: id -> (codes [F, 16], step index of each frame)."""
+    for r in requests:
+        engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
+    codes: dict = {r["id"]: [] for r in requests}
+    steps: dict = {r["id"]: [] for r in requests}
+    n = 0
+    while engine.has_work():
+        for out in engine.step():
+            if len(out.codes):
+                codes[out.seq_id].append(out.codes)
+                steps[out.seq_id].append(n)
+        n += 1
+        assert n < 500
+    engine.check_integrity()
+    return {k: (np.concatenate(v), steps[k]) for k, v in codes.items()}
+
+
+def test_pieces_equal_the_whole_prompt_model_level(tiny_ckpt):
+    """One prompt prefilled whole vs in three pieces (the second piece sharing its forward with another
+    sequence's whole prompt): same first c0, and hidden, logits and KV within fp32 rounding."""
+    model = Qwen3TTS.from_checkpoint(tiny_ckpt)
+    talker, lc = model.talker, model.config.talker.layers
+    spk = sorted(tiny_ckpt.config.talker.speaker_ids)
+    builder = PromptBuilder(model, tiny_ckpt.tokenizer)
+    x = builder.build(LONG, VoiceSpec(speaker=spk[0])).prefill  # [L, H]
+    other = builder.build(TEXT[:20], VoiceSpec(speaker=spk[1])).prefill
+    n, page = x.shape[0], 16
+    assert 50 < n <= 10 * page
+    one, two = (SamplingTensors.talker([SamplingParams(greedy=True)] * k) for k in (1, 2))
+
+    def cache():
+        return PagedKVCache(lc.num_layers, 16, page, lc.num_kv_heads, lc.head_dim, torch.float32)
+
+    # the sequence's pages are not in order (as the pool hands them out)
+    pages = torch.tensor([9, 2, 7, 4, 5, 11, 0, 3, 10, 1])
+    slots = pages[torch.arange(n) // page] * page + torch.arange(n) % page
+    whole = cache()
+    c0, hidden = step.prefill_batch(talker, whole, x, [n], slots, one, torch.zeros(1), uniforms)
+    chunked = cache()
+    cuts = [0, 21, 45, n]
+    other_slots = 13 * page + torch.arange(other.shape[0])
+    for a, b in zip(cuts, cuts[1:]):
+        prefix = slots[:a] if a else None
+        if a == 21:  # with a whole prompt in the same forward
+            c0_p, hidden_p = step.prefill_batch(
+                talker, chunked, torch.cat((x[a:b], other)), [b - a, other.shape[0]],
+                torch.cat((slots[a:b], other_slots)), two, torch.zeros(2), uniforms, prefixes=[prefix, None])
+        else:
+            c0_p, hidden_p = step.prefill_batch(talker, chunked, x[a:b], [b - a], slots[a:b], one,
+                                                torch.zeros(1), uniforms, prefixes=[prefix])
+    assert torch.equal(c0_p[:1], c0[:1])
+    torch.testing.assert_close(hidden_p[:1], hidden[:1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(talker.logits(hidden_p[:1]), talker.logits(hidden[:1]), rtol=1e-5, atol=1e-5)
+    used = pages.tolist()
+    torch.testing.assert_close(chunked.k[:, used], whole.k[:, used], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked.v[:, used], whole.v[:, used], rtol=1e-5, atol=1e-5)
+
+
+def test_long_prompt_is_chunked_while_a_stream_plays(tiny_ckpt, prefill_calls, speaker):
+    """A long prompt arriving while a stream plays is prefilled in pieces of <= max_prefill_tokens rows,
+    one step each; the playing stream makes a frame in every step meanwhile."""
+    eng = make_engine(tiny_ckpt, max_prefill_tokens=BUDGET)
+    short = TEXT[:2]
+    n_short = eng.inputs.builder.build(short, VoiceSpec(speaker=speaker)).prefill.shape[0]
+    n_long = eng.inputs.builder.build(LONG, VoiceSpec(speaker=speaker)).prefill.shape[0]
+    assert n_short <= BUDGET < 3 * BUDGET < n_long
+    eng.add("player", VoiceSpec(speaker=speaker), SamplingParams(greedy=True, max_frames=30), short, True)
+    frames = {"player": [], "long": []}
+    for n in range(40):
+        if n == 2:
+            eng.add("long", VoiceSpec(speaker=speaker), SamplingParams(greedy=True, max_frames=3), LONG, True)
+        for out in eng.step():
+            if len(out.codes):
+                frames[out.seq_id].append(n)
+        if not eng.has_work():
+            break
+    assert prefill_calls[0] == ([n_short], [0])
+    pieces = prefill_calls[1:]
+    expect = [([min(BUDGET, n_long - a)], [a]) for a in range(0, n_long, BUDGET)]
+    assert pieces == expect  # every row once, in order, each step within the budget
+    chunk_steps = range(2, 2 + len(expect))
+    assert frames["long"][0] == chunk_steps[-1]  # its first frame: in the step of its last piece
+    assert set(chunk_steps) <= set(frames["player"])  # the player stepped through every piece
+    assert frames["player"] == list(range(30))  # one frame a step from the first to the last
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("budget", [BUDGET, 7])
+def test_chunked_equals_whole_greedy(tiny_ckpt, speaker, budget):
+    """The codes (and audio) of a chunked prompt equal those of the same prompt prefilled whole."""
+    voice = VoiceSpec(speaker=speaker)
+    reqs = [dict(id="long", voice=voice, text=LONG, sampling=SamplingParams(greedy=True, max_frames=12))]
+    whole = first_codes(make_engine(tiny_ckpt), reqs)["long"][0]
+    chunked = first_codes(make_engine(tiny_ckpt, max_prefill_tokens=budget), reqs)["long"][0]
+    assert len(whole) == 12 and np.array_equal(chunked, whole)
+
+
+def test_chunked_equals_whole_base_icl(tmp_path_factory):
+    """Base ICL with a long reference (the motivating case: hundreds of prompt rows on a real voice):
+    chunked == whole, greedy, the primed codec stream loaded with the last piece."""
+    from q3tts.checkpoint.loader import load_checkpoint
+    from q3tts.checkpoint.maker import make_checkpoint
+    from q3tts.engine.engine import Engine
+
+    ckpt = load_checkpoint(make_checkpoint(tmp_path_factory.mktemp("base") / "b", "base", "1.7b", "tiny",
+                                           seed=3), dtype=torch.float32)
+    rng = np.random.default_rng(0)
+    voice = VoiceSpec(ref_codes=rng.integers(0, 2048, (40, 16)), ref_text="A reference of some length.",
+                      xvector=rng.standard_normal(ckpt.config.talker.hidden_size).astype(np.float32))
+    reqs = [dict(id="icl", voice=voice, text=TEXT[:40], sampling=SamplingParams(greedy=True, max_frames=8))]
+    whole = first_codes(Engine(ckpt, CFG), reqs)["icl"][0]
+    eng = Engine(ckpt, dataclasses.replace(CFG, max_prefill_tokens=BUDGET))
+    chunked, steps = first_codes(eng, reqs)["icl"]
+    assert steps[0] >= 2, "the prompt took several pieces"
+    assert len(whole) == 8 and np.array_equal(chunked, whole)
+
+
+def test_abort_between_pieces_frees_pages_and_slot(tiny_ckpt, speaker):
+    eng = make_engine(tiny_ckpt, max_prefill_tokens=BUDGET)
+    free_pages, free_slots = eng.scheduler.kv.num_free, eng.scheduler.slots.num_free
+    eng.add("long", VoiceSpec(speaker=speaker), SamplingParams(greedy=True, max_frames=3), LONG, True)
+    assert eng.step() == []  # the first piece: no frame yet
+    seq = eng.scheduler.seqs["long"]
+    assert 0 < seq.prefilled < seq.prompt_len and seq.slot >= 0
+    assert eng.scheduler.kv.num_free < free_pages and eng.scheduler.slots.num_free == free_slots - 1
+    eng.abort("long")
+    assert (eng.scheduler.kv.num_free, eng.scheduler.slots.num_free) == (free_pages, free_slots)
+    eng.check_integrity()
+    outs = eng.step()
+    assert [(o.seq_id, o.finished, o.reason, len(o.codes)) for o in outs] == [("long", True, "aborted", 0)]
+    assert not eng.has_work()
+    # the freed slot and pages serve the next request, which gets what it gets on a fresh engine
+    req = [dict(id="next", voice=VoiceSpec(speaker=speaker), text=LONG,
+                sampling=SamplingParams(greedy=True, max_frames=4))]
+    assert np.array_equal(first_codes(eng, req)["next"][0],
+                          first_codes(make_engine(tiny_ckpt, max_prefill_tokens=BUDGET), req)["next"][0])
