@@ -197,8 +197,10 @@ class ModelRunner:
         st.text_len[sl] = 0
         if self.codec is not None:
             self._prime_codec(started)
-        c0, hidden, faults = self._prefill(rows, torch.tensor([r.slot for r in rows], device=self.device))
-        if len(started) < len(rows):  # the draws of pieces that do not end their prompt are dropped
+        if len(started) == len(rows):
+            c0, hidden, faults = self._prefill(rows, sl)
+        else:  # the draws of pieces that do not end their prompt are dropped
+            c0, hidden, faults = self._prefill(rows, torch.tensor([r.slot for r in rows], device=self.device))
             index = torch.tensor(final, dtype=torch.int64, device=self.device)
             c0, hidden, faults = c0[index], hidden[index], faults[index]
         st.last_c0[sl] = c0

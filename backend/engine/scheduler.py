@@ -12,12 +12,15 @@ Policy, in the order `schedule()` applies it each step:
    streams (the earliest moment a playing stream's audio runs out: it started playing when its first
    frame came out and every frame adds 80 ms). So a step that prefills never starves a playing stream,
    and arrivals take the room the players' buffers leave. The time bound holds for the first of a step
-   only while a stream is playing. Chunked prefill: the first of a step whose prompt does not fit the
-   budget is prefilled in pieces (`Sequence.piece` rows a step, as many as the budget leaves), one a
-   step, before anyone behind it; it makes its first frame in the step of its last piece. A sequence
-   that cannot be prefilled yet (whole mode before end_text, incremental mode before its first token)
-   is skipped, not waited on; one that does not fit and is not the first stops admission (no overtaking
-   by smaller ones): it comes first in the next step. The sequences a step prefills share one forward.
+   only while a stream is playing. Chunked prefill: a prompt that no step could take whole (more rows
+   than `max_prefill_tokens`, or a modelled prefill longer than `max_step_seconds` leaves after the
+   decode step) is prefilled in pieces when it comes first in a step: each step the rows the budget
+   leaves (`Sequence.piece`), before anyone behind it; it makes its first frame in the step of its last
+   piece. A shorter prompt that does not fit waits for a step with room (so it is prefilled whole, by a
+   prefill graph on CUDA, which takes whole prompts only). A sequence that cannot be prefilled yet
+   (whole mode before end_text, incremental mode before its first token) is skipped, not waited on; one
+   that does not fit stops admission (no overtaking by smaller ones). The sequences a step prefills
+   share one forward.
    Pages taken at start (its first piece): 'reserve' policy = prompt + max_frames (promised, taken as
    used); 'on_demand' = prompt + the first frame.
 3. Decode: every running sequence whose next trailing text is known steps; one whose text ran out
@@ -144,7 +147,7 @@ class Scheduler:
         for seq in chunking + ready:
             room = self._room(rows, prefill_seconds if prefill or playing else None)
             left = seq.prompt_len - seq.prefilled
-            if left > room and (prefill or room == 0):
+            if left > room and (prefill or room == 0 or not (seq.prefilled or left > self._step_room())):
                 break
             if seq.status is Status.WAITING and not self._try_start(seq):
                 break
@@ -153,6 +156,11 @@ class Scheduler:
             prefill.append(seq)
             rows += seq.piece
         return prefill
+
+    def _step_room(self) -> int:
+        """Prompt rows the roomiest step may prefill (no stream playing, or all with slack to spare)."""
+        bound = self.config.max_step_seconds
+        return self._room(0, None if bound is None else bound - self.cost.step_seconds(0))
 
     def _room(self, rows: int, prefill_seconds: float | None) -> int:
         """Prompt rows a step that already prefills `rows` may add: up to `max_prefill_tokens` in all, and

@@ -19,7 +19,9 @@ from q3tts.models.prompt import PromptBuilder
 from q3tts.models.sampling import SamplingTensors, uniforms
 from q3tts.models.tts_model import Qwen3TTS
 
+from q3tts.engine.scheduler import Scheduler, StepCost
 from test_engine import CFG, TEXT, make_engine
+from test_scheduling import BOUND, COST, config, seq, underruns
 
 LONG = TEXT * 2  # a prompt of a little over 60 rows
 BUDGET = 16      # max_prefill_tokens of the chunking engines: the long prompt takes 4+ pieces
@@ -56,6 +58,46 @@ def first_codes(engine, requests: list[dict]) -> dict:
         assert n < 500
     engine.check_integrity()
     return {k: (np.concatenate(v), steps[k]) for k, v in codes.items()}
+
+
+def test_a_prompt_past_the_step_bound_is_chunked_while_streams_play():
+    """Modelled clock (as tests/engine/test_scheduling.py): a 120-row prompt, whose prefill alone would
+    take longer than max_step_seconds, arrives while two streams play; it is prefilled in pieces of at
+    most the rows the bound leaves, every step stays within the bound and no player runs dry. The 60-row
+    prompt behind it (one a step can take whole) does not overtake it and is prefilled whole."""
+    sch = Scheduler(config(BOUND))
+    sch.cost = StepCost(**COST)  # a step may prefill (50 - 10 ms) / 0.5 ms = 80 rows at most
+    now, frames, pieces, steps = 0.0, {}, [], []
+    for i in range(2):
+        sch.add(seq(f"p{i}", 60, now))
+    while sch.has_work():
+        if len(steps) == 2:
+            long, short = seq("long", 3, now), seq("short", 3, now + 1e-3)
+            long.prompt_len = 120
+            sch.add(long)
+            sch.add(short)
+        started, decode, _ = sch.schedule(now)
+        pieces += [(s.seq_id, s.piece_start, s.piece) for s in started]
+        now += sch.cost.step_seconds(sum(s.piece for s in started))
+        steps.append(now)
+        for s in decode:
+            s.num_frames += 1
+            frames.setdefault(s.seq_id, []).append(now)
+            if s.num_frames == s.frame_cap:
+                sch.finish(s, "max_frames")
+                sch.forget(s.seq_id)
+        assert len(steps) < 500
+    sch.check_integrity()
+    long_pieces = [(a, n) for sid, a, n in pieces if sid == "long"]
+    assert len(long_pieces) >= 2 and all(n <= 80 for _, n in long_pieces)
+    assert [a for a, _ in long_pieces] == list(np.cumsum([0] + [n for _, n in long_pieces])[:-1])
+    assert sum(n for _, n in long_pieces) == 120
+    assert [n for sid, _, n in pieces if sid == "short"] == [60]  # whole, after the long one's last piece
+    assert pieces.index(("short", 0, 60)) > pieces.index(("long", *long_pieces[-1]))
+    assert max(b - a for a, b in zip(steps[1:], steps[2:])) <= BOUND + 1e-9
+    for sid in ("p0", "p1"):
+        times = frames[sid]
+        assert max(b - a for a, b in zip(times, times[1:])) <= BOUND + 1e-9 and underruns(times) == 0
 
 
 def test_pieces_equal_the_whole_prompt_model_level(tiny_ckpt):
@@ -177,3 +219,28 @@ def test_abort_between_pieces_frees_pages_and_slot(tiny_ckpt, speaker):
                 sampling=SamplingParams(greedy=True, max_frames=4))]
     assert np.array_equal(first_codes(eng, req)["next"][0],
                           first_codes(make_engine(tiny_ckpt, max_prefill_tokens=BUDGET), req)["next"][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_chunked_equals_whole_graph_prefill(tiny_ckpt, speaker):
+    """fp32 on the GPU: the long prompt whole (one prefill graph replay) vs in pieces (eager forwards,
+    each over its prompt's earlier pieces in the paged KV; no prefill graph replayed): the same first
+    frame, and a whole prompt after the pieces still replays its graph."""
+    from q3tts.engine.config import EngineConfig
+    from q3tts.engine.engine import Engine
+
+    cfg = EngineConfig(device="cuda", dtype="float32", num_pages=256, max_slots=8, max_frames=64,
+                       max_prompt_tokens=256, max_text_tokens=128, graph_batch_sizes=(1, 2, 4, 8))
+    voice = VoiceSpec(speaker=speaker)
+    reqs = [dict(id="long", voice=voice, text=LONG, sampling=SamplingParams(greedy=True, max_frames=3))]
+    whole_engine = Engine(tiny_ckpt, cfg)
+    whole = first_codes(whole_engine, reqs)["long"][0]
+    assert whole_engine.runner.prefill_graphs.num_replays == 1
+    engine = Engine(tiny_ckpt, dataclasses.replace(cfg, max_prefill_tokens=BUDGET))
+    chunked, steps = first_codes(engine, reqs)["long"]
+    assert steps[0] >= 3 and engine.runner.prefill_graphs.num_replays == 0
+    assert np.array_equal(chunked[:1], whole[:1])
+    short = [dict(id="short", voice=voice, text=TEXT[:2], sampling=SamplingParams(greedy=True, max_frames=2))]
+    first_codes(engine, short)
+    assert engine.runner.prefill_graphs.num_replays == 1
