@@ -91,13 +91,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, prefix: reference.PagedPrefix | None = None) -> torch.Tensor:
     """Causal attention of q [T, NH, D] over k, v [T, KVH, D] within each packed sequence
-    (cu_seqlens [S+1]; rows >= cu_seqlens[S] are padding, never written by the kernel) -> [T, NH, D].
-    See kernels/prefill_attention.py."""
+    (cu_seqlens [S+1]; rows >= cu_seqlens[S] are padding, never written by the kernel) -> [T, NH, D];
+    prefix: sequence 0's earlier keys in a paged cache (chunked prefill). See kernels/prefill_attention.py."""
     if use_triton(q):
-        return _pf.prefill_attention(q, k, v, cu_seqlens, scale)
-    return reference.prefill_attention_ref(q, k, v, cu_seqlens, scale)
+        return _pf.prefill_attention(q, k, v, cu_seqlens, scale, prefix=prefix)
+    return reference.prefill_attention_ref(q, k, v, cu_seqlens, scale, prefix)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,

@@ -6,6 +6,8 @@ dtype before the weight multiply; softmax in fp32.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -98,17 +100,37 @@ def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     return torch.matmul(probs, values).transpose(0, 1)  # [N, NH, D]
 
 
+class PagedPrefix(NamedTuple):
+    """Chunked prefill: the first `length` keys of packed sequence 0, already in a paged cache.
+
+    k_cache, v_cache: [num_pages, page_size, KVH, D] (one layer); block_table: [max_pages] int, the
+    sequence's page ids in order; length: [1] int (P, 0 = no prefix) on the device."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    length: torch.Tensor
+
+
 def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float, prefix: PagedPrefix | None = None) -> torch.Tensor:
     """`causal_attention_ref` within each of S sequences packed back to back (block-diagonal causal).
 
     q: [T, NH, D]; k, v: [T, KVH, D]; cu_seqlens: [S+1] int, sequence i = rows cu[i]..cu[i+1]-1,
-    rows >= cu[S] are padding (zeros here; the kernel never writes them). Returns [T, NH, D].
+    rows >= cu[S] are padding (zeros here; the kernel never writes them). prefix: sequence 0's rows
+    come after P keys in a paged cache, which they also attend to. Returns [T, NH, D].
     """
     out = q.new_zeros(q.shape)
     bounds = [int(b) for b in cu_seqlens.tolist()]
-    for start, end in zip(bounds, bounds[1:]):
-        out[start:end] = causal_attention_ref(q[start:end], k[start:end], v[start:end], scale)
+    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        keys, values = k[start:end], v[start:end]
+        if i == 0 and prefix is not None and end > start:
+            positions = torch.arange(int(prefix.length.reshape(())), device=q.device)
+            page_size = prefix.k_cache.shape[1]
+            slots = prefix.block_table.long()[positions // page_size] * page_size + positions % page_size
+            keys = torch.cat((prefix.k_cache.flatten(0, 1)[slots], keys))
+            values = torch.cat((prefix.v_cache.flatten(0, 1)[slots], values))
+        out[start:end] = causal_attention_ref(q[start:end], keys, values, scale)
     return out
 
 

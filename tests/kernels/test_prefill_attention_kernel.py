@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernel_checks import DEVICE, assert_close_3way, kernel_module
-from q3tts.kernels.reference import prefill_attention_ref
+from q3tts.kernels.reference import PagedPrefix, causal_attention_ref, prefill_attention_ref
 
 pf = kernel_module("prefill_attention")
 
@@ -71,6 +71,44 @@ def test_each_sequence_is_its_own_prefill():
         alone = pf.prefill_attention(q[sl], k[sl], v[sl], torch.tensor([0, n], device=DEVICE), scale)
         torch.testing.assert_close(packed[sl], alone, rtol=1e-5, atol=1e-6)
         start += n
+
+
+PREFIX_CASES = [  # (nh, kvh, head_dim, lens, padding rows, S, prefix length P, page size)
+    (16, 8, 128, [21, 9], 3, 2, 37, 16),        # talker heads; P not a page multiple; a second prompt
+    (6, 2, 16, [1, 20, 3], 4, 4, 50, 8),        # a one-row piece after 50 keys; blocks straddle sequences
+    (4, 2, 32, [33], 0, 1, 0, 16),              # P = 0: a whole prompt through the prefix variant
+]
+
+
+@pytest.mark.parametrize("case", PREFIX_CASES, ids=lambda c: "p{}_{}".format(c[6], "-".join(map(str, c[3]))))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefix_matches_reference(dtype, case):
+    """Chunked prefill: sequence 0 is a piece after P keys in a paged cache (pages out of order, the
+    cache's other slots NaN: a kernel that read a wrong slot would spread NaN); the others unchanged."""
+    nh, kvh, d, lens, pad, seqs, plen, page = case
+    q, k, v, cu, scale = make_inputs(nh, kvh, d, lens, pad, dtype, seed=3, seqs=seqs)
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    num_pages = 2 * (-(-plen // page)) + 2
+    kc, vc = (torch.full((num_pages, page, kvh, d), float("nan")) for _ in range(2))
+    table = torch.randperm(num_pages, generator=gen)[:max(1, -(-plen // page))]
+    slots = table[torch.arange(plen) // page] * page + torch.arange(plen) % page
+    for cache in (kc, vc):
+        cache.view(-1, kvh, d)[slots] = torch.randn(plen, kvh, d, generator=gen)
+    prefix = PagedPrefix(kc.to(DEVICE, dtype), vc.to(DEVICE, dtype), table.to(DEVICE),
+                         torch.tensor([plen], device=DEVICE))
+    total = sum(lens)
+    out = pf.prefill_attention(q, k, v, cu, scale, prefix=prefix)
+    assert not torch.isnan(out[:total]).any(), "a valid row read a slot outside its prefix"
+    out_pt = prefill_attention_ref(q, k, v, cu, scale, prefix)
+    f32 = PagedPrefix(prefix.k_cache.float(), prefix.v_cache.float(), prefix.block_table, prefix.length)
+    out_ref = prefill_attention_ref(q.float(), k.float(), v.float(), cu, scale, f32)
+    assert_close_3way(out[:total], out_pt[:total], out_ref[:total], dtype, f"prefix {dtype} {case}")
+    # the piece's rows are the last rows of the prompt's causal attention, prefix keys first
+    n0 = lens[0]
+    keys = torch.cat((kc.view(-1, kvh, d)[slots], k[:n0].float().cpu()))
+    values = torch.cat((vc.view(-1, kvh, d)[slots], v[:n0].float().cpu()))
+    whole = causal_attention_ref(q[:n0].float().cpu(), keys.to(dtype).float(), values.to(dtype).float(), scale)
+    torch.testing.assert_close(out_ref[:n0].cpu(), whole)
 
 
 def test_contract_violations_raise():
