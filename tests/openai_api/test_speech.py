@@ -114,6 +114,14 @@ def test_refusals_have_openai_shape(api, body, status, param, match):
     assert error["type"] == "invalid_request_error"
 
 
+def test_malformed_requests_have_openai_shape(api):
+    broken = httpx.post(f"{api.url}/v1/audio/speech", content=b'{"model": "m", "input": ', timeout=60)
+    assert broken.status_code == 400 and broken.json()["error"]["message"].startswith("body: Invalid JSON")
+    wrong_method = httpx.get(f"{api.url}/v1/audio/speech", timeout=60)
+    assert wrong_method.status_code == 405 and "takes POST" in wrong_method.json()["error"]["message"]
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+
+
 def long_request(api) -> httpx.Response:
     """A streamed request that would run for minutes, its first bytes already received. The tiny checkpoint's
     sampled stream ends on EOS after 111 frames with the default seed (a few seconds: gone before the metrics are
