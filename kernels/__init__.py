@@ -14,6 +14,7 @@ import os
 import torch
 
 from . import reference
+from .reference import PagedPrefix
 
 try:
     from . import conv1d as _cv
@@ -30,7 +31,7 @@ try:
 except ImportError:  # CPU-only install without triton: the references serve every call
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "apply_rotary", "causal_conv1d", "paged_decode_attention",
+__all__ = ["HAS_TRITON", "PagedPrefix", "apply_rotary", "causal_conv1d", "paged_decode_attention",
            "prefill_attention", "rms_norm",
            "conv_kernel_weight", "snake_beta", "store_kv", "tuning", "use_triton", "warmup"]
 
@@ -91,7 +92,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      scale: float, prefix: reference.PagedPrefix | None = None) -> torch.Tensor:
+                      scale: float, prefix: PagedPrefix | None = None) -> torch.Tensor:
     """Causal attention of q [T, NH, D] over k, v [T, KVH, D] within each packed sequence
     (cu_seqlens [S+1]; rows >= cu_seqlens[S] are padding, never written by the kernel) -> [T, NH, D];
     prefix: sequence 0's earlier keys in a paged cache (chunked prefill). See kernels/prefill_attention.py."""

@@ -171,7 +171,8 @@ class ModelRunner:
         sequences (it runs eagerly until captured)."""
         return PrefillGraphs(self.talker, self.kv, lambda sl: (self.talker_params(sl), self.state.seed[sl]),
                              self.uniform_source, self.config.max_slots, self.dummy_slot,
-                             token_buckets(self.config.max_prefill_tokens), self.dtype, self.device)
+                             token_buckets(self.config.max_prefill_tokens), self.dtype, self.device,
+                             self.config.pages_for(self.config.max_prompt_tokens))
 
     # --- per sequence -----------------------------------------------------------------------------
 
@@ -180,8 +181,9 @@ class ModelRunner:
         """Start several sequences (distinct slots) with one talker forward over all prompts. A row may
         be a piece of its prompt (chunked prefill: `PrefillRow.start`, `final`): its K/V fill the
         prompt's pages after the earlier pieces', and it attends to those; the sequence is started (slot
-        state reset, first c0 drawn) with the piece that ends its prompt. A step with a piece other than
-        a whole prompt runs the eager forward (the captured prefill buckets take whole prompts only).
+        state reset, first c0 drawn) with the piece that ends its prompt. The captured prefill buckets
+        take a piece after earlier rows as the first row only (as the scheduler orders them); any
+        other mix runs the eager forward.
 
         A sequence's result does not depend on the others as far as the talker's GEMMs give a row the
         same bits whatever the row count (true on the CPU test sizes; on CUDA and for large CPU
@@ -214,15 +216,17 @@ class ModelRunner:
         [n]: a prefill graph replay when they fit a captured token bucket, else the eager `prefill_batch`."""
         n, lens, mapping = len(rows), [r.prefill.shape[0] for r in rows], self._slot_mapping(rows)
         graphs = self.prefill_graphs
-        whole = all(r.start == 0 and r.final for r in rows)
-        if whole and graphs is not None and graphs.bucket_for(sum(lens), n) is not None:
-            c0, hidden = graphs.run([r.prefill for r in rows], mapping, [r.slot for r in rows])
+        packs = all(r.start == 0 for r in rows[1:])
+        if packs and graphs is not None and graphs.bucket_for(sum(lens), n) is not None:
+            first = rows[0]
+            c0, hidden = graphs.run([r.prefill for r in rows], mapping, [r.slot for r in rows],
+                                    (first.start, first.pages) if first.start else None)
             return c0, hidden, graphs.faults[:n]
         head_sl = self._pad_slots(sl)  # sampling head rows: the decode bucket, padding rows greedy
         mode = sampling_mode(self.slot_modes[r.slot][0] for r in rows)
         embeds = torch.cat([r.prefill.to(self.device, self.dtype) for r in rows])  # [sum L0, H]
         faults = torch.zeros(head_sl.shape[0], dtype=torch.bool, device=self.device)
-        prefixes = None if whole else [
+        prefixes = None if all(r.start == 0 for r in rows) else [
             torch.from_numpy(_cache_slots(r.pages, 0, r.start, self.kv.page_size)).to(self.device)
             if r.start else None for r in rows]
         c0, hidden = step.prefill_batch(self.talker, self.kv, embeds, lens,

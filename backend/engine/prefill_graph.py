@@ -10,10 +10,14 @@ embedding copy and one graph launch whatever the layer count; on CPU the same bo
 The head always samples in the FULL mode: it equals the cheaper modes on the rows they are valid
 for (models/sampling.py), and one draw per prompt costs little, so one graph per bucket serves all.
 
-Static buffers, sized for the largest bucket T and S = max_seqs:
+Chunked prefill: the first sequence may be a piece of its prompt after P rows already in the KV
+(`run(prefix=...)`): its positions start at P and its rows attend to those P keys through its page
+table (`PackedPrefillContext`); P = 0 for a whole prompt, so one graph per bucket serves both.
+
+Static buffers, sized for the largest bucket T, S = max_seqs and M = max_prefix_pages:
     embeds [T, H]   the prompts back to back (rows past them keep stale, finite values)
-    meta   [2T + 2S + 1] int64; bucket t reads positions [t] | slot_mapping [t] | cu_seqlens [S+1] |
-           head_slots [S] from its start (one host-to-device copy per prefill)
+    meta   [2T + 2S + 2 + M] int64; bucket t reads positions [t] | slot_mapping [t] | cu_seqlens [S+1] |
+           head_slots [S] | prefix_len [1] | prefix_table [M] from its start (one host-to-device copy)
     c0 [S] int64, hidden [S, H], faults [S] bool (non-finite sampling scores, models/step.py): the outputs
 """
 
@@ -49,16 +53,18 @@ def token_buckets(max_tokens: int, candidates: tuple[int, ...] = PREFILL_TOKEN_B
 @torch.no_grad()
 def prefill_packed(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, positions: torch.Tensor,
                    slot_mapping: torch.Tensor, cu_seqlens: torch.Tensor, params: SamplingTensors,
-                   seeds: torch.Tensor, uniform_source: UniformSource, faults: torch.Tensor | None = None
+                   seeds: torch.Tensor, uniform_source: UniformSource, faults: torch.Tensor | None = None,
+                   prefix_table: torch.Tensor | None = None, prefix_len: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompts of S sequences in one forward, no host value anywhere (a CUDA graph per shape).
 
-    embeds [T, H] at positions [T] (each sequence from 0), K/V to slot_mapping [T] (-1 = padding
-    row); cu_seqlens [S+1]: sequence i = rows cu[i]..cu[i+1]-1, rows >= cu[S] are padding.
+    embeds [T, H] at positions [T] (each sequence from 0, sequence 0 from prefix_len), K/V to
+    slot_mapping [T] (-1 = padding row); cu_seqlens [S+1]: sequence i = rows cu[i]..cu[i+1]-1, rows >=
+    cu[S] are padding. prefix_table, prefix_len: see `PackedPrefillContext` (None: no piece).
     params / seeds: S head rows, row i for sequence i (an empty sequence's row draws junk).
     Returns c0[0] [S] int64 and past_hidden [S, H] (final-normed hidden of each prompt's last row).
     """
-    ctx = PackedPrefillContext(cache, slot_mapping, cu_seqlens, talker.attn_scale)
+    ctx = PackedPrefillContext(cache, slot_mapping, cu_seqlens, talker.attn_scale, prefix_table, prefix_len)
     out = talker(embeds, positions, ctx)  # [T, H]
     last = (cu_seqlens[1:] - 1).clamp(min=0)  # [S] last row of each sequence
     hidden = out.index_select(0, last)  # [S, H]
@@ -74,6 +80,8 @@ class PackedBatch:
     slot_mapping: torch.Tensor  # [t] int64, -1 = padding row
     cu_seqlens: torch.Tensor    # [S+1] int64
     head_slots: torch.Tensor    # [S] int64, the dummy slot past the batch's sequences
+    prefix_len: torch.Tensor    # [1] int64: prompt rows of sequence 0 already in the KV (0: whole)
+    prefix_table: torch.Tensor  # [M] int64: sequence 0's pages (those of its prefix, then 0s)
 
 
 class PrefillGraphs:
@@ -82,18 +90,21 @@ class PrefillGraphs:
     talker, cache: the model and its paged KV. head_params: the sampling parameters of a set of
     slots. max_seqs: sequences one prefill may hold (the sampling head's rows); dummy_slot: the slot
     padding head rows read and write. buckets: row counts, each captured (on CUDA) by `capture`.
+    max_prefix_pages: pages of the longest prefix a piece may follow (those of the longest prompt).
     """
 
     def __init__(self, talker: Talker, cache: PagedKVCache, head_params: HeadParams,
                  uniform_source: UniformSource, max_seqs: int, dummy_slot: int,
-                 buckets: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+                 buckets: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 max_prefix_pages: int = 1) -> None:
         assert buckets and list(buckets) == sorted(set(buckets)), f"buckets must increase: {buckets}"
         self.talker, self.cache, self.head_params = talker, cache, head_params
         self.uniform_source = uniform_source
         self.max_seqs, self.dummy_slot, self.buckets = max_seqs, dummy_slot, buckets
+        self.max_prefix_pages = max_prefix_pages
         rows, hidden = buckets[-1], talker.cfg.hidden_size
         self.embeds = torch.zeros(rows, hidden, dtype=dtype, device=device)
-        self.meta = torch.zeros(2 * rows + 2 * max_seqs + 1, dtype=torch.int64, device=device)
+        self.meta = torch.zeros(self._meta_size(rows), dtype=torch.int64, device=device)
         self.c0 = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(max_seqs, hidden, dtype=dtype, device=device)
         self.faults = torch.zeros(max_seqs, dtype=torch.bool, device=device)
@@ -109,18 +120,19 @@ class PrefillGraphs:
             return None
         return next((b for b in self.buckets if b >= tokens), None)
 
-    def run(self, prompts: list[torch.Tensor], slot_mapping: np.ndarray, slots: list[int]
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, prompts: list[torch.Tensor], slot_mapping: np.ndarray, slots: list[int],
+            prefix: tuple[int, list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill n = len(prompts) sequences (prompt rows [L_i, H]) whose K/V go to slot_mapping
-        [sum L] and whose sampling parameters are those of `slots`. Replays the bucket's graph when
-        captured. Returns c0[0] [n] int64 and past_hidden [n, H]: views of buffers the next prefill
-        overwrites."""
+        [sum L] and whose sampling parameters are those of `slots`; prefix = (P, pages): prompts[0] is
+        the piece of its prompt after P rows already in the KV, in those pages. Replays the bucket's
+        graph when captured. Returns c0[0] [n] int64 and past_hidden [n, H]: views of buffers the next
+        prefill overwrites."""
         lens = [int(p.shape[0]) for p in prompts]
         bucket = self.bucket_for(sum(lens), len(lens))
         if bucket is None:
             raise ValueError(f"PrefillGraphs: {len(lens)} prompts of {sum(lens)} rows fit no bucket "
                              f"({self.max_seqs} sequences, {self.buckets[-1]} rows at most)")
-        self._load(bucket, lens, slot_mapping, slots)
+        self._load(bucket, lens, slot_mapping, slots, prefix or (0, []))
         torch.cat([p.to(self.embeds.device, self.embeds.dtype) for p in prompts],
                   out=self.embeds[:sum(lens)])
         if self.graphs is not None and bucket in self.graphs.graphs:
@@ -140,26 +152,40 @@ class PrefillGraphs:
         nowhere (slot -1) and whose head row is the dummy slot's, so the warm-up tunes the attention
         kernel on real work and nothing but the dummy state is written."""
         assert start == 0, "a prefill bucket is captured whole"
-        self._load(stop, [stop], np.full(stop, -1), [self.dummy_slot])
+        self._load(stop, [stop], np.full(stop, -1), [self.dummy_slot], (0, []))
+
+    def _meta_size(self, bucket: int) -> int:
+        return 2 * bucket + 2 * self.max_seqs + 2 + self.max_prefix_pages
 
     def _views(self, bucket: int) -> PackedBatch:
         t, s, m = bucket, self.max_seqs, self.meta
+        heads = 2 * t + s + 1  # where head_slots start
         return PackedBatch(embeds=self.embeds[:t], positions=m[:t], slot_mapping=m[t:2 * t],
-                           cu_seqlens=m[2 * t:2 * t + s + 1], head_slots=m[2 * t + s + 1:2 * t + 2 * s + 1])
+                           cu_seqlens=m[2 * t:heads], head_slots=m[heads:heads + s],
+                           prefix_len=m[heads + s:heads + s + 1], prefix_table=m[heads + s + 1:self._meta_size(t)])
 
-    def _load(self, bucket: int, lens: list[int], slot_mapping: np.ndarray, slots: list[int]) -> None:
+    def _load(self, bucket: int, lens: list[int], slot_mapping: np.ndarray, slots: list[int],
+              prefix: tuple[int, list[int]]) -> None:
         """The bucket's metadata as `_views` reads it, in one copy: padding rows at position 0 with
-        slot -1, empty sequences after the real ones, head rows past them on the dummy slot."""
+        slot -1, empty sequences after the real ones, head rows past them on the dummy slot, the first
+        sequence's positions from its prefix length P and the pages of its prefix."""
         t, s, n, total = bucket, self.max_seqs, len(lens), sum(lens)
-        meta = np.zeros(2 * t + 2 * s + 1, dtype=np.int64)
+        plen, pages = prefix
+        pages = pages[:-(-plen // self.cache.page_size)]  # those the prefix fills
+        assert len(pages) <= self.max_prefix_pages, f"a prefix of {plen} rows exceeds max_prefix_pages"
+        meta = np.zeros(self._meta_size(t), dtype=np.int64)
         ends = np.cumsum(lens)
         meta[:total] = np.arange(total) - np.repeat(ends - lens, lens)  # positions from 0 per sequence
+        meta[:lens[0]] += plen  # the first sequence from its prefix on
         meta[t:2 * t] = -1
         meta[t:t + total] = slot_mapping
         meta[2 * t + 1:2 * t + n + 1] = ends
         meta[2 * t + n + 1:2 * t + s + 1] = total
-        meta[2 * t + s + 1:] = self.dummy_slot
-        meta[2 * t + s + 1:2 * t + s + 1 + n] = slots
+        heads = 2 * t + s + 1
+        meta[heads:heads + s] = self.dummy_slot
+        meta[heads:heads + n] = slots
+        meta[heads + s] = plen
+        meta[heads + s + 1:heads + s + 1 + len(pages)] = pages
         self.meta[:meta.shape[0]].copy_(torch.from_numpy(meta))
 
     def _body(self, bucket: int) -> None:
@@ -169,6 +195,6 @@ class PrefillGraphs:
         self.faults.zero_()
         c0, hidden = prefill_packed(self.talker, self.cache, v.embeds, v.positions, v.slot_mapping,
                                     v.cu_seqlens, params.with_mode(FULL), seeds, self.uniform_source,
-                                    self.faults)
+                                    self.faults, v.prefix_table, v.prefix_len)
         self.c0.copy_(c0)
         self.hidden.copy_(hidden)

@@ -16,8 +16,8 @@ Policy, in the order `schedule()` applies it each step:
    than `max_prefill_tokens`, or a modelled prefill longer than `max_step_seconds` leaves after the
    decode step) is prefilled in pieces when it comes first in a step: each step the rows the budget
    leaves (`Sequence.piece`), before anyone behind it; it makes its first frame in the step of its last
-   piece. A shorter prompt that does not fit waits for a step with room (so it is prefilled whole, by a
-   prefill graph on CUDA, which takes whole prompts only). A sequence that cannot be prefilled yet
+   piece. A shorter prompt that does not fit waits for a step with room (it is prefilled whole, in one
+   step: fewer steps to its first frame). A sequence that cannot be prefilled yet
    (whole mode before end_text, incremental mode before its first token) is skipped, not waited on; one
    that does not fit stops admission (no overtaking by smaller ones). The sequences a step prefills
    share one forward.

@@ -175,17 +175,22 @@ class PackedPrefillContext(AttentionContext):
     """`PrefillContext` with the sequence boundaries on the device (for CUDA graphs): cu_seqlens [S+1]
     (sequence i = rows cu[i]..cu[i+1]-1, at positions 0..); rows >= cu[S] are padding (slot -1, output
     rows junk). No host value, so one capture serves every mix of sequences of a row count.
+    prefix_table [max_pages], prefix_len [1] (chunked prefill, optional): sequence 0 is a piece after
+    the prefix_len rows of its prompt in the pages prefix_table lists (0: a whole prompt).
     Attention is `kernels.prefill_attention` (the torch reference on CPU)."""
 
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, cu_seqlens: torch.Tensor,
-                 scale: float):
+                 scale: float, prefix_table: torch.Tensor | None = None, prefix_len: torch.Tensor | None = None):
         super().__init__(cache, slot_mapping)
         self.cu_seqlens = cu_seqlens
         self.scale = scale
+        self.prefix_table, self.prefix_len = prefix_table, prefix_len
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self._store(layer, k, v)
-        return kernels.prefill_attention(q, k, v, self.cu_seqlens, self.scale)
+        prefix = None if self.prefix_table is None else kernels.PagedPrefix(
+            self.cache.k[layer], self.cache.v[layer], self.prefix_table, self.prefix_len)
+        return kernels.prefill_attention(q, k, v, self.cu_seqlens, self.scale, prefix)
 
 class DecodeContext(AttentionContext):
     """One new token per row attending over its pages.

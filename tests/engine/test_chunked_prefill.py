@@ -112,6 +112,7 @@ def test_pieces_equal_the_whole_prompt_model_level(tiny_ckpt):
     n, page = x.shape[0], 16
     assert 50 < n <= 10 * page
     one, two = (SamplingTensors.talker([SamplingParams(greedy=True)] * k) for k in (1, 2))
+    seeds = torch.zeros(2, dtype=torch.int64)
 
     def cache():
         return PagedKVCache(lc.num_layers, 16, page, lc.num_kv_heads, lc.head_dim, torch.float32)
@@ -120,7 +121,7 @@ def test_pieces_equal_the_whole_prompt_model_level(tiny_ckpt):
     pages = torch.tensor([9, 2, 7, 4, 5, 11, 0, 3, 10, 1])
     slots = pages[torch.arange(n) // page] * page + torch.arange(n) % page
     whole = cache()
-    c0, hidden = step.prefill_batch(talker, whole, x, [n], slots, one, torch.zeros(1), uniforms)
+    c0, hidden = step.prefill_batch(talker, whole, x, [n], slots, one, seeds[:1], uniforms)
     chunked = cache()
     cuts = [0, 21, 45, n]
     other_slots = 13 * page + torch.arange(other.shape[0])
@@ -129,10 +130,10 @@ def test_pieces_equal_the_whole_prompt_model_level(tiny_ckpt):
         if a == 21:  # with a whole prompt in the same forward
             c0_p, hidden_p = step.prefill_batch(
                 talker, chunked, torch.cat((x[a:b], other)), [b - a, other.shape[0]],
-                torch.cat((slots[a:b], other_slots)), two, torch.zeros(2), uniforms, prefixes=[prefix, None])
+                torch.cat((slots[a:b], other_slots)), two, seeds, uniforms, prefixes=[prefix, None])
         else:
             c0_p, hidden_p = step.prefill_batch(talker, chunked, x[a:b], [b - a], slots[a:b], one,
-                                                torch.zeros(1), uniforms, prefixes=[prefix])
+                                                seeds[:1], uniforms, prefixes=[prefix])
     assert torch.equal(c0_p[:1], c0[:1])
     torch.testing.assert_close(hidden_p[:1], hidden[:1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(talker.logits(hidden_p[:1]), talker.logits(hidden[:1]), rtol=1e-5, atol=1e-5)
@@ -221,26 +222,96 @@ def test_abort_between_pieces_frees_pages_and_slot(tiny_ckpt, speaker):
                           first_codes(make_engine(tiny_ckpt, max_prefill_tokens=BUDGET), req)["next"][0])
 
 
+def test_chunked_through_packed_prefill_equals_whole(tiny_ckpt, speaker, monkeypatch):
+    """CPU engine whose runner prefills through PrefillGraphs (eagerly, as on CUDA before capture): the
+    pieces (the last one sharing its forward with a whole prompt) give the codes and audio of the
+    whole prompts on today's eager path."""
+    voice = VoiceSpec(speaker=speaker)
+    reqs = [dict(id="long", voice=voice, text=LONG, sampling=SamplingParams(greedy=True, max_frames=8)),
+            dict(id="short", voice=voice, text=TEXT[:2], sampling=SamplingParams(seed=3, max_frames=6))]
+    whole = first_codes(make_engine(tiny_ckpt), reqs)
+    eng = make_engine(tiny_ckpt, max_prefill_tokens=BUDGET)
+    eng.runner.prefill_graphs = eng.runner.packed_prefill()
+    monkeypatch.setattr(step, "prefill_batch", None)  # the eager path is not taken
+    got = first_codes(eng, reqs)
+    assert got["long"][1][0] >= 3, "the long prompt took several pieces"
+    for r in reqs:
+        assert np.array_equal(got[r["id"]][0], whole[r["id"]][0]), r["id"]
+
+
+def packed_piece_vs_eager(ckpt, device: str):
+    """One prompt prefilled as a first piece then a second piece (sharing its forward with a whole
+    prompt), through PrefillGraphs and through the eager `prefill_batch`: their (c0, hidden, cache)."""
+    from q3tts.engine.prefill_graph import PrefillGraphs
+
+    model = Qwen3TTS.from_checkpoint(ckpt).to(device)
+    talker, lc = model.talker.fuse_(), model.config.talker.layers
+    spk = sorted(ckpt.config.talker.speaker_ids)
+    builder = PromptBuilder(model, ckpt.tokenizer)
+    x = builder.build(LONG, VoiceSpec(speaker=spk[0])).prefill.to(device)  # [L, H]
+    other = builder.build(TEXT[:20], VoiceSpec(speaker=spk[1])).prefill.to(device)
+    page, pages = 16, [9, 2, 7, 4, 5, 11, 0, 3, 10, 1]
+    n, cut = x.shape[0], 37
+    slots = torch.tensor(pages)[torch.arange(n) // page] * page + torch.arange(n) % page
+    other_slots = 13 * page + torch.arange(other.shape[0])
+    params = SamplingTensors.talker([SamplingParams(greedy=True)] * 2, device)
+    seeds = torch.zeros(2, dtype=torch.int64, device=device)
+
+    def cache():
+        return PagedKVCache(lc.num_layers, 16, page, lc.num_kv_heads, lc.head_dim, torch.float32, device)
+
+    eager_cache = cache()
+    step.prefill_batch(talker, eager_cache, x[:cut], [cut], slots[:cut].to(device), params, seeds, uniforms)
+    eager = step.prefill_batch(talker, eager_cache, torch.cat((x[cut:], other)), [n - cut, other.shape[0]],
+                               torch.cat((slots[cut:], other_slots)).to(device), params, seeds, uniforms,
+                               prefixes=[slots[:cut].to(device), None])
+    graphs = PrefillGraphs(talker, cache(), lambda sl: (params, seeds), uniforms, 2, 1, (128,), torch.float32,
+                           torch.device(device), max_prefix_pages=10)
+    if device == "cuda":
+        graphs.capture()
+    graphs.run([x[:cut]], slots[:cut].numpy(), [0])
+    c0, hidden = graphs.run([x[cut:], other], torch.cat((slots[cut:], other_slots)).numpy(), [0, 0],
+                            (cut, pages))
+    return (eager[0][:2], eager[1][:2], eager_cache), (c0.clone(), hidden.clone(), graphs.cache), graphs
+
+
+def test_packed_piece_equals_eager_piece(tiny_ckpt):
+    """CPU: the packed forward of a piece after 37 cached rows (the kernel's torch reference) gives the
+    eager piece's c0, hidden and KV bit for bit."""
+    (c0, hidden, cache), (c0_p, hidden_p, cache_p), _ = packed_piece_vs_eager(tiny_ckpt, "cpu")
+    assert torch.equal(c0_p, c0) and torch.equal(hidden_p, hidden)
+    assert torch.equal(cache_p.k, cache.k) and torch.equal(cache_p.v, cache.v)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_chunked_equals_whole_graph_prefill(tiny_ckpt, speaker):
-    """fp32 on the GPU: the long prompt whole (one prefill graph replay) vs in pieces (eager forwards,
-    each over its prompt's earlier pieces in the paged KV; no prefill graph replayed): the same first
-    frame, and a whole prompt after the pieces still replays its graph."""
+def test_cuda_graph_piece_equals_eager_piece(tiny_ckpt):
+    """fp32 on the GPU: a piece after 37 cached rows through the captured prefill graph (Triton attention
+    over the paged prefix) vs the eager piece: the same c0, hidden and KV up to rounding."""
+    (c0, hidden, cache), (c0_p, hidden_p, cache_p), graphs = packed_piece_vs_eager(tiny_ckpt, "cuda")
+    assert graphs.num_replays == 2
+    assert torch.equal(c0_p, c0)
+    torch.testing.assert_close(hidden_p, hidden, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cache_p.k, cache.k, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cache_p.v, cache.v, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_chunked_equals_whole(tiny_ckpt, speaker):
+    """fp32 CUDA engines with prefill graphs: the long prompt whole (one replay) vs in pieces (one replay
+    a piece, each over its prompt's earlier pieces in the paged KV): the same first frame."""
     from q3tts.engine.config import EngineConfig
     from q3tts.engine.engine import Engine
 
     cfg = EngineConfig(device="cuda", dtype="float32", num_pages=256, max_slots=8, max_frames=64,
                        max_prompt_tokens=256, max_text_tokens=128, graph_batch_sizes=(1, 2, 4, 8))
-    voice = VoiceSpec(speaker=speaker)
-    reqs = [dict(id="long", voice=voice, text=LONG, sampling=SamplingParams(greedy=True, max_frames=3))]
+    reqs = [dict(id="long", voice=VoiceSpec(speaker=speaker), text=LONG,
+                 sampling=SamplingParams(greedy=True, max_frames=3))]
     whole_engine = Engine(tiny_ckpt, cfg)
     whole = first_codes(whole_engine, reqs)["long"][0]
     assert whole_engine.runner.prefill_graphs.num_replays == 1
     engine = Engine(tiny_ckpt, dataclasses.replace(cfg, max_prefill_tokens=BUDGET))
     chunked, steps = first_codes(engine, reqs)["long"]
-    assert steps[0] >= 3 and engine.runner.prefill_graphs.num_replays == 0
+    assert engine.runner.prefill_graphs.num_replays == steps[0] + 1 >= 3  # a replay a piece
     assert np.array_equal(chunked[:1], whole[:1])
-    short = [dict(id="short", voice=voice, text=TEXT[:2], sampling=SamplingParams(greedy=True, max_frames=2))]
-    first_codes(engine, short)
-    assert engine.runner.prefill_graphs.num_replays == 1
