@@ -33,9 +33,9 @@ class EngineConfig:
     max_prompt_tokens    prefill rows of one prompt (and text tokens of one request) at most
     max_prefill_tokens   prompt rows prefilled in one step (the sequences started in a step share one
                          ragged forward): a sequence that would go past it waits for the next step,
-                         and so do the ones behind it (FIFO); the first of a step that does not fit is
-                         prefilled in pieces instead (chunked prefill, scheduler.py 2.: a longer prompt
-                         takes several steps, and the playing streams step meanwhile)
+                         and so do the ones behind it (FIFO); a prompt longer than this is prefilled in
+                         pieces over several steps while the playing streams step (chunked prefill,
+                         scheduler.py 2.)
     max_step_seconds     deadline scheduling (scheduler.py, 2.): a step that prefills keeps its modelled
                          time (decode step + prefill rows, measured by the engine) within this bound and
                          within the slack of the streams already playing (when their audio runs out, played

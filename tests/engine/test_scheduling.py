@@ -29,19 +29,21 @@ def seq(sid, frames, now) -> Sequence:
                     prompt_len=PROMPT, prompt_ready=True, ready_at=now)
 
 
-def simulate(max_step_seconds):
-    """4 players start; once they play, 32 arrivals come at once. Returns ({id: [frame times]}, step times)."""
+def simulate(max_step_seconds, players=4, arrivals=lambda now: [seq(f"a{i}", 12, now) for i in range(32)]):
+    """`players` players start; once they play (step 5), `arrivals(now)` (default: 32) come at once.
+    Returns ({id: [frame times]}, step times, [(id, piece_start, piece) of every prefill, in order])."""
     sch = Scheduler(config(max_step_seconds))
     sch.cost = StepCost(**COST)
-    now, frames, steps = 0.0, {}, []
-    for i in range(4):
+    now, frames, steps, pieces = 0.0, {}, [], []
+    for i in range(players):
         sch.add(seq(f"p{i}", 60, now))
     while sch.has_work():
         if len(steps) == 5:  # the players have made a few frames and play
-            for i in range(32):
-                sch.add(seq(f"a{i}", 12, now))
+            for arrival in arrivals(now):
+                sch.add(arrival)
         started, decode, victims = sch.schedule(now)
         assert not victims
+        pieces += [(s.seq_id, s.piece_start, s.piece) for s in started]
         step = sch.cost.step_seconds(sum(s.piece for s in started))
         now += step
         steps.append(step)
@@ -53,7 +55,7 @@ def simulate(max_step_seconds):
                 sch.forget(s.seq_id)
         assert len(steps) < 2000
     sch.check_integrity()
-    return frames, steps
+    return frames, steps, pieces
 
 
 def underruns(times: list[float]) -> int:
@@ -62,7 +64,7 @@ def underruns(times: list[float]) -> int:
 
 
 def test_playing_streams_are_protected_while_32_arrive():
-    frames, steps = simulate(BOUND)
+    frames, steps, _ = simulate(BOUND)
     assert len(frames) == 36 and all(len(frames[f"a{i}"]) == 12 for i in range(32))  # every arrival served
     for sid, times in frames.items():
         gaps = [b - a for a, b in zip(times, times[1:])]
@@ -72,7 +74,7 @@ def test_playing_streams_are_protected_while_32_arrive():
 
 
 def test_without_the_bound_the_arrivals_stall_the_players():
-    frames, steps = simulate(None)
+    frames, steps, _ = simulate(None)
     assert max(steps) > 0.9  # the step that prefills all 32 at once
     assert all(underruns(frames[f"p{i}"]) > 0 for i in range(4))
 
