@@ -115,7 +115,7 @@ def single_step(engine: Engine, batch: int) -> None:
             t.copy_(s)
         runner.use_graphs(mode.startswith("graph"))
         try:
-            frames, c0n, pcm, _ = runner.decode(rows)
+            frames, c0n, pcm, _ = (a.copy() for a in runner.decode(rows))  # views until the next decode
         finally:
             runner.use_graphs(True)
         results[mode] = (frames, c0n, runner.state.past_hidden[slots].float().cpu(), pcm)

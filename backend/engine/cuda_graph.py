@@ -10,7 +10,7 @@ capturing touches only the dummy state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -52,21 +52,22 @@ class DecodeMeta:
 
     NUM_COLUMNS = len(DecodeColumns._fields)
 
-    def pack(self, rows: list[DecodeRow], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """`rows` then padding up to `num_rows` -> (meta [num_rows, 5] int64, tables [num_rows, P] int32)."""
-        meta = np.empty((num_rows, self.NUM_COLUMNS), dtype=np.int64)
-        meta[:] = DecodeColumns(slot=self.dummy_slot, position=0, slot_mapping=-1, context_len=1, frame=0)
-        tables = np.full((num_rows, self.max_pages), self.dummy_page, dtype=np.int32)
+    def pack(self, rows: list[DecodeRow], meta: np.ndarray, tables: np.ndarray) -> None:
+        """`rows` then padding rows into meta [N, 5] int64 and tables [N, P] int32 (N = len(meta) >=
+        len(rows); `GraphBuffers.staging` gives them): one conversion for all rows' metadata."""
+        n, ps = len(rows), self.page_size
+        meta[n:] = DecodeColumns(slot=self.dummy_slot, position=0, slot_mapping=-1, context_len=1, frame=0)
+        tables[:] = self.dummy_page
+        if not n:
+            return
+        # slot and page ids are valid by construction (SlotPool / KVPool hand out range ids); the slot and
+        # the table width are asserted here, where they meet the device indexes
+        assert all(0 <= r.slot < self.dummy_slot and len(r.pages) <= self.max_pages for r in rows)
+        meta[:n] = [DecodeColumns(slot=r.slot, position=r.position,
+                                  slot_mapping=r.pages[r.position // ps] * ps + r.position % ps,
+                                  context_len=r.position + 1, frame=r.frame) for r in rows]
         for i, r in enumerate(rows):
-            # slot and page ids are valid by construction (SlotPool / KVPool hand out range ids); the slot
-            # and the table width are asserted here, where they meet the device indexes
-            assert 0 <= r.slot < self.dummy_slot and len(r.pages) <= self.max_pages, (r.slot, len(r.pages))
-            page = r.pages[r.position // self.page_size]
-            meta[i] = DecodeColumns(slot=r.slot, position=r.position,
-                                    slot_mapping=page * self.page_size + r.position % self.page_size,
-                                    context_len=r.position + 1, frame=r.frame)
             tables[i, :len(r.pages)] = r.pages
-        return meta, tables
 
     @staticmethod
     def columns(meta: torch.Tensor) -> DecodeColumns:
@@ -74,9 +75,17 @@ class DecodeMeta:
         return DecodeColumns(*meta.unbind(1))
 
 
+OUTPUTS = ("frames", "c0_next", "pcm", "faults")  # the `GraphBuffers` fields a step hands to the host
+
+
 @dataclass
 class GraphBuffers:
-    """Static inputs/outputs of one decode step, sized for the largest bucket."""
+    """Static inputs/outputs of one decode step, sized for the largest bucket, and their host side.
+
+    On CUDA every field has a pinned host mirror (`host`): the step's metadata is packed into the mirrors
+    and copied up without blocking (`staging`, `load`), its outputs come back in one wait (`fetch`); one
+    event orders the host's reuse of a mirror after the copy that reads or fills it. On the CPU the
+    mirrors are the buffers themselves: nothing is copied."""
 
     meta: torch.Tensor      # [Bmax, 5] int64, rows of `DecodeColumns`
     tables: torch.Tensor    # [Bmax, P] int32 block tables
@@ -84,22 +93,57 @@ class GraphBuffers:
     c0_next: torch.Tensor   # [Bmax] int64 first code of the next frame (EOS = finished)
     pcm: torch.Tensor       # [Bmax, samples_per_frame] float32
     faults: torch.Tensor    # [Bmax] bool: the row's sampling scores were not finite (models/step.py)
+    host: dict[str, torch.Tensor]  # field -> its host mirror (pinned on CUDA, the field itself on CPU)
+    copied: torch.cuda.Event | None  # recorded after the last copy between mirrors and fields (CUDA)
+    arrays: dict[str, np.ndarray] = field(init=False, repr=False)  # the mirrors as numpy views
+
+    def __post_init__(self) -> None:
+        self.arrays = {name: t.numpy() for name, t in self.host.items()}
 
     @classmethod
     def allocate(cls, max_batch: int, max_pages: int, groups: int, samples: int,
                  device: torch.device) -> GraphBuffers:
-        return cls(meta=torch.zeros(max_batch, DecodeMeta.NUM_COLUMNS, dtype=torch.int64, device=device),
-                   tables=torch.zeros(max_batch, max_pages, dtype=torch.int32, device=device),
-                   frames=torch.zeros(max_batch, groups, dtype=torch.int64, device=device),
-                   c0_next=torch.zeros(max_batch, dtype=torch.int64, device=device),
-                   pcm=torch.zeros(max_batch, samples, dtype=torch.float32, device=device),
-                   faults=torch.zeros(max_batch, dtype=torch.bool, device=device))
+        fields = dict(meta=torch.zeros(max_batch, DecodeMeta.NUM_COLUMNS, dtype=torch.int64, device=device),
+                      tables=torch.zeros(max_batch, max_pages, dtype=torch.int32, device=device),
+                      frames=torch.zeros(max_batch, groups, dtype=torch.int64, device=device),
+                      c0_next=torch.zeros(max_batch, dtype=torch.int64, device=device),
+                      pcm=torch.zeros(max_batch, samples, dtype=torch.float32, device=device),
+                      faults=torch.zeros(max_batch, dtype=torch.bool, device=device))
+        if device.type != "cuda":
+            return cls(**fields, host=fields, copied=None)
+        host = {name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=True) for name, t in fields.items()}
+        return cls(**fields, host=host, copied=torch.cuda.Event())
 
-    def load(self, start: int, meta: np.ndarray, tables: np.ndarray) -> None:
-        """Rows [start, start + len(meta)) = packed `DecodeMeta` rows (two host-to-device copies)."""
-        stop = start + meta.shape[0]
-        self.meta[start:stop].copy_(torch.from_numpy(meta))
-        self.tables[start:stop].copy_(torch.from_numpy(tables))
+    def staging(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host arrays (meta, tables) for rows [start, stop), to pack into before `load` (it waits for
+        the previous copy out of them)."""
+        self._wait()
+        return self.arrays["meta"][start:stop], self.arrays["tables"][start:stop]
+
+    def load(self, start: int, stop: int) -> None:
+        """Rows [start, stop) of the staged metadata to the device (copies that do not block the host)."""
+        if self.copied is None:
+            return
+        for name in ("meta", "tables"):
+            getattr(self, name)[start:stop].copy_(self.host[name][start:stop], non_blocking=True)
+        self._record()
+
+    def fetch(self, n: int) -> tuple[np.ndarray, ...]:
+        """Rows [:n] of the step's `OUTPUTS` on the host, once the step has run (the one wait of a step):
+        views of the mirrors, valid until the next `fetch`."""
+        if self.copied is not None:
+            for name in OUTPUTS:
+                self.host[name][:n].copy_(getattr(self, name)[:n], non_blocking=True)
+            self._record()
+            self._wait()
+        return tuple(self.arrays[name][:n] for name in OUTPUTS)
+
+    def _record(self) -> None:
+        self.copied.record(torch.cuda.current_stream(self.meta.device))  # the stream the copies ran on
+
+    def _wait(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
 
 
 class GraphRunner:

@@ -27,7 +27,7 @@ from .config import EngineConfig
 from .cuda_graph import DecodeRow
 from .faults import check_token_ids, inject_device_fault, is_device_fault, nonfinite_error
 from .input_processor import InputProcessor
-from .isolation import decode_undo, isolated, step_error
+from .isolation import isolated, step_error
 from .model_runner import ModelRunner, PrefillRow, make_codec, resolve_config
 from .preparer import Preparer
 from .requests import RequestIntake
@@ -148,7 +148,7 @@ class Engine(RequestIntake):
             inject_device_fault(self.runner.device)
         rows = [DecodeRow(s.slot, s.prompt_len + s.num_frames, s.num_frames,
                           self.scheduler.kv.pages(s.seq_id)) for s in seqs]
-        results = isolated(self._decode_rows, rows, self.runner.device, decode_undo(self.runner.state))
+        results = isolated(self._decode_rows, rows, self.runner.device)
         outputs = []
         for seq, result in zip(seqs, results):
             if isinstance(result, Exception):
@@ -170,9 +170,10 @@ class Engine(RequestIntake):
         return outputs
 
     def _decode_rows(self, rows: list[DecodeRow]) -> list[tuple]:
-        """One decode step -> per row (frame [16], next c0, pcm [1920], fault), copied (on the CPU the
-        runner's arrays are views of its buffers, which the next attempt of a bisection overwrites)."""
-        return list(zip(*(column.copy() for column in self.runner.decode(rows))))
+        """One decode step -> per row (frame [16], next c0, pcm [1920], fault), copied (the runner's
+        arrays are views of its buffers, which the next decode, e.g. a bisection's, overwrites)."""
+        out = self.runner.decode(rows)
+        return list(zip(out.frames.copy(), out.c0_next.tolist(), out.pcm.copy(), out.faults.tolist()))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._outbox) or bool(self.preparer)

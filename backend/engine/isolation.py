@@ -11,18 +11,17 @@ What a failed attempt may have written, and why running rows again is exact:
 - prefill (`ModelRunner.start_batch`) sets everything of its slots afresh (sampling rows, KV of the
   prompt, talker state, codec stream), so running it again for a subset starts those slots anew;
 - decode (`ModelRunner.decode`) writes each row's KV at the row's position (the position is host
-  state, advanced only after success: a retry writes the same values again), then each slot's talker
-  state (`last_c0`, `past_hidden`, `rep_mask`: read by the step, so a retry must see them as they
-  were: `SlotSnapshot` copies those rows before each attempt and puts them back after a failed one),
-  and last the codec's stream state (one index_copy_ after the codec forward: a failure before it
-  leaves the stream as it was).
+  state, advanced only after success: a retry writes the same values again), the codec's stream state
+  (one index_copy_ after the codec forward: a failure before it leaves the stream as it was) and, last
+  of all, each slot's talker state (`last_c0`, `past_hidden`, `rep_mask`, which the step reads): a step
+  that fails anywhere before leaves it as it was, so nothing needs undoing and the steps that succeed
+  pay nothing for isolation (the RowFault tests fail if the talker state is written before the codec).
 """
 
 from __future__ import annotations
 
 import sys
 import traceback
-from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import torch
@@ -30,52 +29,21 @@ import torch
 from .faults import is_device_fault
 
 Row = TypeVar("Row")
-TALKER_STATE = ("last_c0", "past_hidden", "rep_mask")  # the SlotState fields a decode step writes
 
 
-@dataclass
-class SlotSnapshot:
-    """Copies of the talker-state rows of some slots (taken before a decode attempt)."""
-
-    slots: torch.Tensor  # [B] int64
-    rows: dict[str, torch.Tensor]  # field -> [B, ...] copy
-
-    @classmethod
-    def take(cls, state, slots: list[int]) -> SlotSnapshot:
-        sl = torch.tensor(slots, dtype=torch.int64, device=state.last_c0.device)
-        return cls(sl, {name: getattr(state, name).index_select(0, sl) for name in TALKER_STATE})
-
-    def restore(self, state) -> None:
-        for name, rows in self.rows.items():
-            getattr(state, name).index_copy_(0, self.slots, rows)
-
-
-def decode_undo(state) -> Callable[[list], Callable[[], None]]:
-    """`isolated`'s `before` for decode rows: snapshots their slots' talker state; the undo restores it."""
-    def before(rows: list) -> Callable[[], None]:
-        snapshot = SlotSnapshot.take(state, [r.slot for r in rows])
-        return lambda: snapshot.restore(state)
-    return before
-
-
-def isolated(run: Callable[[list[Row]], list], rows: list[Row], device: torch.device,
-             before: Callable[[list[Row]], Callable[[], None]] | None = None) -> list:
+def isolated(run: Callable[[list[Row]], list], rows: list[Row], device: torch.device) -> list:
     """`run(rows)` -> one result per row; on an error that is not a device fault, the rows are bisected
-    and run again. Returns one entry per row: its result, or the exception it failed with alone.
-    `before(rows)` (called before each attempt) returns what undoes a failed attempt's writes."""
-    undo = before(rows) if before is not None else None
+    and run again. Returns one entry per row: its result, or the exception it failed with alone."""
     try:
         return list(run(rows))
     except Exception as exc:  # noqa: BLE001 - every row error is isolated; a device fault is not ours
         if is_device_fault(exc, device):
             raise
-        if undo is not None:
-            undo()
         if len(rows) == 1:
             _log(exc)
             return [exc]
     half = len(rows) // 2
-    return (isolated(run, rows[:half], device, before) + isolated(run, rows[half:], device, before))
+    return isolated(run, rows[:half], device) + isolated(run, rows[half:], device)
 
 
 def _log(exc: BaseException) -> None:
@@ -92,8 +60,8 @@ def step_error(stage: str, frame: int) -> str:
 
 class RowFault:
     """Test hook (off unless installed): the step's device work raises whenever it includes the slot of
-    `seq_id`: at "decode", in the codec call (after the step wrote its rows' talker state: what a retry
-    must undo), at "prefill", in `start_batch`. `remove()` uninstalls it."""
+    `seq_id`: at "decode", in the codec call (the step's last work before it writes its rows' talker
+    state), at "prefill", in `start_batch`. `remove()` uninstalls it."""
 
     def __init__(self, engine, seq_id, stage: str = "decode") -> None:
         self.engine, self.seq_id = engine, seq_id

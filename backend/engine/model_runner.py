@@ -11,8 +11,11 @@ decode bucket like a decode step. One decode step (`decode_rows`), for rows [:bu
     frame   = (last_c0, c1..c15)  -> streaming codec -> pcm [1920]
     x       = C(c0) + sum_g E_g(c_g) + (text_queue[slot, t] if t < text_len else E_pad)
     hidden  = talker(x @ position, paged KV)  -> logits -> c0_next     uniforms(seed, t + 1)[:, 0]
-    state[slot] <- (c0_next, hidden, rep_mask | c0_next)
     faults  = slot_faults[slot] | (any of the 16 draws had non-finite scores)
+    state[slot] <- (c0_next, hidden, rep_mask | c0_next)               last: a failed step leaves it
+
+The host's part of a step: its rows' metadata are packed into pinned memory and copied up without
+blocking, its outputs come back in the step's one wait (`GraphBuffers`).
 
 A row whose sampling scores went non-finite (its prefill draw or any draw of a step) drew id 0 there (the
 finite guard of models/sampling.py, so nothing reads out of bounds) and is reported in `DecodeOutput.faults`
@@ -284,17 +287,17 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, rows: list[DecodeRow]) -> DecodeOutput:
-        """One decode step for `rows` (its results copied to the host)."""
+        """One decode step for `rows`; its results on the host, valid until the next decode (no copy on
+        the CPU: views of the step's buffers)."""
         n = len(rows)
         bucket = self.config.bucket_for(n) if n <= self.max_batch else None
         bucket = bucket if bucket is not None and bucket <= self.max_batch else n
-        self.buf.load(0, *self.meta.pack(rows, bucket))
+        self._load(0, bucket, rows)
         self.run_step(bucket, self.step_mode([r.slot for r in rows]))
         self.num_decode_steps += 1
-        frames = self.buf.frames[:n].cpu().numpy()
-        c0_next = self.buf.c0_next[:n].cpu().numpy()
-        pcm = self.buf.pcm[:n].cpu().numpy() if self.codec is not None else np.zeros((n, 0), np.float32)
-        return DecodeOutput(frames, c0_next, pcm, self.buf.faults[:n].cpu().numpy())
+        frames, c0_next, pcm, faults = self.buf.fetch(n)
+        return DecodeOutput(frames, c0_next, pcm if self.codec is not None else np.zeros((n, 0), np.float32),
+                            faults)
 
     def step_mode(self, slots: list[int]) -> str:
         """The sampling variant of a step over these slots: TOPK when every row allows it, else FULL."""
@@ -309,7 +312,12 @@ class ModelRunner:
             self.decode_rows(bucket, mode)
 
     def _fill_padding(self, start: int, stop: int) -> None:
-        self.buf.load(start, *self.meta.pack([], stop - start))
+        self._load(start, stop, [])
+
+    def _load(self, start: int, stop: int, rows: list[DecodeRow]) -> None:
+        """Rows [start, stop) of the step's metadata = `rows`, then padding rows."""
+        self.meta.pack(rows, *self.buf.staging(start, stop))
+        self.buf.load(start, stop)
 
     def talker_params(self, sl: torch.Tensor, mode: str = FULL) -> SamplingTensors:
         """The talker's sampling parameters of slots `sl` [B], as tensors of the given mode."""
@@ -344,11 +352,13 @@ class ModelRunner:
         buf.faults[:bs] = faults
         buf.frames[:bs] = frames
         buf.c0_next[:bs] = c0_next
+        if self.codec is not None:
+            buf.pcm[:bs] = self.codec.decode_frame(sl, frames).float()
+        # the slots' talker state last, after all work that can fail: a failed step leaves it as it was
+        # (what a retry of its rows reads: engine/isolation.py)
         st.last_c0[sl] = c0_next
         st.past_hidden[sl] = hidden
         _mark_generated(st.rep_mask, sl, c0_next)
-        if self.codec is not None:
-            buf.pcm[:bs] = self.codec.decode_frame(sl, frames).float()
 
 
 def _cache_slots(pages: list[int], start: int, stop: int, page_size: int) -> np.ndarray:

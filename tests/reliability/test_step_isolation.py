@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from q3tts.engine.isolation import RowFault
 from tests.engine.conftest import tiny_ckpt, tiny_ckpt_dir  # noqa: F401 (fixtures)
@@ -74,3 +75,28 @@ def test_two_failing_rows_end_and_the_rest_streams(tiny_ckpt, without_victim):  
     assert np.array_equal(got[others[1]][0], without_victim[others[1]][0])
     engine.check_integrity()
     assert engine.stats()["slots_used"] == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_failed_decode_leaves_the_slot_state(tiny_ckpt, device):  # noqa: F811
+    """What makes a retry exact without any undo: a decode attempt that fails (in the codec, the step's last
+    fallible work) has written none of the slot state a retry reads: talker state and codec streams. On CUDA
+    (eager: a graph replay runs no Python hook) also the pinned metadata of the retries after a failure."""
+    engine = make_engine(tiny_ckpt, device=device, use_cuda_graphs=False)
+    state, decode = engine.runner.state, engine.runner.decode
+    tensors = [state.last_c0, state.past_hidden, state.rep_mask, *engine.runner.codec.pool]
+    unchanged = []
+
+    def checked(rows):
+        before = [t.clone() for t in tensors]
+        try:
+            return decode(rows)
+        except RuntimeError:
+            unchanged.append(all(torch.equal(a, b) for a, b in zip(before, tensors)))
+            raise
+
+    engine.runner.decode = checked
+    got = run(engine, faulting(VICTIM), 3)
+    assert len(unchanged) >= 2 and all(unchanged)  # the whole batch's attempt and the victim's own
+    assert got[VICTIM][2][0][0] == "error"
+    assert all(got[rid][2] == [("max_frames", None)] for rid in IDS if rid != VICTIM)
