@@ -94,13 +94,15 @@ class TritonServer:
                  max_slots: int | None = None, pool: dict | None = None, idle_s: float = 30.0,
                  chunk_schedule: str | None = None, stub_env: Path | runtime.StubEnvSpec | None = None,
                  ready_timeout_s: float = 300.0, exit_timeout_s: int = 10, log_verbose: int = 0,
-                 bind: str = "127.0.0.1", voices_dir: Path | None = None, voice_cache_size: int | None = None):
+                 bind: str = "127.0.0.1", voices_dir: Path | None = None, voice_cache_size: int | None = None,
+                 instances: int = 1):
         self.model = str(Path(model).resolve()) if Path(model).exists() else model
         self.run_dir = (Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="q3tts-serve-"))).resolve()
         self.gpus = detect_gpus() if gpus is None else list(gpus)
         self.voices_dir = Path(voices_dir or default_voices_dir()).resolve()  # registered voices (q3tts.voices)
         self.settings = RepositorySettings(self.model, tuple(self.gpus), dtype, max_slots, dict(pool or {}),
-                                           float(idle_s), chunk_schedule, str(self.voices_dir), voice_cache_size)
+                                           float(idle_s), chunk_schedule, str(self.voices_dir), voice_cache_size,
+                                           instances=instances)
         self.stub_env = stub_env
         self.ready_timeout_s = ready_timeout_s
         self.exit_timeout_s = exit_timeout_s
@@ -183,7 +185,7 @@ class TritonServer:
         our three ports (so a probe answered by another server on a taken port never counts), every engine
         instance's `q3tts_instance_ready` is 1."""
         return self.running and self._listening() and health.not_ready_reason(
-            self.http_url, f"127.0.0.1:{self.metrics_port}", max(len(self.gpus), 1)) is None
+            self.http_url, f"127.0.0.1:{self.metrics_port}", self.settings.engine_instances) is None
 
     def _listening(self) -> bool:
         if self._listening_pid == self.proc.pid:  # seen once for this process: the log only grows
@@ -319,12 +321,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    server = TritonServer(args.model, run_dir=args.run_dir, http_port=args.http_port, grpc_port=args.grpc_port,
-                          metrics_port=args.metrics_port, gpus=parse_gpus(args.gpus), dtype=args.dtype,
-                          max_slots=args.max_slots, pool=parse_pool(args.pool), idle_s=args.idle_s,
-                          chunk_schedule=args.chunk_schedule, stub_env=args.stub_env,
-                          ready_timeout_s=args.ready_timeout_s, log_verbose=args.log_verbose, bind=args.bind,
-                          voices_dir=args.voices_dir, voice_cache_size=args.voice_cache_size)
+    try:
+        server = TritonServer(args.model, run_dir=args.run_dir, http_port=args.http_port, grpc_port=args.grpc_port,
+                              metrics_port=args.metrics_port, gpus=parse_gpus(args.gpus), dtype=args.dtype,
+                              max_slots=args.max_slots, pool=parse_pool(args.pool), idle_s=args.idle_s,
+                              chunk_schedule=args.chunk_schedule, stub_env=args.stub_env,
+                              ready_timeout_s=args.ready_timeout_s, log_verbose=args.log_verbose, bind=args.bind,
+                              voices_dir=args.voices_dir, voice_cache_size=args.voice_cache_size,
+                              instances=args.instances)
+    except ValueError as e:  # a flag the settings refuse (RepositorySettings), named
+        print(f"q3tts serve: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

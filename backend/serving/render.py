@@ -26,7 +26,8 @@ MODEL_DIR_VAR = "$$TRITON_MODEL_DIRECTORY"
 
 @dataclass(frozen=True)
 class RepositorySettings:
-    """What the rendered configs say. `gpus` None = one instance on every GPU the server sees; () = CPU."""
+    """What the rendered configs say. `gpus` None = one instance on every GPU the server sees; () = CPU, with
+    `instances` engine instances (each its own engine process; Triton pins every sequence to one of them)."""
 
     checkpoint: str
     gpus: tuple[int, ...] | None = None
@@ -38,10 +39,16 @@ class RepositorySettings:
     voices_dir: str | None = None  # default: q3tts.voices.store.default_voices_dir()
     voice_cache_size: int | None = None
     execution_env: str | None = None  # EXECUTION_ENV_PATH; None = the server's own python3
+    instances: int = 1  # CPU engine instances (on GPUs: one per GPU)
 
     def __post_init__(self) -> None:
         if "max_slots" in self.pool:  # it is also the batcher's max_candidate_sequences: one value, one flag
             raise ValueError("set the engine slots with --max-slots, not --pool max_slots=...")
+        if self.instances < 1:
+            raise ValueError(f"--instances must be >= 1, got {self.instances}")
+        if self.on_gpu and self.instances != 1:
+            raise ValueError(f"--instances {self.instances} is for CPU serving (--gpus none); on GPUs there is "
+                             "one instance per GPU (--gpus)")
 
     @property
     def on_gpu(self) -> bool:
@@ -51,9 +58,16 @@ class RepositorySettings:
     def slots(self) -> int:
         return self.max_slots or (64 if self.on_gpu else 8)
 
+    @property
+    def engine_instances(self) -> int | None:
+        """The sequence model's instances (engines); None = one per GPU the server sees, unknown here."""
+        if not self.on_gpu:
+            return self.instances
+        return len(self.gpus) if self.gpus is not None else None
+
     def instance_group(self, first_only: bool = False) -> str:
         if not self.on_gpu:
-            return "{ count: 1, kind: KIND_CPU }"
+            return f"{{ count: {1 if first_only else self.instances}, kind: KIND_CPU }}"
         gpus = (self.gpus or (0,))[:1] if first_only else self.gpus
         where = f", gpus: [ {', '.join(map(str, gpus))} ]" if gpus is not None else ""
         return f"{{ count: 1, kind: KIND_GPU{where} }}"
@@ -75,7 +89,7 @@ class RepositorySettings:
             "execution_env_param": env_param,
             "voices_dir": pbtxt_string(self.voices_dir or str(default_voices_dir())),
             "voice_cache_size": pbtxt_string(str(self.voice_cache_size or "")),
-            "voices_instance_group": self.instance_group(first_only=True),  # encodes on one GPU
+            "voices_instance_group": self.instance_group(first_only=True),  # encodes on one GPU / one CPU instance
         }
 
 
@@ -107,6 +121,9 @@ def add_settings_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--voices-dir", type=Path, default=None,
                    help=f"registered voices, read by VOICE inputs (default {default_voices_dir()})")
     p.add_argument("--voice-cache-size", type=int, default=None, help="voices held resolved per engine (LRU)")
+    p.add_argument("--instances", type=int, default=1,
+                   help="CPU engine instances (with --gpus none), each its own engine process; a sequence "
+                        "stays on the instance that started it (on GPUs: one instance per GPU)")
 
 
 def parse_pool(spec: str | None) -> dict:
@@ -154,7 +171,7 @@ def settings_from_args(args: argparse.Namespace, gpus: tuple[int, ...] | None,
         checkpoint=str(model.resolve()) if model.exists() else args.model, gpus=gpus, dtype=args.dtype,
         max_slots=args.max_slots, pool=parse_pool(args.pool), idle_s=args.idle_s, chunk_schedule=args.chunk_schedule,
         voices_dir=str(Path(args.voices_dir or default_voices_dir()).resolve()),
-        voice_cache_size=args.voice_cache_size, execution_env=execution_env)
+        voice_cache_size=args.voice_cache_size, execution_env=execution_env, instances=args.instances)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,6 +35,12 @@ def test_listed_gpus_and_cpu(tmp_path):
     assert groups(cpu[P.MODEL]) == "{ count: 1, kind: KIND_CPU }" and "max_candidate_sequences: 5 " in cpu[P.MODEL]
 
 
+def test_cpu_instances_render_one_group_of_that_count_for_the_sequence_model_only(tmp_path):
+    configs = render(tmp_path, "--gpus", "none", "--instances", "3")
+    assert groups(configs[P.MODEL]) == "{ count: 3, kind: KIND_CPU }"
+    assert groups(configs[P.VOICES_MODEL]) == groups(configs[P.ONESHOT_MODEL]) == "{ count: 1, kind: KIND_CPU }"
+
+
 @pytest.mark.parametrize("kind", ["archive", "model_dir"])
 def test_packed_env_archives_are_accepted(tmp_path, kind):
     archive = tmp_path / "q3tts-env.tar.gz"
@@ -50,6 +56,8 @@ def test_packed_env_archives_are_accepted(tmp_path, kind):
     (["--gpus", "first"], "--gpus must be each, none or GPU indices"),
     (["--chunk-schedule", "0"], "chunk_schedule entries must be in 1..1000"),
     (["--pool", "max_slots=9"], "set the engine slots with --max-slots"),
+    (["--instances", "2"], "--instances 2 is for CPU serving (--gpus none)"),
+    (["--gpus", "none", "--instances", "0"], "--instances must be >= 1"),
 ])
 def test_bad_flags_get_one_clear_error(tmp_path, capsys, flags, needle):
     assert main(["render-repository", str(tmp_path / "repo"), "--model", "ckpt", *flags]) == 2

@@ -73,3 +73,12 @@ def test_serve_with_a_taken_port_fails_naming_it(tmp_path):
     assert run.returncode == 1 and "[q3tts] ready" not in run.stdout
     assert f"the grpc port 127.0.0.1:{port} is already in use" in run.stderr
     assert not (tmp_path / "run" / "server.log").exists()  # no tritonserver was started
+
+
+def test_serve_refuses_instances_on_gpus_naming_the_flag(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "q3tts.cli", "serve", "--model", str(tmp_path / "ckpt"),
+                          "--gpus", "0", "--instances", "2", "--run-dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == "q3tts serve: --instances 2 is for CPU serving (--gpus none); on GPUs there is one " \
+                         "instance per GPU (--gpus)\n"
