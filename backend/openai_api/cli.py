@@ -21,12 +21,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1: this machine only)")
     p.add_argument("--max-streams", type=int, default=64, help="speech requests served at once (more: 429)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--access-log", action="store_true",
+                   help="log every request (off by default: the line is written before each response's headers)")
 
 
 def run(args: argparse.Namespace) -> int:
     bridge = TritonBridge(args.triton_url, args.max_streams)
     try:
-        uvicorn.run(create_app(bridge), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(create_app(bridge), host=args.host, port=args.port, log_level=args.log_level,
+                    access_log=args.access_log)
     finally:
         bridge.close()
     return 0
