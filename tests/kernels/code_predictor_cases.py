@@ -3,7 +3,8 @@ interpreter tests, REAL (the 1.7B code predictor) for the GPU tests.
 
 Every output is poisoned (NaN) before the kernel writes it and every launch must leave its ticket
 counters at zero. Tolerance: kernel_checks.assert_close_3way (2x the same-dtype torch error against
-the fp32 reference, plus the dtype's atol).
+the fp32 reference, plus the dtype's atol). The fused code predictor's bf16 fidelity: every pass
+teacher-forced to the same codes (`forced_logits`), its logits against the eager passes'.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import Callable, NamedTuple
 import torch
 
 from kernel_checks import assert_close_3way
+from q3tts.core import SamplingParams
 from q3tts.kernels import code_predictor_reference as R
 from q3tts.kernels.reference import rope_cos_sin
+from q3tts.models.sampling import NUM_UNIFORMS, SamplingTensors, SubtalkerSampler
 
 EPS = 1e-6
 
@@ -165,3 +168,49 @@ class AttentionFrame:
         counters = self.inp.counters()
         for pos0, tokens in passes:
             self.run_pass(pos0, tokens, counters, config)
+
+
+class ForcedDraws(SubtalkerSampler):
+    """Teacher forcing: draws the given codes [B, 15] (c1..c15) and keeps each group's logits.
+
+    Its FULL mode (top-p < 1) makes the fused passes call it too, so the eager and the fused passes
+    see the same inputs at every pass and their logits compare pass by pass (free-running greedy
+    codes do not: one flipped near-tie changes every later pass's input)."""
+
+    def __init__(self, codes: torch.Tensor):
+        bsz = codes.shape[0]
+        params = SamplingTensors.subtalker([SamplingParams(subtalker_top_p=0.5)] * bsz,
+                                           codes.device)
+        super().__init__(params, torch.zeros(bsz, NUM_UNIFORMS, device=codes.device))
+        self.codes = codes
+        self.logits: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, group: int) -> torch.Tensor:
+        self.logits.append(logits.float().clone())
+        return self.codes[:, group - 1]
+
+
+def forced_logits(generate, past_hidden: torch.Tensor, c0: torch.Tensor,
+                  codes: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [15, B, V] of `generate`'s passes (a `CodePredictor.generate` contract) fed the
+    codes [B, 15]."""
+    sampler = ForcedDraws(codes)
+    generate(past_hidden, c0, sampler)
+    return torch.stack(sampler.logits)
+
+
+def _fidelity(logits: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(relative error ||logits - ref|| / ||ref||, share of (group, row) argmaxes equal to
+    ref's)."""
+    rel = ((logits - ref).norm() / ref.norm()).item()
+    return rel, (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+
+def assert_as_faithful(fused: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor) -> None:
+    """Forced logits [15, B, V] of the fused passes no further from the fp32 reference's than the
+    eager passes' in the same dtype: relative error within 5 %, argmax agreement within 2 points."""
+    fused_err, fused_agree = _fidelity(fused, ref)
+    eager_err, eager_agree = _fidelity(eager, ref)
+    assert fused_err <= 1.05 * eager_err and fused_agree >= eager_agree - 0.02, \
+        f"vs fp32: fused error {fused_err:.4f}, argmax agreement {fused_agree:.3f}; eager " \
+        f"{eager_err:.4f}, {eager_agree:.3f}"

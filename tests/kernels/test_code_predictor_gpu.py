@@ -3,8 +3,9 @@
 
 Kernels vs their references (same checks as the interpreter tests: poisoned outputs, counters left
 zero, tolerance from the dtype); the fused passes vs the eager ones (fp32: the same greedy codes;
-bf16: no further from fp32 than the eager bf16 passes); graph replay == eager; a row's codes do not
-depend on the batch around it; no compile after the first call, whatever the batch size.
+bf16, teacher-forced: no further from fp32 than the eager bf16 passes); graph replay == eager; a
+row's codes do not depend on the batch around it; no compile after the first call, whatever the
+batch size.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from code_predictor_cases import REAL, AttentionFrame, Inputs, check_gemms
+from code_predictor_cases import (REAL, AttentionFrame, Inputs, assert_as_faithful, check_gemms,
+                                  forced_logits)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -72,19 +74,28 @@ def test_fused_fp32_gives_the_eager_greedy_codes(code_predictor_fp32):
 
 @torch.no_grad()
 def test_fused_bf16_is_as_close_to_fp32_as_the_eager_bf16_passes(code_predictor_fp32):
-    """Greedy codes of 64 rows: the fused bf16 passes agree with the fp32 passes at least as often
-    as the eager bf16 passes do (minus 2 points: both only round differently)."""
+    """256 rows, all 15 passes teacher-forced to the same random codes (ForcedDraws): the fused
+    bf16 logits are no further from the fp32 eager logits than the eager bf16 logits are.
+
+    Not free-running greedy codes: there one flipped near-tie changes every later pass's input, and
+    on 64 rows the eager bf16 passes' agreement with fp32 moves by 3.5 points (standard
+    deviation; -4.9 to +8.8 over 10 seeds, random 1.7B weights) when only the order of fp32
+    accumulation or the attention's bf16 rounding of probabilities changes. Forced, 3,840
+    independent argmaxes put the 2-point margin at about 3 standard errors."""
     import copy
 
     from q3tts.models.code_predictor_fused import FusedCodePredictor
 
     cp32 = code_predictor_fp32
     cp16 = copy.deepcopy(cp32).to(BF16)
-    want, _ = _inputs(cp32, 64, greedy=True).run(cp32.generate)
-    inputs = _inputs(cp16, 64, greedy=True)
-    eager = (inputs.run(cp16.generate)[0] == want).float().mean().item()
-    fused = (inputs.run(FusedCodePredictor(cp16).generate)[0] == want).float().mean().item()
-    assert fused >= eager - 0.02, f"fused bf16 agrees on {fused:.3f} of codes, eager {eager:.3f}"
+    inputs = _inputs(cp32, 256, greedy=True)
+    codes = torch.randint(0, cp32.lm_head[0].out_features, (256, 15), device="cuda",
+                          generator=torch.Generator("cuda").manual_seed(0))
+    ref = forced_logits(cp32.generate, inputs.past_hidden, inputs.c0, codes)
+    args = (inputs.past_hidden.to(BF16), inputs.c0, codes)
+    eager = forced_logits(cp16.generate, *args)
+    fused = forced_logits(FusedCodePredictor(cp16).generate, *args)
+    assert_as_faithful(fused, eager, ref)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from code_predictor_cases import TINY, AttentionFrame, Inputs, check_gemms
+from code_predictor_cases import (TINY, AttentionFrame, Inputs, assert_as_faithful, check_gemms,
+                                  forced_logits)
 from kernel_checks import DEVICE, kernel_module
 from q3tts.checkpoint.maker import make_checkpoint, random_main_weights
 from q3tts.checkpoint.presets import model_config_dict
@@ -191,6 +192,33 @@ def test_fused_code_predictor_generates_the_eager_codes(fused_calls, monkeypatch
         got_codes, got_next = cp.generate(past_hidden, c0, SubtalkerSampler(params, u))
     assert fused_calls == [1] and got_codes.shape == (len(rows), 15)
     assert torch.equal(got_codes, want_codes) and torch.equal(got_next, want_next)
+
+
+@torch.no_grad()
+def test_fused_bf16_rounds_where_the_eager_bf16_passes_round(monkeypatch):
+    """bf16, the tiny 1.7B preset (input projection, every layer), 9 rows (two row blocks on pass
+    0), all 15 passes teacher-forced to the same codes: the fused logits equal the eager bf16
+    logits up to fp32 accumulation order (a kernel that rounds where eager does not, or skips a
+    rounding, departs by whole bf16 steps), and are no further from the fp32 eager logits."""
+    import copy
+
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")  # the eager passes on the torch references
+    talker = _tiny_talker("1.7b")
+    cp32 = talker.code_predictor
+    cp16 = copy.deepcopy(talker).to(torch.bfloat16).code_predictor  # embed_c0 converted too
+    inp = Inputs(DEVICE, 11)
+    bsz = 9
+    past_hidden = inp.randn(bsz, cp32.small_to_mtp_projection.in_features)
+    c0 = torch.randint(0, VOCAB, (bsz,), generator=inp.gen, device=DEVICE)
+    codes = torch.randint(0, VOCAB, (bsz, 15), generator=inp.gen, device=DEVICE)
+    ref = forced_logits(cp32.generate, past_hidden, c0, codes)
+    args = (past_hidden.bfloat16(), c0, codes)
+    eager = forced_logits(cp16.generate, *args)
+    fused = forced_logits(FusedCodePredictor(cp16).generate, *args)
+    step = torch.finfo(torch.bfloat16).eps * eager.abs().amax(-1, keepdim=True)  # a row's bf16 step
+    worst = ((fused - eager).abs() / step).amax().item()
+    assert worst <= 1, f"fused departs from eager bf16 by {worst:.1f} bf16 steps"
+    assert_as_faithful(fused, eager, ref)
 
 
 def _engine_frames(ckpt_dir, fused: bool) -> dict[str, list[list[int]]]:
