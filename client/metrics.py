@@ -1,8 +1,9 @@
 """Read the server's q3tts_* metrics from Triton's Prometheus endpoint, and the TTFA breakdown they give.
 
-`scrape(url)` sums every q3tts_* series over its labels (both models, every instance); `breakdown(before,
-after)` turns two scrapes into per-event means: how long a sequence with a complete prompt waited for a
-slot, how long a prefill forward took and how many sequences it started, how long a decode step took.
+`scrape(url)` sums every q3tts_* series over its labels (both models, every instance), `scrape_by(url)`
+per engine instance (the `model_instance` label); `breakdown(before, after)` turns two scrapes into
+per-event means: how long a sequence with a complete prompt waited for a slot, how long a prefill forward
+took and how many sequences it started, how long a decode step took.
 """
 
 from __future__ import annotations
@@ -15,13 +16,29 @@ _LINE = re.compile(r"^(q3tts_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$")
 
 def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
     """{metric name: value summed over labels} of the q3tts_* series at `url` (…:8002/metrics)."""
-    text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    for name, _, value in _series(url, timeout_s):
+        out[name] = out.get(name, 0.0) + value
     return out
+
+
+def scrape_by(url: str, label: str = "model_instance", timeout_s: float = 5.0) -> dict[str, dict[str, float]]:
+    """{value of `label`: {metric name: value summed over the other labels}}: by default one entry per engine
+    instance (on GPUs, one per GPU)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, labels, value in _series(url, timeout_s):
+        m = re.search(f'[{{,]{label}="([^"]*)"', labels)
+        values = out.setdefault(m.group(1) if m else "", {})
+        values[name] = values.get(name, 0.0) + value
+    return out
+
+
+def _series(url: str, timeout_s: float):
+    """(name, labels text, value) of each q3tts_* series on the metrics page at `url`."""
+    text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
+    for line in text.splitlines():
+        if m := _LINE.match(line):
+            yield m.group(1), m.group(2) or "", float(m.group(3))
 
 
 def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:

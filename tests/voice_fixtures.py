@@ -28,11 +28,13 @@ def base_checkpoint(tmp_path_factory, seed: int = 41):
 
 
 def served(request, checkpoint, tmp_path_factory, **kwargs):
-    """A module fixture's body: yield a started CPU server of `checkpoint`; stop it by PID afterwards and,
-    if a test of the module failed, print the tail of its log."""
+    """A module fixture's body: yield a started CPU server of `checkpoint` (`kwargs`: TritonServer settings
+    over these defaults); stop it by PID afterwards and, if a test of the module failed, print the tail of its
+    log."""
     failed = request.session.testsfailed
-    srv = TritonServer(str(checkpoint), run_dir=tmp_path_factory.mktemp("serve"), gpus=[], max_slots=8,
-                       idle_s=IDLE_S, ready_timeout_s=180, voices_dir=tmp_path_factory.mktemp("voices"), **kwargs)
+    settings = {"gpus": [], "max_slots": 8, "idle_s": IDLE_S, "ready_timeout_s": 180, **kwargs}
+    srv = TritonServer(str(checkpoint), run_dir=tmp_path_factory.mktemp("serve"),
+                       voices_dir=tmp_path_factory.mktemp("voices"), **settings)
     srv.start()
     try:
         yield srv

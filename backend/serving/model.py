@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import threading
 import time
 import traceback
 
@@ -66,15 +67,21 @@ class TritonPythonModel:
 
         name, version = args["model_name"], args["model_version"]
         instance = args.get("model_instance_name", "0").replace("/", "_")
+        # NOTE: Triton is asked whether the model is ready only once a request arrived (Triton routes requests
+        # to a READY model only; before that no sequence is open, so there is no unload to notice): with two
+        # instances, the first one ready asked while the other still loaded, and Triton 2.51's stub then died
+        # now and then with a general protection fault in its shared-memory allocator.
+        self.requests_seen = threading.Event()
         self.metrics = ServingMetrics(pb_utils, {"model": name, "version": version, "model_instance": instance})
         self.loop = EngineLoop(make_engine, schedule, float(params.get("idle_s") or 30), self.metrics, log,
-                               model_ready=lambda: model_ready(name, version),
+                               model_ready=lambda: self.requests_seen.is_set() and model_ready(name, version),
                                make_voices=make_voices if voices_dir else None)
         log("info", f"loading {checkpoint} ({json.dumps(engine_cfg)})")
         self.loop.start()
         log("info", f"ready: instance {instance}, chunk schedule {list(schedule)}")
 
     def execute(self, requests):
+        self.requests_seen.set()
         for request in requests:
             self.loop.submit(request, request.get_response_sender())
         return None
