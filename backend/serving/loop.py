@@ -31,6 +31,9 @@ from q3tts.serving.session import Reply, Session, SessionTable, refuse
 
 TICK_S = 0.2  # engine thread housekeeping period
 IDLE_MARGIN_S = 1.0  # after Triton's own idle timeout: Triton has dropped the sequence by then
+# Triton's model readiness is every instance's health: one instance's device fault makes the model not ready
+# for a moment (measured ~0.3 s with two CPU instances); an unload stays not ready
+UNLOAD_CONFIRM_S = 2.0
 CANCEL_CHECK_S = 0.5  # how often a request is asked is_cancelled() (a round trip to the server), at most
 SHUTTING_DOWN = "the model is being unloaded (the server is shutting down or was asked to unload it)"
 RESTARTING = "instance restarting after a device fault"
@@ -64,6 +67,7 @@ class EngineLoop:
         self.health = {"device_faults": 0, "instance_restarts": 0}  # cumulative, for the metrics
         self._respawn_at: float | None = None  # when to try again to start a replacement engine
         self._make_engine, self._model_ready, self._was_ready = make_engine, model_ready, False
+        self._not_ready_since: float | None = None  # after being ready: since when Triton says not ready
         self._ids = itertools.count(1)
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -361,7 +365,7 @@ class EngineLoop:
                 # where no audio flows (waiting for text or a slot): the response thread asks the others
                 self._close(s, "cancelled", "the request was cancelled", why="it was cancelled")
         self.table.expire(now - limit)
-        self._check_unload()
+        self._check_unload(now)
         self._update_metrics()
 
     def _update_metrics(self) -> None:
@@ -371,10 +375,12 @@ class EngineLoop:
         health = {**self.health, "instance_ready": 0 if self.restarting else 1}
         self.metrics.update({**engine, **health}, len(self.table))
 
-    def _check_unload(self) -> None:
+    def _check_unload(self, now: float) -> None:
         ready = self._model_ready()
         self._was_ready |= ready
-        if self._was_ready and not ready and not self.draining:
+        self._not_ready_since = None if ready or not self._was_ready else (self._not_ready_since or now)
+        if self._not_ready_since is not None and now - self._not_ready_since >= UNLOAD_CONFIRM_S \
+                and not self.draining:
             self.draining = True
             self.log("info", f"the model is being unloaded: closing {len(self.table)} open sequences")
             self._close_all("unavailable", SHUTTING_DOWN)

@@ -139,6 +139,7 @@ def test_each_instance_is_its_own_engine_process_with_its_own_label(server):
 
 @pytest.mark.parametrize("sequence_id", [7_100_001, "pinned-string-id"])
 def test_a_sequence_sent_in_pieces_seconds_apart_stays_on_its_instance(server, reference, sequence_id):
+    assert set(open_sessions(server, 0).values()) == {0.0}  # the sessions of earlier requests are closed
     before = per_instance(server)
     holders = []
 
@@ -165,6 +166,7 @@ def test_open_sequences_spread_evenly_over_the_instances(server):
     """Triton's `oldest` batcher gives a new sequence the lowest free slot index over all instances: with 4
     sequences open at once, 2 per instance."""
     params = {**PARAMS, "max_frames": 4}
+    assert set(open_sessions(server, 0).values()) == {0.0}
     held = [HeldSequence(server.grpc_url, 7_200_000 + i, params) for i in range(2 * INSTANCES)]
     sessions = open_sessions(server, len(held))
     results = [h.result() for h in [h.release() for h in held]]
@@ -195,6 +197,7 @@ def test_a_failing_instance_ends_only_its_own_sequences(server, reference):
     """One open sequence per instance, then a request whose engine step faults (fault_injection_seed): the
     sequences of the faulted instance end with one 'restarting' error each; the other instance's sequence,
     open across the fault, gets its remaining text and ends normally with the same audio as alone."""
+    assert set(open_sessions(server, 0).values()) == {0.0}
     first = HeldSequence(server.grpc_url, 7_300_001)
     (first_home,) = [k for k, n in open_sessions(server, 1).items() if n == 1]
     second = HeldSequence(server.grpc_url, "isolation-second")

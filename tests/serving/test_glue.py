@@ -375,6 +375,20 @@ def test_unload_closes_open_sequences_at_once_and_refuses_new_ones(core_factory)
     assert "the server is shutting down" in late.sender.error.message() and len(core.table) == 0
 
 
+def test_a_moment_of_not_ready_is_no_unload(core_factory):
+    """Triton's model readiness includes every instance's health, so another instance's device fault makes it
+    False for a moment: only UNLOAD_CONFIRM_S of not ready in a row is an unload."""
+    ready = {"value": True}
+    core, engine = core_factory(model_ready=lambda: ready["value"])
+    waiting = FakeRequest(30, "waiting for more text", start=True)
+    submit(core, waiting)
+    time.sleep(0.5)
+    ready["value"] = False
+    time.sleep(0.6)  # three ticks, well under UNLOAD_CONFIRM_S
+    ready["value"] = True
+    time.sleep(0.5)
+    assert not waiting.sender.sent and len(core.table) == 1 and not core.draining
+
 def test_engine_finish_while_no_request_is_open_goes_out_on_the_end_request(core_factory):
     """ack_pieces: the engine ends the sequence (eager frames) between requests; its audio and FINISH_REASON
     wait for the END request."""
