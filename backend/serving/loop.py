@@ -3,8 +3,8 @@
 
 The engine thread applies commands in arrival order, steps the engine while it has work, routes each
 output's PCM to its session, and every TICK_S does the housekeeping: idle sequences, cancellations while
-no audio flows, metrics, and the unload check (once Triton unloads the model, every open sequence ends at
-once with "the model is being unloaded (...)" and new ones are refused, so unloading never waits on a client).
+no audio flows, metrics, and the unload check (once Triton unloads the model, every open sequence ends within
+UNLOAD_CONFIRM_S with "the model is being unloaded (...)", new ones are refused: unloading never waits on a client).
 
 A `DeviceFault` from any engine call (the engine runs in a child process, serving/engine_process.py, whose
 device context failed or which died) heals the instance: new sequences are refused at once, every open
