@@ -120,7 +120,8 @@ def add_settings_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-schedule", default=None, help="frames per response, e.g. 1,2,4,8,12 (last repeats)")
     p.add_argument("--voices-dir", type=Path, default=None,
                    help=f"registered voices, read by VOICE inputs (default {default_voices_dir()})")
-    p.add_argument("--voice-cache-size", type=int, default=None, help="voices held resolved per engine (LRU)")
+    p.add_argument("--voice-cache-size", type=int, default=None,
+                   help="voice files held read per instance (LRU; their device tensors: --pool voice_cache_bytes=N)")
     p.add_argument("--instances", type=int, default=1,
                    help="CPU engine instances (with --gpus none), each its own engine process; a sequence "
                         "stays on the instance that started it (on GPUs: one instance per GPU)")
