@@ -37,8 +37,9 @@ class RequestIntake:
                 or any(o.seq_id == seq_id for o in self._outbox)):
             raise InvalidRequest(f"sequence id {seq_id!r} is already in use")
         sampling = sampling or self.default_sampling
-        prepared = None if needs_encoding(voice) else self.voices.get(voice)
-        if prepared is None and (needs_encoding(voice) or self.voices.keeps(voice)):
+        encode = needs_encoding(voice)
+        prepared = None if encode else self.voices.get(voice)
+        if encode or (prepared is None and self.voices.keeps(voice)):
             self.inputs.check(voice, sampling)
             self.preparer.submit(Pending(seq_id, voice, sampling, [text], text_done))
             return

@@ -60,7 +60,7 @@ class EngineLoop:
         self.engine = None
         self.defaults = None  # engine.default_sampling: request parameters override it field by field
         self.checkpoint = None  # (variant, size): inputs that mean nothing for it are refused
-        self.voices = None  # make_voices(engine): the VoiceCache that resolves VOICE inputs (None: no voices)
+        self.voices = None  # make_voices(engine): the VoiceFiles that resolve VOICE inputs (None: no voices)
         self._make_voices = make_voices
         self.draining = False  # the model is being unloaded: new sequences are refused
         self.restarting: str | None = None  # after a device fault, until the new engine is built: why

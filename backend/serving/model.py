@@ -61,9 +61,9 @@ class TritonPythonModel:
         voices_dir = params.get("voices_dir")
 
         def make_voices(engine):
-            from q3tts.voices.cache import VoiceCache
+            from q3tts.voices.cache import VoiceFiles
 
-            return VoiceCache.for_engine(engine, voices_dir, params.get("voice_cache_size"))
+            return VoiceFiles.for_engine(engine, voices_dir, params.get("voice_cache_size"))
 
         name, version = args["model_name"], args["model_version"]
         instance = args.get("model_instance_name", "0").replace("/", "_")

@@ -1,4 +1,4 @@
-"""`VoiceCache`: name -> the `Voice` read from its file, for a serving model, least recently used first out.
+"""`VoiceFiles`: name -> the `Voice` read from its file, for a serving model, least recently used first out.
 
 This is the serving side's record of voice files (host arrays, in the Triton stub, which never touches the
 device); the engine keeps each voice's tensors on its device, by content (`q3tts.engine.voice_cache`, whose
@@ -19,7 +19,7 @@ from q3tts.voices.store import Family, UnknownVoice, Voice, VoiceStore, check_na
 DEFAULT_MAX_ENTRIES = 64
 
 
-class VoiceCache:
+class VoiceFiles:
     """LRU of at most `max_entries` voices read from `store` and checked against `family`."""
 
     def __init__(self, store: VoiceStore, family: Family, max_entries: int = DEFAULT_MAX_ENTRIES):
@@ -30,7 +30,7 @@ class VoiceCache:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_engine(cls, engine, voices_dir: str, max_entries: int | str | None = None) -> VoiceCache:
+    def for_engine(cls, engine, voices_dir: str, max_entries: int | str | None = None) -> VoiceFiles:
         """The voice files a serving engine reads: those of `voices_dir`, checked for its checkpoint
         (`max_entries` as a model parameter may be text; empty = DEFAULT_MAX_ENTRIES)."""
         return cls(VoiceStore(voices_dir), Family.of(engine.checkpoint.config),

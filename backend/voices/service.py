@@ -4,7 +4,7 @@ One voices directory, one checkpoint: `add` encodes a reference with the checkpo
 first add, so a server that never registers a voice never loads them) and writes the voice atomically;
 `list` returns the catalogue a front end needs (the checkpoint's variant and CustomVoice speakers, and every
 registered voice); `rm` removes one. A registration is live at once: the sequence model reads voice files
-through its `VoiceCache`, which notices new, replaced and removed files.
+through its `VoiceFiles` (voices/cache.py), which notices new, replaced and removed files.
 """
 
 from __future__ import annotations

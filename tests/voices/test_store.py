@@ -13,7 +13,7 @@ import pytest
 
 import q3tts.voices.cache as cache_mod
 import q3tts.voices.store as store_mod
-from q3tts.voices.cache import VoiceCache
+from q3tts.voices.cache import VoiceFiles
 from q3tts.voices.enroll import Enroller
 from q3tts.voices.store import Family, UnknownVoice, Voice, VoiceError, VoiceExists, VoiceStorageError
 
@@ -142,7 +142,7 @@ def test_non_base_checkpoint_is_refused(base_ckpt, tmp_path):
 def test_concurrent_writers_and_readers(store):
     fam = Family("base", "0b6", 48)
     store.add(synthetic("reader", fam))
-    cache = VoiceCache(store, fam, max_entries=4)
+    cache = VoiceFiles(store, fam, max_entries=4)
     errors, dup_results, stop = [], [], threading.Event()
 
     def read_loop():
@@ -185,7 +185,7 @@ def test_cache_is_lru_bounded(store, monkeypatch):
         store.add(synthetic(name, fam, seed=i))
     reads = []
     monkeypatch.setattr(cache_mod, "from_file", lambda path: reads.append(path.stem) or store_mod.from_file(path))
-    cache = VoiceCache(store, fam, max_entries=2)
+    cache = VoiceFiles(store, fam, max_entries=2)
     for name in ["a", "b", "a", "c", "a", "b"]:  # c evicts b (LRU), then b evicts c
         assert cache.resolve(name).name == name
     assert reads == ["a", "b", "c", "b"]
@@ -194,7 +194,7 @@ def test_cache_is_lru_bounded(store, monkeypatch):
 def test_cache_notices_replaced_and_removed_files(store):
     fam = Family("base", "0b6", 48)
     store.add(synthetic("hana", fam, seed=1))
-    cache = VoiceCache(store, fam)
+    cache = VoiceFiles(store, fam)
     old = cache.resolve("hana")
     store.remove("hana")
     with pytest.raises(UnknownVoice):
@@ -207,6 +207,6 @@ def test_cache_notices_replaced_and_removed_files(store):
 def test_cache_refuses_another_family(store):
     store.add(synthetic("ivan", Family("base", "1b7", 64)))
     with pytest.raises(VoiceError, match="made for base-1b7"):
-        VoiceCache(store, Family("base", "0b6", 48)).resolve("ivan")
+        VoiceFiles(store, Family("base", "0b6", 48)).resolve("ivan")
     with pytest.raises(VoiceError, match="need a Base checkpoint"):
-        VoiceCache(store, Family("custom_voice", "1b7", 64)).resolve("ivan")
+        VoiceFiles(store, Family("custom_voice", "1b7", 64)).resolve("ivan")

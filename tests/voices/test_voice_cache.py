@@ -18,7 +18,7 @@ from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 from q3tts.engine.voice_cache import PreparedVoice, VoiceCache
 from q3tts.models.prompt import PromptBuilder, VoiceTensors
-from q3tts.voices.cache import VoiceCache as VoiceFiles
+from q3tts.voices.cache import VoiceFiles
 from q3tts.voices.store import Family, Voice
 
 TEXT = "A kept voice speaks."
