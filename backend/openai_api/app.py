@@ -176,15 +176,6 @@ class FirstChunkFirst(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _read_body(receive: Receive) -> bytes:
-    parts, more = [], True
-    while more:
-        message = await receive()
-        parts.append(message.get("body", b""))
-        more = message.get("more_body", False)
-    return b"".join(parts)
-
-
 def speech_endpoint(bridge: TritonBridge, formats: tuple[str, ...]) -> ASGIApp:
     """POST /v1/audio/speech as an ASGI app: the response once the first audio is in (refusals before it)."""
 
@@ -193,7 +184,7 @@ def speech_endpoint(bridge: TritonBridge, formats: tuple[str, ...]) -> ASGIApp:
         try:
             if scope["method"] != "POST":
                 raise Refusal(405, f"{SPEECH_PATH} takes POST, not {scope['method']}")
-            req = _parse(await _read_body(receive))
+            req = _parse(await Request(scope, receive).body())
             params = _check(req, formats)
             voice = await _voice(bridge, req)
             stream, first = await bridge.speak(req.input, voice, params)
