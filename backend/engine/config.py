@@ -61,7 +61,7 @@ class EngineConfig:
     dtype, device        model dtype and torch device
     use_cuda_graphs      capture/replay the decode step on CUDA (ignored on CPU: eager there)
     prefill_graphs       capture/replay the prefill of the sequences a step starts (talker forward + first
-                         c0 draw, prompts packed into 64..1024-row token buckets, engine/prefill_graph.py)
+                         c0 draw, prompts packed into 64..4096-row token buckets, engine/prefill_graph.py)
                          on CUDA; a step past the largest bucket runs eagerly (ignored on CPU)
     codec_kernels        run the codec's convs and SnakeBeta through q3tts.kernels (Triton conv timed
                          against cuDNN per shape in the graph warm-up, fused SnakeBeta). Off by default:

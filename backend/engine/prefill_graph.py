@@ -36,7 +36,9 @@ from q3tts.models.talker import Talker
 
 from .cuda_graph import GraphRunner
 
-PREFILL_TOKEN_BUCKETS = (64, 128, 256, 512, 1024)
+# up to the default max_prefill_tokens (4096), so that a step starting 64 arrivals of ~50 rows at once is one
+# replay too (past the largest bucket the eager forward runs: one launch per op per layer)
+PREFILL_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 # head slots [S] int64 -> the talker sampling parameters and seeds of those slots (graph-safe)
 HeadParams = Callable[[torch.Tensor], tuple[SamplingTensors, torch.Tensor]]

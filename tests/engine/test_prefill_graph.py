@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from q3tts.core import SamplingParams, VoiceSpec
-from q3tts.engine.prefill_graph import PrefillGraphs, token_buckets
+from q3tts.engine.prefill_graph import PREFILL_TOKEN_BUCKETS, PrefillGraphs, token_buckets
 from q3tts.models import step
 from q3tts.models.attention import PagedKVCache
 from q3tts.models.prompt import PromptBuilder
@@ -99,7 +99,8 @@ BATCHES = [  # (text lengths of the prompts, their slots)
 
 
 def test_token_buckets():
-    assert token_buckets(4096) == (64, 128, 256, 512, 1024)
+    assert token_buckets(4096) == (64, 128, 256, 512, 1024, 2048, 4096)
+    assert token_buckets(10_000) == PREFILL_TOKEN_BUCKETS  # all of them past the largest
     assert token_buckets(200) == (64, 128, 256)
     assert token_buckets(64) == (64,)
     assert token_buckets(10, (16, 32)) == (16,)
