@@ -188,6 +188,8 @@ def _engine_first_codes(ckpt, requests, prefill_graphs: bool) -> dict[str, np.nd
     eng = Engine(ckpt, cfg)
     assert (eng.runner.prefill_graphs is not None) == prefill_graphs
     codes: dict[str, list] = {r["id"]: [] for r in requests}
+    for r in requests:  # Base voices kept first (as the preparer would), so that every arrival starts at once
+        eng.voices.get_or_prepare(eng.inputs.encode(r["voice"]))
     for r in requests:
         eng.add(r["id"], r["voice"], r["sampling"], r["text"], True)
     while eng.has_work():
