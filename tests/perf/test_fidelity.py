@@ -1,6 +1,6 @@
-"""perf/fidelity.py on CPU with a tiny 1.7B CustomVoice checkpoint: fp32 against fp32 gives identical figures
-and passes every gate; noise on the low side's weights fails every gate (exit 1 with --gates); teacher forcing
-feeds the given codes through the code predictor."""
+"""perf/fidelity.py on CPU with a tiny 1.7B CustomVoice checkpoint: fp32 against fp32 gives
+identical figures and passes every gate; noise on the low side's weights fails every gate (exit 1
+with --gates); teacher forcing feeds the given codes through the code predictor."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import fidelity  # noqa: E402
 from q3tts.checkpoint.maker import make_checkpoint  # noqa: E402
 
 FRAMES = 12
-GATE_ROWS = ("talker logits cosine, min", "greedy c0 agreement (teacher-forced)", "streamed codec SNR")
+GATE_ROWS = ("talker logits cosine, min", "greedy c0 agreement (teacher-forced)",
+             "streamed codec SNR")
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,8 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def cli(checkpoint: Path, *extra: str) -> list[str]:
-    return ["--model", str(checkpoint), "--device", "cpu", "--dtype", "float32", "--frames", str(FRAMES), *extra]
+    return ["--model", str(checkpoint), "--device", "cpu", "--dtype", "float32",
+            "--frames", str(FRAMES), *extra]
 
 
 def gate_results(text: str) -> dict[str, str]:
@@ -46,13 +48,15 @@ def test_fp32_against_fp32_is_exact_and_passes(checkpoint, capsys, monkeypatch, 
     monkeypatch.setenv("OUT", str(tmp_path))
     args = fidelity.parse_args(cli(checkpoint))
     f = fidelity.measure(args, checkpoint)
-    assert f["cos_min"] == pytest.approx(1.0, abs=1e-12) and f["cos_mean"] == pytest.approx(1.0, abs=1e-12)
+    assert f["cos_min"] == pytest.approx(1.0, abs=1e-12)
+    assert f["cos_mean"] == pytest.approx(1.0, abs=1e-12)
     assert f["agree_forced"] == 1.0 and f["agree_free"] == 1.0 and f["first_divergence"] is None
     assert math.isinf(f["snr_db"])
     assert fidelity.main(cli(checkpoint, "--gates")) == 0
     printed = capsys.readouterr().out
     assert gate_results(printed) == dict.fromkeys(GATE_ROWS, "PASS"), printed
-    assert (tmp_path / "fidelity.md").is_file() and not (tmp_path / "fidelity.csv").exists()  # GPU rows only
+    assert (tmp_path / "fidelity.md").is_file()
+    assert not (tmp_path / "fidelity.csv").exists()  # CSV rows come from CUDA runs only
 
 
 def test_perturbed_low_side_fails_every_gate(checkpoint, capsys):
@@ -65,7 +69,8 @@ def test_perturbed_low_side_fails_every_gate(checkpoint, capsys):
 def test_teacher_forcing_feeds_the_given_codes(checkpoint):
     side = fidelity.load_side(checkpoint, torch.float32, "cpu")
     cfg = side.model.config.talker
-    forced = torch.randint(0, cfg.codebook_size, (4, cfg.num_code_groups), generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    forced = torch.randint(0, cfg.codebook_size, (4, cfg.num_code_groups), generator=gen)
     logits, codes = fidelity.run_talker(side, 4, forced=forced)
     assert torch.equal(codes, forced)
     _, greedy = fidelity.run_talker(side, 4)
