@@ -11,6 +11,7 @@ groupings as the official model so the results match it bit for bit in fp32.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ REF_TAIL = "<|im_end|>\n"
 ROLE_TOKENS = 3  # tokens of TARGET_HEAD: <|im_start|> assistant \n
 TARGET_TAIL_TOKENS = 5  # tokens of TARGET_TAIL: <|im_end|> \n <|im_start|> assistant \n
 _REF_TAIL = 2  # tokens of REF_TAIL: <|im_end|> \n
+HEAD_CACHE_SIZE = 64  # kept prompt heads, LRU: each (instruct tokens + ~12) rows of H (~50 KiB without one)
 ICL_NEEDS = "ICL voice cloning needs ref_codes [F, 16] and ref_text (input REF_TEXT), or set xvector_only"
 # VoiceSpec field -> the request input or parameter that sets it (a registered VOICE sets ref_codes, xvector)
 VOICE_INPUTS = {"speaker": P.INPUT_SPEAKER, "instruct": P.INPUT_INSTRUCT, "ref_audio": P.INPUT_REF_AUDIO,
@@ -85,6 +87,9 @@ class PromptBuilder:
         self.tcfg = model.config.talker
         self.tokenizer = tokenizer
         self.device = self.talker.codec_head.weight.device
+        # the rows before the text body of a speaker / instruct voice, per (role ids, instruct, language,
+        # speaker): a prompt then embeds only its text on the caller's thread (the engine's, between steps)
+        self._heads = functools.lru_cache(maxsize=HEAD_CACHE_SIZE)(self._make_head)
 
     # ------------------------------------------------------------------ embeddings
 
@@ -100,9 +105,20 @@ class PromptBuilder:
         return self.talker.embed_codec(self._ids(ids))  # [N, H]
 
     def special_embeds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(E_bos, E_eos, E_pad), each [1, H]."""
+        """(E_bos, E_eos, E_pad), each [1, H] (made once; read only)."""
+        return self._special_rows
+
+    @functools.cached_property
+    def _special_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
         return self.embed_text([c.tts_bos_id, c.tts_eos_id, c.tts_pad_id]).split(1, dim=0)
+
+    @functools.cached_property
+    def _whole_codec_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """"whole" text mode: C(codec_pad) [1, H] under every text row, and the prefill's last row
+        E_pad + C(codec_bos) [1, H]."""
+        _, _, pad = self.special_embeds()
+        return self._codec([self.tcfg.codec_pad_id]), pad + self._codec([self.tcfg.codec_bos_id])
 
     def target_ids(self, text: str) -> list[int]:
         """Token ids of the full target string; [3:-5] are the text tokens."""
@@ -215,42 +231,55 @@ class PromptBuilder:
         ids = self.target_ids(text)
         if len(ids) <= ROLE_TOKENS + TARGET_TAIL_TOKENS:
             raise InvalidRequest("text is empty")
-        bos, eos, pad = self.special_embeds()
+        _, eos, pad = self.special_embeds()
         tensors = tensors or self.voice_tensors(voice)
-        codec = self._codec_prefix(voice, tensors)  # [K, H]
-        rows = [self._instruct_rows(voice), self.embed_text(ids[:ROLE_TOKENS]),
-                torch.cat((pad.expand(codec.shape[0] - 2, -1), bos)) + codec[:-1]]
+        if self.config.variant == "base":  # the x-vector row is the voice's own: nothing to keep
+            head, codec_last = self._make_head(tuple(ids[:ROLE_TOKENS]), None, self._language_id(voice),
+                                               None, tensors.xvector)
+        else:
+            instruct = None if self.config.drops_instruct else voice.instruct or None
+            head, codec_last = self._heads(tuple(ids[:ROLE_TOKENS]), instruct, self._language_id(voice),
+                                           voice.speaker and voice.speaker.lower())
         text_ids = ids[ROLE_TOKENS:-TARGET_TAIL_TOKENS]
         if self.is_icl(voice):
             body, trailing = self._icl_rows(text_ids, tensors, eos, pad, mode == "whole")
         elif mode == "whole":
-            body = torch.cat((torch.cat((self.embed_text(text_ids), eos))
-                              + self._codec([self.tcfg.codec_pad_id] * (len(text_ids) + 1)),
-                              pad + self._codec([self.tcfg.codec_bos_id])))
+            x = torch.cat((self.embed_text(text_ids), eos))  # [n + 1, H]
+            codec_pad, last = self._whole_codec_rows
+            body = torch.cat((x + codec_pad.expand(x.shape[0], -1), last))
             trailing = pad
         else:
-            body = self.embed_text(text_ids[:1]) + codec[-1:]
+            body = self.embed_text(text_ids[:1]) + codec_last
             trailing = torch.cat((self.embed_text(text_ids[1:]), eos))
-        prefill = torch.cat([r for r in rows if r is not None] + [body])
-        return Prompt(prefill=prefill, trailing=trailing, pad=pad[0])
+        return Prompt(prefill=torch.cat((head, body)), trailing=trailing, pad=pad[0])
 
-    def _instruct_rows(self, voice: VoiceSpec) -> torch.Tensor | None:
-        if not voice.instruct or self.config.drops_instruct:
-            return None
-        return self.embed_text(self.tokenizer.encode(instruct_string(voice.instruct)))
+    def _make_head(self, role_ids: tuple[int, ...], instruct: str | None, lang_id: int | None,
+                   speaker: str | None, xvector: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt rows before the text body -> (head [K0, H]: instruct rows, role rows, the codec prefix
+        but its last row over E_pad.. E_bos; that last codec row [1, H]). Read only once kept."""
+        bos, _, pad = self.special_embeds()
+        codec = self._codec_prefix(lang_id, speaker, xvector)  # [K, H]
+        rows = [self._instruct_rows(instruct), self.embed_text(list(role_ids)),
+                torch.cat((pad.expand(codec.shape[0] - 2, -1), bos)) + codec[:-1]]
+        return torch.cat([r for r in rows if r is not None]), codec[-1:]
 
-    def _codec_prefix(self, voice: VoiceSpec, tensors: VoiceTensors | None) -> torch.Tensor:
-        """[think/nothink tags ..., speaker row?, pad, bos] codec embeddings -> [K, H]."""
+    def _instruct_rows(self, instruct: str | None) -> torch.Tensor | None:
+        return None if instruct is None else self.embed_text(self.tokenizer.encode(instruct_string(instruct)))
+
+    def _codec_prefix(self, lang_id: int | None, speaker: str | None,
+                      xvector: torch.Tensor | None) -> torch.Tensor:
+        """[think/nothink tags ..., speaker row (CustomVoice) or x-vector (Base)?, pad, bos] codec
+        embeddings -> [K, H]."""
         t = self.tcfg
-        lang_id = self._language_id(voice)
         tags = ([t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id] if lang_id is None
                 else [t.codec_think_id, t.codec_think_bos_id, lang_id, t.codec_think_eos_id])
         parts = [self._codec(tags)]
         if self.config.variant == "custom_voice":
-            spk = self._ids(t.speaker_ids[voice.speaker.lower()])  # scalar id
+            spk = self._ids(t.speaker_ids[speaker])  # scalar id
             parts.append(self.talker.embed_codec(spk)[None])
         elif self.config.variant == "base":
-            parts.append(tensors.xvector[None])
+            parts.append(xvector[None])
         parts.append(self._codec([t.codec_pad_id, t.codec_bos_id]))
         return torch.cat(parts)
 
