@@ -85,7 +85,7 @@ def send(args, seed: int, mode: str, max_frames: int, due: float | None = None, 
     """One utterance -> (its Record, its q3tts_client Result or None). `due` defaults to now (closed loop)."""
     rec = Record(due=time.perf_counter() if due is None else due)
     params = {"seed": seed, "max_frames": max_frames, "greedy": True if mode == "greedy" else None,
-              "text_mode": "incremental" if args.pieces > 1 else None}
+              "text_mode": "incremental" if args.pieces > 1 else None, "chunk_schedule": args.chunk_schedule}
     try:
         r = synthesize(args.url, _text(args), {"speaker": args.speaker, "language": args.language}, params,
                        timeout_s=args.timeout_s, client=client,
@@ -253,6 +253,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--pieces", type=int, default=1, help=">1: send the text in K requests (incremental mode)")
     ap.add_argument("--piece-gap-ms", type=float, default=50.0)
     ap.add_argument("--max-frames", type=int, default=120)
+    ap.add_argument("--chunk-schedule", default=None, help="frames per response, e.g. 1,1,2,4,8 (default: the server's)")
     ap.add_argument("--speaker", default=SPEAKER)
     ap.add_argument("--language", default=LANGUAGE)
     ap.add_argument("--warmup", type=int, default=0,

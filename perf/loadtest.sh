@@ -16,6 +16,7 @@
 #      MAX_FRAMES (100: 8 s of audio)  MODE (sampled | greedy)  WARMUP (the largest concurrency)
 #      PA_CONCURRENCY (1,8,16,32,64,128)  PA_MAX_FRAMES (24: perf_analyzer's export holds every sample as text)
 #      PARTS (closed,perf_analyzer,open)  LOADTEST_OUT (run/loadtest)  CSV ($LOADTEST_OUT/loadtest.csv)
+#      CHUNK_SCHEDULE (frames per response of bench_serve's requests, e.g. 1,1,2,4,8; default: the server's)
 #      LOADTEST_GPU (the server's GPU for the CSV when this client runs elsewhere)  PY (.venv/bin/python, else python3)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,7 +32,8 @@ MAX_FRAMES="${MAX_FRAMES:-100}"
 [ -n "${WARMUP:-}" ] || WARMUP="$(tr , '\n' <<<"$CONCURRENCY" | sort -n | tail -1)"
 mkdir -p "$LOADTEST_OUT"
 BENCH=("$PY" "$ROOT/perf/bench_serve.py" --url "$GRPC_URL" --modes "${MODE:-sampled}" --max-frames "$MAX_FRAMES"
-       --timeout-s 120 --check --csv "$CSV" ${METRICS_URL:+--metrics-url "$METRICS_URL"})
+       --timeout-s 120 --check --csv "$CSV" ${METRICS_URL:+--metrics-url "$METRICS_URL"}
+       ${CHUNK_SCHEDULE:+--chunk-schedule "$CHUNK_SCHEDULE"})
 failed=""
 part() { [[ "$PARTS" == *",$1,"* ]]; }
 if part closed; then
