@@ -223,7 +223,7 @@ FIELDS = {f.name: f for f in (
     Field(PARAM_AUDIO_FORMAT, "parameter", str, "float32", "AUDIO (float32) or AUDIO_INT16 (int16)",
           choices=tuple(AUDIO_FORMATS)),
     Field(PARAM_CHUNK_SCHEDULE, "parameter", str, ",".join(map(str, DEFAULT_CHUNK_SCHEDULE)),
-          "frames per response, the last entry repeats (each 1..1000)"),
+          "frames per response, the last entry repeats (each 1..1000); fewer once the audio sent runs out in 0.1 s"),
     Field(PARAM_ABORT, "control", bool, "false", "drop the sequence now"),
     Field(PARAM_ACK_PIECES, "control", bool, "false", "non-END requests end at once, audio streams on END"),
 )}

@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     emit(f"# fidelity: {args.dtype} vs fp32 eager ({path.name}, {config}, {dev})\n\n"
          f"{table(f, args.frames)}\n", "fidelity.md")
     if args.device.startswith("cuda"):
-        row = dict(f, frames=args.frames, dtype=args.dtype, config=config,
+        cosines = {k: f"{f[k]:.6f}" for k in ("cos_min", "cos_mean")}  # the CSV's 3 decimals would read 1
+        row = dict(f, **cosines, frames=args.frames, dtype=args.dtype, config=config,
                    checkpoint=args.model or args.scale)
         results = Path(__file__).resolve().parent / "results"
         for folder in (results, Path(os.environ.get("OUT", "/tmp"))):

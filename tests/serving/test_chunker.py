@@ -15,7 +15,7 @@ def frames(*values: float) -> list[np.ndarray]:
 
 
 def test_chunks_follow_the_schedule_and_the_last_entry_repeats():
-    chunker, sizes = Chunker((1, 2, 3), "float32"), []
+    chunker, sizes = Chunker((1, 2, 3), "float32", urgent_s=0.0), []
     for pcm in frames(*range(10)):
         chunker.add(pcm)
         if chunker.ready:
@@ -41,3 +41,37 @@ def test_empty_outputs_add_nothing():
     chunker = Chunker((1,), "float32")
     chunker.add(np.zeros(0, np.float32))
     assert not chunker.ready and chunker.take() is None
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_listener_about_to_run_dry_gets_what_is_buffered():
+    """After the first response the listener plays in real time; a frame that arrives when less than
+    urgent_s of sent audio is left goes out alone instead of waiting for the schedule's size."""
+    clock, sizes = Clock(), []
+    chunker = Chunker((1, 8), "float32", urgent_s=0.05, clock=clock)
+    for dt, pcm in zip([0.0, 0.01, 0.015, 0.015, 0.06, 0.1, 0.08], frames(*range(7))):
+        clock.now += dt
+        chunker.add(pcm)
+        if chunker.ready:
+            sizes.append((round(clock.now - 100.0, 3), chunker.take().frames))
+    # t=0: the first response (plays until 0.08); 0.01 and 0.025: 0.07 and 0.055 left, held; 0.04: 0.04 left,
+    # 3 frames out (until 0.32); 0.10 and 0.20: held; 0.28: 0.04 left, 3 frames out (until 0.56)
+    assert sizes == [(0.0, 1), (0.04, 3), (0.28, 3)]
+    assert abs(chunker.play_end - 100.56) < 1e-9
+
+
+def test_the_first_response_waits_for_its_size():
+    clock = Clock()
+    chunker = Chunker((3, 1), "float32", urgent_s=10.0, clock=clock)
+    for pcm in frames(0, 1):
+        chunker.add(pcm)
+        assert not chunker.ready  # nothing sent yet: nobody is listening, however urgent
+    chunker.add(frames(2)[0])
+    assert chunker.ready and chunker.take().frames == 3
