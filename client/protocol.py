@@ -100,7 +100,9 @@ PARAM_CHUNK_SCHEDULE = "chunk_schedule"  # "1,2,4,8": frames per response, the l
 PARAM_ABORT = "abort"  # any request: true = drop the sequence now (its open request ends with FINISH_REASON aborted)
 PARAM_ACK_PIECES = "ack_pieces"  # true: non-END requests end at once, audio streams on END (perf_analyzer)
 
-DEFAULT_CHUNK_SCHEDULE = (1, 2, 4, 8, 12)  # frames: first response = 1 frame (80 ms), then growing
+# frames: first response = 1 frame (80 ms), the second 1 too (served on the H200, fewer streams ran dry at 64
+# streams than with 1,2,4,8,12: perf/results/RESULTS.md), then growing
+DEFAULT_CHUNK_SCHEDULE = (1, 1, 2, 4, 8, 12)
 SAMPLING_FIELD_NAMES = ("greedy", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_greedy",
                         "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "seed", "max_frames")
 
