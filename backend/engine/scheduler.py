@@ -147,7 +147,7 @@ class Scheduler:
         for seq in chunking + ready:
             room = self._room(rows, prefill_seconds if prefill or playing else None)
             left = seq.prompt_len - seq.prefilled
-            if left > room and (prefill or room == 0 or not (seq.prefilled or left > self._step_room())):
+            if left > room and not self._takes_a_piece(seq, left, room, first=not prefill):
                 break
             if seq.status is Status.WAITING and not self._try_start(seq):
                 break
@@ -156,6 +156,12 @@ class Scheduler:
             prefill.append(seq)
             rows += seq.piece
         return prefill
+
+    def _takes_a_piece(self, seq: Sequence, left: int, room: int, first: bool) -> bool:
+        """Whether `seq`, whose `left` prompt rows to prefill exceed the step's `room`, gets a piece of `room`
+        rows now: only as the step's first prefill, with room left, and when it is part-way in already or no
+        step could take the rest whole (a prompt that would fit a roomier step waits for one and goes whole)."""
+        return first and room > 0 and (seq.prefilled > 0 or left > self._step_room())
 
     def _step_room(self) -> int:
         """Prompt rows the roomiest step may prefill (no stream playing, or all with slack to spare)."""
