@@ -35,6 +35,7 @@ ONESHOT_MODEL = "qwen3_tts_oneshot"  # one request = one utterance: gRPC streami
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 1920
+FRAME_SECONDS = SAMPLES_PER_FRAME / SAMPLE_RATE  # 0.08 s of audio per frame (12.5 Hz)
 
 # name -> (Triton data type, dims, numpy dtype name); optional inputs are voice fields read on START only
 INPUT_TEXT = "TEXT"
@@ -103,6 +104,9 @@ PARAM_ACK_PIECES = "ack_pieces"  # true: non-END requests end at once, audio str
 # frames: first response = 1 frame (80 ms), the second 1 too (served on the H200, fewer streams ran dry at 64
 # streams than with 1,2,4,8,12: perf/results/RESULTS.md), then growing
 DEFAULT_CHUNK_SCHEDULE = (1, 1, 2, 4, 8, 12)
+# a later response goes out with what is buffered, short of its size, once the audio already sent (played in
+# real time from the first response) would run out within this many seconds (serving/chunker.py)
+CHUNK_URGENT_S = 0.1
 SAMPLING_FIELD_NAMES = ("greedy", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_greedy",
                         "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "seed", "max_frames")
 
@@ -225,7 +229,8 @@ FIELDS = {f.name: f for f in (
     Field(PARAM_AUDIO_FORMAT, "parameter", str, "float32", "AUDIO (float32) or AUDIO_INT16 (int16)",
           choices=tuple(AUDIO_FORMATS)),
     Field(PARAM_CHUNK_SCHEDULE, "parameter", str, ",".join(map(str, DEFAULT_CHUNK_SCHEDULE)),
-          "frames per response, the last entry repeats (each 1..1000); fewer once the audio sent runs out in 0.1 s"),
+          f"frames per response, the last entry repeats (each 1..1000); fewer once the audio sent runs out in "
+          f"{CHUNK_URGENT_S:g} s"),
     Field(PARAM_ABORT, "control", bool, "false", "drop the sequence now"),
     Field(PARAM_ACK_PIECES, "control", bool, "false", "non-END requests end at once, audio streams on END"),
 )}

@@ -14,11 +14,11 @@ from typing import Any, Callable
 import numpy as np
 
 from q3tts.core import SamplingParams, StepOutput, VoiceSpec
+from q3tts_client.protocol import FRAME_SECONDS  # what one frame adds to a playing stream's buffer
 
 from .text_feed import TextFeed
 
 _arrivals = itertools.count()
-FRAME_SECONDS = 0.08  # audio per frame (12.5 Hz): what one frame adds to a playing stream's buffer
 
 
 class Status(enum.Enum):

@@ -3,9 +3,10 @@
 Response i carries at least `schedule[min(i, len(schedule) - 1)]` frames of 80 ms (the last entry repeats):
 small first chunks give a short time to first audio, larger later ones cost fewer responses. Unless the
 listener would starve waiting for them: a listener that plays from the first response in real time (as
-perf/bench_serve.py counts underruns) runs out of audio at `play_end`, and once that is less than `URGENT_S`
-away whatever is buffered goes out at once. The next frame comes one decode step later, and a step that
-also prefills a burst of arrivals takes tens of ms on the H200; URGENT_S covers it and the delivery.
+perf/bench_serve.py counts underruns) runs out of audio at `play_end`, and once that is less than
+`protocol.CHUNK_URGENT_S` away whatever is buffered goes out at once. The next frame comes one decode step
+later, and a step that also prefills a burst of arrivals takes tens of ms on the H200; that bound covers it
+and the delivery.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ from typing import Callable
 import numpy as np
 
 from q3tts_client import protocol as P
-
-URGENT_S = 0.1  # send early once the audio already sent runs out within this (s)
-FRAME_S = P.SAMPLES_PER_FRAME / P.SAMPLE_RATE
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,7 @@ class Chunker:
     def __init__(self, schedule: tuple[int, ...], audio_format: str, urgent_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.schedule, self.audio_format, self.clock = schedule, audio_format, clock
-        self.urgent_s = URGENT_S if urgent_s is None else urgent_s
+        self.urgent_s = P.CHUNK_URGENT_S if urgent_s is None else urgent_s
         self._pieces: list[np.ndarray] = []
         self._buffered_frames = 0
         self.frames_sent = 0
@@ -76,6 +74,6 @@ class Chunker:
         chunk = Chunk(output, samples, self.frames_sent, self._buffered_frames)
         self.frames_sent += self._buffered_frames
         self.chunks_sent += 1
-        self.play_end = max(self.play_end, self.clock()) + self._buffered_frames * FRAME_S
+        self.play_end = max(self.play_end, self.clock()) + self._buffered_frames * P.FRAME_SECONDS
         self._pieces, self._buffered_frames = [], 0
         return chunk

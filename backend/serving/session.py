@@ -136,7 +136,7 @@ class Session:
             if self.metrics is not None:
                 self.metrics.failed(ERROR_CODES[reason])
         if self.metrics is not None:
-            self.metrics.audio_seconds.increment(self.chunker.frames_sent * P.SAMPLES_PER_FRAME / P.SAMPLE_RATE)
+            self.metrics.audio_seconds.increment(self.chunker.frames_sent * P.FRAME_SECONDS)
 
     def _send(self, chunk: Chunk, reply: Reply | None = None) -> None:
         self._observe(chunk)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from q3tts.core import InvalidRequest, SamplingParams, StepOutput
+from q3tts_client import protocol as P
 from tests.serving.conftest import FINAL, FakeRequest, TritonError
 
 from q3tts.serving import model as M  # noqa: E402  (after the fake pb_utils is installed)
-from q3tts.serving import chunker  # noqa: E402
 from q3tts.serving.loop import EngineLoop
 from q3tts.serving.metrics import ServingMetrics
 
@@ -114,7 +114,7 @@ def wait_finals(requests, timeout=5.0):
 
 
 def test_one_request_sequence_streams_growing_chunks_then_one_final(core_factory, monkeypatch):
-    monkeypatch.setattr(chunker, "URGENT_S", 0.0)  # the schedule alone: the fake engine's frames come at once
+    monkeypatch.setattr(P, "CHUNK_URGENT_S", 0.0)  # the schedule alone: the fake engine's frames come at once
     core, _ = core_factory()
     r = FakeRequest(1, "hello", start=True, end=True, SPEAKER="ryan")
     submit(core, r)
