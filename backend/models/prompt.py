@@ -115,7 +115,7 @@ class PromptBuilder:
 
     @functools.cached_property
     def _whole_codec_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """"whole" text mode: C(codec_pad) [1, H] under every text row, and the prefill's last row
+        """"whole" text mode: C(codec_pad) [1, H] under every text row (ICL too), and the prefill's last row
         E_pad + C(codec_bos) [1, H]."""
         _, _, pad = self.special_embeds()
         return self._codec([self.tcfg.codec_pad_id]), pad + self._codec([self.tcfg.codec_bos_id])
@@ -298,7 +298,8 @@ class PromptBuilder:
         y = torch.cat((self._codec([self.tcfg.codec_bos_id]),
                        self.ref_code_embeds(tensors.ref_codes)))  # [F + 1, H]
         if whole:
-            body = torch.cat((x + self._codec([self.tcfg.codec_pad_id] * x.shape[0]), y + pad))
+            codec_pad, _ = self._whole_codec_rows
+            body = torch.cat((x + codec_pad.expand(x.shape[0], -1), y + pad))
             return body, pad
         cut = icl_prefill_rows(len(tensors.ref_codes))  # = y.shape[0]
         if x.shape[0] > cut:
