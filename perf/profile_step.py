@@ -15,6 +15,11 @@ H200 (the default): python3 perf/profile_step.py            (~2-4 min with the c
       uniforms        the counter-based uniform draws (x2)
       codec_frame     StreamingDecoder.decode_frame (gather state, chunk decode, scatter)
       full_step       the engine's own captured step graph / its eager body (reference)
+      overlap         (CUDA) the frame's work (cp_generate + talker_layers/head/sample) as one graph and
+                      codec_frame as another, replayed --iters times one after the other on one stream vs
+                      the codec on a second stream that waits only for its own frame's work (the next
+                      frame's work does not wait for the codec): ms per frame each way, what running the
+                      codec off the critical path can give
     each as its own captured CUDA graph (replay timed with CUDA events, median of --iters) and eager
     (wall clock around a synchronized call, median), plus graph == eager (bit-exact) per component;
     then a torch.profiler trace of one eager step aggregated by kernel name (top 25 by CUDA time,
@@ -236,6 +241,41 @@ def profile_components(engine: Engine, bs: int, timer: Timer) -> list[dict]:
     return rows
 
 
+def overlap_probe(engine: Engine, bs: int, iters: int) -> dict | None:
+    """ms per frame of (frame work; codec) serial on one stream vs the codec on a second stream that waits
+    for its own frame's work only (values are not checked: state is overwritten repeatedly)."""
+    if engine.runner.device.type != "cuda" or engine.runner.codec is None:
+        return None
+    comps = {c.name: c for c in components(engine, bs)}
+    work = [comps[n].fn for n in ("cp_generate", "talker_layers", "talker_head", "talker_sample")]
+    with torch.no_grad():
+        g_work = capture(lambda: [fn() for fn in work])
+        g_codec = capture(comps["codec_frame"].fn)
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+
+    def timed(concurrent: bool) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record(main)
+        for _ in range(iters):
+            g_work.replay()
+            if concurrent:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    g_codec.replay()
+            else:
+                g_codec.replay()
+        main.wait_stream(side)
+        end.record(main)
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+
+    timed(False), timed(True)  # warm
+    result = dict(serial=min(timed(False) for _ in range(3)), overlapped=min(timed(True) for _ in range(3)))
+    del g_work, g_codec
+    return result
+
+
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.is_floating_point():
         return float((a.float() - b.float()).abs().max())
@@ -380,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"uniforms + codec_frame) = {parts_sum:.3f} ms vs full_step {g['full_step']:.3f} ms; "
                       f"cp_generate - cp_passes ~ subtalker sampling in the CP = "
                       f"{g['cp_generate'] - g['cp_passes']:.3f} ms")
+        probe = overlap_probe(engine, bucket, args.iters)
+        if probe is not None:
+            md += ["", f"overlap (frame work ‖ codec on a second stream, {args.iters} frames): serial "
+                   f"{probe['serial']:.3f} ms/frame, overlapped {probe['overlapped']:.3f} ms/frame"]
         if b in trace_b:
             try:
                 lines, summary = trace_step(engine, bucket)
