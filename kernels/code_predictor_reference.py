@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .reference import (apply_rotary_ref, paged_decode_attention_ref, rms_norm_ref,
-                        store_kv_ref)
+from .reference import paged_decode_attention_ref, rms_norm_ref
+from .talker_reference import qkv_rope_store_ref
 
 
 def project_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -48,16 +48,11 @@ def qkv_attention_ref(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: to
     """The eager attention half of a layer (contract of `code_predictor_attention.qkv_attention`):
     the cache [B, P, KVH, D] is read as B pages of P slots, one per batch row."""
     rows = x.shape[0]
-    _, positions, num_kv, d = k_cache.shape
-    num_heads = qkv_weight.shape[0] // d - 2 * num_kv
-    q, k, v = F.linear(rms_norm_ref(x, norm_weight, eps), qkv_weight).split(
-        (num_heads * d, num_kv * d, num_kv * d), dim=-1)
-    q = rms_norm_ref(q.reshape(rows, num_heads, d), q_norm_weight, eps)  # [M, NH, D]
-    k = rms_norm_ref(k.reshape(rows, num_kv, d), k_norm_weight, eps)  # [M, KVH, D]
+    _, positions, _, d = k_cache.shape
     r = torch.arange(rows, device=x.device)
     batch_row, pos = r // tokens_per_row, pos0 + r % tokens_per_row  # [M] each
-    q, k = apply_rotary_ref(q, k, pos, cos, sin)
-    store_kv_ref(k, v.reshape(rows, num_kv, d), k_cache, v_cache, batch_row * positions + pos)
-    out = paged_decode_attention_ref(q, k_cache, v_cache, batch_row[:, None].int(),
-                                     (pos + 1).int(), scale)  # [M, NH, D]
-    return out.reshape(rows, num_heads * d)
+    q = qkv_rope_store_ref(x, norm_weight, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, pos,
+                           batch_row * positions + pos, k_cache, v_cache, eps)  # [M, NH * D]
+    out = paged_decode_attention_ref(q.view(rows, -1, d), k_cache, v_cache,
+                                     batch_row[:, None].int(), (pos + 1).int(), scale)  # [M, NH, D]
+    return out.reshape(rows, -1)

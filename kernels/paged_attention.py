@@ -97,6 +97,34 @@ def _decode_split_kernel(
              mask=g_mask[:, None] & d_mask[None, :])
 
 
+@triton.jit
+def merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, row, num_splits,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Output [BLOCK_D] fp32 of partial row `row` (= b * NH + head): its num_splits partials merged
+    (log-sum-exp), zeros when all were empty. NOTE: .cg loads read at L2, so that a program of the
+    split launch itself may merge what other multiprocessors wrote (kernels/talker_attention.py)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m_run = tl.full([], _NEG, tl.float32)
+    l_run = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        splits = s0 + tl.arange(0, BLOCK_S)
+        s_mask = splits < num_splits
+        part = row * num_splits + splits
+        m = tl.load(part_max_ptr + part, mask=s_mask, other=_NEG, cache_modifier=".cg")
+        l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0, cache_modifier=".cg")
+        o = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        w = tl.exp2(m - m_new)
+        alpha = tl.exp2(m_run - m_new)
+        l_run = l_run * alpha + tl.sum(l * w, 0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        m_run = m_new
+    return tl.where(l_run > 0.0, acc / tl.maximum(l_run, 1e-30), 0.0)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     # pointers
@@ -111,28 +139,11 @@ def _decode_reduce_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b.to(tl.int64) * tl.num_programs(1) + h
+    out = merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, row, num_splits, HEAD_DIM,
+                       BLOCK_D, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    m_run = tl.full([], _NEG, tl.float32)
-    l_run = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        splits = s0 + tl.arange(0, BLOCK_S)
-        s_mask = splits < num_splits
-        part = row * num_splits + splits
-        m = tl.load(part_max_ptr + part, mask=s_mask, other=_NEG)
-        l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
-        o = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m, 0))
-        w = tl.exp2(m - m_new)
-        alpha = tl.exp2(m_run - m_new)
-        l_run = l_run * alpha + tl.sum(l * w, 0)
-        acc = acc * alpha + tl.sum(o * w[:, None], 0)
-        m_run = m_new
-    out = tl.where(l_run > 0.0, acc / tl.maximum(l_run, 1e-30), 0.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-             cast(out, out_ptr.dtype.element_ty), mask=d_mask)
+             cast(out, out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 class DecodeConfig(NamedTuple):
@@ -186,20 +197,13 @@ def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, 
     )
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """One query token per sequence over its paged context (GQA); `paged_decode_attention_ref`.
-
-    q: [B, NH, D]; k_cache, v_cache: [num_pages, page_size, KVH, D] (NH % KVH == 0);
-    block_tables: [B, max_pages] int32 (unused entries any valid page id);
-    context_lens: [B] int32, 0 <= len <= max_pages * page_size (not checked: no host sync).
-    Returns [B, NH, D] in q.dtype; rows with context_len 0 are zeros.
-    """
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """The shape / dtype / device contract of `paged_decode_attention`'s inputs."""
     bsz, num_heads, head_dim = q.shape
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, \
         f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must match, 4-D"
-    page_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    num_kv = k_cache.shape[2]
     assert k_cache.shape[3] == head_dim, f"cache head_dim {k_cache.shape[3]} != q's {head_dim}"
     assert num_heads % num_kv == 0, f"{num_heads} q heads not a multiple of {num_kv} kv heads"
     assert k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ"
@@ -214,6 +218,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
     for t in (k_cache, v_cache, block_tables, context_lens):
         assert t.device == q.device, f"tensor on {t.device}, q on {q.device}"
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence over its paged context (GQA); `paged_decode_attention_ref`.
+
+    q: [B, NH, D]; k_cache, v_cache: [num_pages, page_size, KVH, D] (NH % KVH == 0);
+    block_tables: [B, max_pages] int32 (unused entries any valid page id);
+    context_lens: [B] int32, 0 <= len <= max_pages * page_size (not checked: no host sync).
+    Returns [B, NH, D] in q.dtype; rows with context_len 0 are zeros.
+    """
+    check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    bsz, num_heads, head_dim = q.shape
     out = torch.empty(bsz, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out

@@ -7,15 +7,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from q3tts import kernels
 from q3tts.config import TalkerConfig
-from q3tts.models.attention import AttentionContext
+from q3tts.models.attention import AttentionContext, DecodeContext
 from q3tts.models.code_predictor import CodePredictor
 from q3tts.models.layers import DecoderStack
+
+if TYPE_CHECKING:
+    from q3tts.models.talker_fused import FusedTalker
 
 
 class TalkerModel(DecoderStack):
@@ -49,6 +54,17 @@ class Talker(nn.Module):
         self.text_projection = TextProjection(cfg.text_hidden_size, cfg.hidden_size)
         self.codec_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.code_predictor = CodePredictor(cfg, self.embed_codec)
+        self._fused: FusedTalker | None = None
+
+    def use_fused(self, on: bool) -> None:
+        """Decode forwards (under a `DecodeContext`) through the fused kernels
+        (models/talker_fused.py) where they serve the inputs' device (EngineConfig.fused_talker);
+        off, without triton, or for prefill: the eager stack."""
+        self._fused = None
+        if on and kernels.HAS_TRITON:
+            from q3tts.models.talker_fused import FusedTalker  # imports triton
+
+            self._fused = FusedTalker(self.model)
 
     @property
     def attn_scale(self) -> float:
@@ -79,6 +95,8 @@ class Talker(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionContext) -> torch.Tensor:
         """x [N, H] at positions [N] -> final-normed hidden [N, H]."""
+        if self._fused is not None and isinstance(attn, DecodeContext) and self._fused.serves(x):
+            return self._fused.forward(x, positions, attn)
         return self.model(x, positions, attn)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""Paged decode attention in one launch: kernels/paged_attention.py's two phases joined by tickets.
+
+Grid (B, KVH, num_splits) as paged_attention's phase 1: each program runs its split of the row's
+context (`_decode_split_kernel`, called as a device function) and stores its fp32 partial; it then
+takes a ticket on its (row, kv head) counter, and the last of the num_splits programs merges the
+GROUP heads' partials (`merge_splits`, the phase-2 math) and writes the output. No program waits on
+another. Same arithmetic as `paged_decode_attention` (the same split count, the same merge order),
+one launch instead of two: the talker decode layer's second launch (models/talker_fused.py).
+Torch reference: `reference.paged_decode_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cast import cast
+from ._launch import device_guard
+from .autotune import pick
+from .code_predictor_gemm import arrive
+from .paged_attention import (_CANDIDATES, _INTERPRET_CONFIG, _LOG2E, DecodeConfig,
+                              _decode_split_kernel, check_inputs, merge_splits, num_splits_for)
+
+_BLOCK_S = 16  # splits merged per step (as paged_attention's phase 2)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _attention_kernel(
+    # pointers
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, cnt_ptr,
+    # sizes
+    num_splits, scale_log2,
+    # strides
+    stride_ctx, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+    stride_vh, stride_bt, stride_ob, stride_oh,
+    # meta
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                         part_acc_ptr, part_max_ptr, part_sum_ptr, num_splits, scale_log2,
+                         stride_ctx, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh,
+                         stride_vp, stride_vs, stride_vh, stride_bt,
+                         HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
+    b, kvh = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    num_kv = tl.num_programs(1)
+    if arrive(cnt_ptr + b * num_kv + kvh, num_splits):
+        offs_d = tl.arange(0, BLOCK_D)
+        for j in tl.static_range(GROUP):
+            head = kvh * GROUP + j
+            out = merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr,
+                               b * num_kv * GROUP + head, num_splits, HEAD_DIM, BLOCK_D, BLOCK_S)
+            tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d,
+                     cast(out, out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, scale, counters,
+            out) -> None:
+    bsz, num_heads, head_dim = q.shape
+    page_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    splits = num_splits_for(bsz, num_kv, block_tables.shape[1], page_size, cfg.block_n, q.device)
+    part_acc = torch.empty(bsz, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(bsz, num_heads, splits, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    group = num_heads // num_kv
+    _attention_kernel[(bsz, num_kv, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, out,
+        counters,
+        splits, scale * _LOG2E,
+        context_lens.stride(0), q.stride(0), q.stride(1), *k_cache.stride()[:3],
+        *v_cache.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE_SIZE=page_size,
+        BLOCK_N=cfg.block_n, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        BLOCK_S=_BLOCK_S, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     counters: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_decode_attention` (same contract: q [B, NH, D], caches [num_pages, page_size, KVH,
+    D], block_tables [B, max_pages] int32, context_lens [B] int32) in one launch.
+
+    counters: int32 zeros, >= B * KVH (left zero). Returns out [B, NH, D] in q.dtype."""
+    check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    bsz, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[2]
+    assert counters.dtype == torch.int32 and counters.numel() >= bsz * num_kv, \
+        f"decode_attention: counters must be int32 zeros, >= {bsz} x {num_kv} long"
+    if out is None:
+        out = torch.empty(bsz, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, \
+        f"decode_attention: out {tuple(out.shape)}/{out.dtype} must be {tuple(q.shape)}/{q.dtype}"
+    if bsz == 0:
+        return out
+    args = (q, k_cache, v_cache, block_tables, context_lens, scale, counters, out)
+    with device_guard(q):  # the tuning launches too: q may sit on another GPU than the current one
+        if q.is_cuda:
+            key = ("talker_attention", head_dim, k_cache.shape[1], num_heads // num_kv, q.dtype,
+                   k_cache.dtype)
+            cfg = pick(key, _CANDIDATES, lambda c: _launch(c, *args), q.device)
+        else:
+            cfg = _INTERPRET_CONFIG
+        _launch(cfg, *args)
+    return out

@@ -1,0 +1,208 @@
+"""The first launch of a talker decode layer: RMSNorm -> QKV GEMM -> QK-norm -> RoPE -> K/V store
+into the paged cache, in one kernel (the attention runs next, kernels/talker_attention.py).
+
+Grid (row blocks, QKV column tiles, K slices) runs the split-K skinny GEMM of
+code_predictor_gemm.py into fp32 partials; the last program of each (row block, kv head) group
+(its GROUP q heads, its k and v columns, every slice) runs the epilogue for those rows: sum the
+partials, round to the model dtype, QK-norm and RoPE at each row's position (cos/sin gathered from
+the [max_pos, D] tables), rotated q to `out`, k and v to the row's cache slot (slot < 0: a padding
+row, nothing stored).
+Roundings are the eager layer's (models/layers.py), through the code predictor's `_norm_rope`:
+bf16 GEMM output, rms_norm_ref's two roundings, rotary products rounded when the tables have the
+activation dtype (kernels/rotary.py). Torch reference: talker_reference.qkv_rope_store_ref.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cast import cast
+from ._launch import device_guard
+from .autotune import pick
+from .code_predictor_attention import _norm_rope
+from .code_predictor_gemm import (BLOCK_M, NORM, GemmConfig, arrive, candidates, counters_needed,
+                                  dot_precision, interpret_config, load_sum, mainloop,
+                                  row_blocks, row_offsets, row_rstd, store_partial)
+
+_NORM = tl.constexpr(NORM)  # a jit function reads globals only as constexpr
+
+
+@triton.jit
+def _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, keep, k_rows, v_rows, g, c1, c2, s1, s2,
+                   eps, M_PAD, NP, DT: tl.constexpr, NUM_HEADS: tl.constexpr,
+                   NUM_KV: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                   ROUND: tl.constexpr):
+    """kv head g of the GEMM result: k normed and rotated, v rounded, stored at the kept rows'
+    cache offsets k_rows / v_rows [BLOCK_M]."""
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, HALF)
+    mask = keep[:, None]
+    r1, r2 = _norm_rope(part_ptr, rows, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2, s1, s2,
+                        eps, DT, HALF, SPLIT, ROUND)
+    tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=mask)
+    tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=mask)
+    dd = tl.arange(0, D)
+    v = load_sum(part_ptr, rows, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
+    tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=mask)
+
+
+@triton.jit
+def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
+                    slot_ptr, rows, row_mask, g, eps, M_PAD, NP,
+                    stride_q, stride_pos, stride_slot, stride_kp, stride_ks, stride_kh,
+                    stride_vp, stride_vs, stride_vh, stride_cos, stride_sin,
+                    DT: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
+                    D: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+                    ROUND: tl.constexpr):
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
+    HALF: tl.constexpr = D // 2
+    r64 = rows.to(tl.int64)
+    pos = tl.load(pos_ptr + r64 * stride_pos, mask=row_mask, other=0).to(tl.int64)  # [BLOCK_M]
+    slot = tl.load(slot_ptr + r64 * stride_slot, mask=row_mask, other=-1).to(tl.int64)
+    d = tl.arange(0, HALF)
+    c_offs = pos[:, None] * stride_cos + d[None, :]
+    s_offs = pos[:, None] * stride_sin + d[None, :]
+    mask = row_mask[:, None]
+    c1 = tl.load(cos_ptr + c_offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + c_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + s_offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + s_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(GROUP):
+        head = g * GROUP + j
+        r1, r2 = _norm_rope(part_ptr, rows, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2, eps, DT,
+                            HALF, SPLIT, ROUND)
+        tl.store(q_ptr + r64[:, None] * stride_q + head * D + d[None, :], r1, mask=mask)
+        tl.store(q_ptr + r64[:, None] * stride_q + head * D + HALF + d[None, :], r2, mask=mask)
+    keep = row_mask & (slot >= 0)
+    page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE  # [BLOCK_M] each (junk where not kept)
+    _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, keep,
+                   page * stride_kp + offset * stride_ks + g * stride_kh,
+                   page * stride_vp + offset * stride_vs + g * stride_vh, g, c1, c2, s1, s2, eps,
+                   M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
+
+
+@triton.jit(do_not_specialize=["M", "M_PAD"])
+def _talker_qkv_kernel(
+    # pointers
+    x_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr,
+    q_ptr, part_ptr, cnt_ptr,
+    # sizes
+    M, K, eps, M_PAD,
+    # strides
+    stride_xm, stride_w, stride_q, stride_pos, stride_slot, stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh, stride_cos, stride_sin,
+    # meta
+    NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, 1, 0, stride_xm, 0, _NORM)
+    rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M, BLOCK_K)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, cols.to(tl.int64) * stride_w, split, K, nw_ptr,
+                   rstd, _NORM, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION)
+    NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
+    store_partial(part_ptr, acc, split, rows, cols, M_PAD, NP)
+    # the kv group of this tile: q heads g*GROUP.., then k head g, then v head g
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
+    col0 = tile * BLOCK_N
+    g = tl.where(col0 < NUM_HEADS * D, col0 // (GROUP * D), (col0 - NUM_HEADS * D) // D % NUM_KV)
+    TILES_PER_GROUP: tl.constexpr = (GROUP + 2) * D // BLOCK_N
+    if arrive(cnt_ptr + m * NUM_KV + g, TILES_PER_GROUP * SPLIT):
+        _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
+                        slot_ptr, rows, row_mask, g, eps, M_PAD, NP,
+                        stride_q, stride_pos, stride_slot, stride_kp, stride_ks, stride_kh,
+                        stride_vp, stride_vs, stride_vh, stride_cos, stride_sin,
+                        w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, PAGE_SIZE, SPLIT, ROUND)
+
+
+def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, positions,
+            slot_mapping, k_cache, v_cache, out, counters, eps) -> None:
+    rows, (_, page_size, num_kv, d) = x.shape[0], k_cache.shape
+    m_pad = row_blocks(rows) * BLOCK_M
+    part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
+    _talker_qkv_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
+        x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, positions, slot_mapping, k_cache, v_cache,
+        out, part, counters,
+        rows, x.shape[1], eps, m_pad,
+        x.stride(0), qkv_w.stride(0), out.stride(0), positions.stride(0), slot_mapping.stride(0),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], cos.stride(0), sin.stride(0),
+        NUM_HEADS=out.shape[1] // d, NUM_KV=num_kv, D=d, PAGE_SIZE=page_size,
+        ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
+        DOT_PRECISION=dot_precision(qkv_w.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def _check(x, qkv_weight, cos, sin, positions, slot_mapping, k_cache, v_cache, counters) -> int:
+    """The contract's shape / dtype / device checks; returns the number of q heads."""
+    rows, hidden = x.shape
+    _, _, num_kv, d = k_cache.shape
+    num_heads = qkv_weight.shape[0] // d - 2 * num_kv
+    assert qkv_weight.shape == ((num_heads + 2 * num_kv) * d, hidden) and num_heads > 0 \
+        and num_heads % num_kv == 0, \
+        f"qkv_rope_store: qkv_weight {tuple(qkv_weight.shape)} vs cache {tuple(k_cache.shape)}"
+    assert v_cache.shape == k_cache.shape and k_cache.dtype == v_cache.dtype == x.dtype \
+        == qkv_weight.dtype, \
+        f"qkv_rope_store: caches {tuple(k_cache.shape)}/{k_cache.dtype}, x {x.dtype}, weight " \
+        f"{qkv_weight.dtype}"
+    assert d >= 16 and d & (d - 1) == 0, f"qkv_rope_store: head_dim {d} must be a power of 2 >= 16"
+    assert cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == d, \
+        f"qkv_rope_store: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} must be [max_pos, {d}]"
+    for name, ids in (("positions", positions), ("slot_mapping", slot_mapping)):
+        assert ids.shape == (rows,) and not ids.is_floating_point(), \
+            f"qkv_rope_store: {name} must be int [{rows}], got {ids.dtype} {tuple(ids.shape)}"
+    for name, ten in (("x", x), ("qkv_weight", qkv_weight), ("cos", cos), ("sin", sin),
+                      ("k_cache", k_cache), ("v_cache", v_cache), ("positions", positions),
+                      ("slot_mapping", slot_mapping)):
+        assert ten.stride(-1) == 1 or ten.dim() == 1, \
+            f"qkv_rope_store: {name} last dim must be contiguous"
+        assert ten.device == x.device, f"qkv_rope_store: {name} on {ten.device}, x on {x.device}"
+    assert counters.dtype == torch.int32 and counters.numel() >= counters_needed(rows, num_kv), \
+        "qkv_rope_store: counters must be int32 zeros, counters_needed(M, KVH) long"
+    return num_heads
+
+
+def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,
+                   q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
+                   counters: torch.Tensor, out: torch.Tensor | None = None,
+                   config: GemmConfig | None = None) -> torch.Tensor:
+    """The attention inputs of a talker decode layer for rows x [M, H] (one token each).
+
+    qkv_weight [(NH + 2 KVH) D, H] (rows q | k | v); q/k_norm_weight [D]; cos, sin [max_pos, D]
+    RoPE tables; positions [M] (< max_pos, not checked: no host sync) and slot_mapping [M]
+    (page * page_size + offset, < 0 = padding row: nothing stored), int, any stride;
+    k_cache, v_cache [num_pages, page_size, KVH, D] (one layer's). counters: int32 zeros,
+    >= counters_needed(M, KVH) (left zero).
+    Returns the rotated q [M, NH * D] in x.dtype; k and v are written to the cache.
+    """
+    num_heads = _check(x, qkv_weight, cos, sin, positions, slot_mapping, k_cache, v_cache,
+                       counters)
+    rows, hidden, d = x.shape[0], x.shape[1], k_cache.shape[3]
+    if out is None:
+        out = torch.empty(rows, num_heads * d, dtype=x.dtype, device=x.device)
+    assert out.shape == (rows, num_heads * d) and out.stride(-1) == 1, "qkv_rope_store: bad out"
+    if rows == 0:
+        return out
+    weights = (norm_weight, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
+    fits = lambda bn: qkv_weight.shape[0] // bn if d % bn == 0 else None  # noqa: E731
+    with device_guard(x):
+        if config is None and x.is_cuda:  # timed on the first row block (the batch-1 shape)
+            key = ("talker_qkv", qkv_weight.shape, k_cache.shape[1:], qkv_weight.dtype)
+            m = min(rows, BLOCK_M)
+            one_block = (x[:m], *weights, positions[:m], slot_mapping[:m], k_cache, v_cache,
+                         out[:m], counters, eps)
+            config = pick(key, candidates(fits, hidden, x.device),
+                          lambda c: _launch(c, *one_block), x.device)
+        config = config or interpret_config(d)
+        assert d % config.block_n == 0, f"qkv_rope_store: block_n {config.block_n} must divide {d}"
+        _launch(config, x, *weights, positions, slot_mapping, k_cache, v_cache, out, counters, eps)
+    return out
