@@ -154,7 +154,7 @@ ENGINE_CSV_COLUMNS = ("batch", "ms_per_step", "audio_s_per_s", "kernels_per_step
 
 def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
-    on = [n for n in ("codec_kernels", "fused_code_predictor") if getattr(args, n)]
+    on = [n for n in ("codec_kernels", "fused_code_predictor", "fused_talker") if getattr(args, n)]
     return "+".join(on) or "default"
 
 
@@ -168,6 +168,8 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--codec-kernels", action="store_true", help="EngineConfig.codec_kernels (Triton conv/SnakeBeta)")
     p.add_argument("--fused-code-predictor", action="store_true",
                    help="EngineConfig.fused_code_predictor (the code predictor in few Triton kernels)")
+    p.add_argument("--fused-talker", action="store_true",
+                   help="EngineConfig.fused_talker (the talker's decode layers in 5 Triton launches each)")
 
 
 def build_engine(args, frames: int) -> Engine:
@@ -182,7 +184,7 @@ def build_engine(args, frames: int) -> Engine:
                        kv_memory_fraction=0.5, graph_batch_sizes=buckets,
                        num_pages=None if args.device.startswith("cuda") else 2 * max_b * (frames + 300) // 16,
                        use_cuda_graphs=not args.no_cuda_graphs, codec_kernels=args.codec_kernels,
-                       fused_code_predictor=args.fused_code_predictor)
+                       fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker)
     model = make_model(args)
     t0 = time.perf_counter()
     engine = Engine(model, cfg)

@@ -71,6 +71,9 @@ class EngineConfig:
     fused_code_predictor run the code predictor's 15 passes through its fused kernels (kernels/code_predictor.py,
                          23 launches a pass) where the kernels serve the device. Off until measured on the
                          H200 (perf/bench_code_predictor.py: fused vs eager time and launches per pass)
+    fused_talker         run the talker's decode forward through its fused kernels (models/talker_fused.py, 5
+                         launches per layer) where the kernels serve the device; prefill stays eager. Off
+                         until measured on the H200 (perf/bench_engine.py --fused-talker)
     voice_cache_bytes    device memory for the Base voices kept prepared (engine/voice_cache.py: x-vector,
                          reference codes, an ICL voice's primed codec stream; least recently used first
                          out). 256 MiB holds about 60 ICL voices of the released 1.7B in bfloat16 (a
@@ -100,6 +103,7 @@ class EngineConfig:
     prefill_graphs: bool = True
     codec_kernels: bool = False
     fused_code_predictor: bool = False
+    fused_talker: bool = False
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
 
@@ -131,7 +135,8 @@ class EngineConfig:
         need(list(bs) == sorted(set(bs)), f"graph_batch_sizes must be strictly increasing, got {bs}")
         need(self.fault_injection_seed is None or os.environ.get(TEST_HOOKS_ENV) == "1",
              f"fault_injection_seed is a test hook: refused unless {TEST_HOOKS_ENV}=1")
-        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fused_code_predictor"):
+        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fused_code_predictor",
+                     "fused_talker"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # --- derived values ---------------------------------------------------------------------------
