@@ -122,6 +122,33 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
                 last_pos, g * GROUP + j, scale, stride_out, stride_kp, stride_vp, BLOCK_M, D)
 
 
+@triton.jit
+def qkv_group_partials(x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm,
+                       stride_w, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """This program's share of RMSNorm(X) @ W_qkv^T (grid: row blocks, column tiles, K slices),
+    stored as an fp32 partial [SPLIT, M_PAD, (NH + 2 KVH) D], then a ticket on its (row block, kv
+    head g) group: q heads g*GROUP.., k head g, v head g.
+    Returns rows, row_mask [BLOCK_M], g, and whether this is the group's last program (which runs
+    the group's epilogue)."""
+    m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, 1, 0, stride_xm, 0, _NORM)
+    rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M, BLOCK_K)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, cols.to(tl.int64) * stride_w, split, K, nw_ptr,
+                   rstd, _NORM, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION)
+    store_partial(part_ptr, acc, split, rows, cols, M_PAD, (NUM_HEADS + 2 * NUM_KV) * D)
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
+    col0 = tile * BLOCK_N
+    g = tl.where(col0 < NUM_HEADS * D, col0 // (GROUP * D),
+                 (col0 - NUM_HEADS * D) // D % NUM_KV)
+    TILES_PER_GROUP: tl.constexpr = (GROUP + 2) * D // BLOCK_N
+    return rows, row_mask, g, arrive(cnt_ptr + m * NUM_KV + g, TILES_PER_GROUP * SPLIT)
+
+
 @triton.jit(do_not_specialize=["M", "pos0", "M_PAD"])
 def _qkv_attention_kernel(
     # pointers
@@ -137,23 +164,11 @@ def _qkv_attention_kernel(
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, 1, 0, stride_xm, 0, _NORM)
-    rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M, BLOCK_K)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, cols.to(tl.int64) * stride_w, split, K, nw_ptr,
-                   rstd, _NORM, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION)
+    rows, row_mask, g, last = qkv_group_partials(
+        x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_w, NUM_HEADS,
+        NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION)
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
-    store_partial(part_ptr, acc, split, rows, cols, M_PAD, NP)
-    # the kv group of this tile: q heads g*GROUP.., then k head g, then v head g
-    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
-    col0 = tile * BLOCK_N
-    g = tl.where(col0 < NUM_HEADS * D, col0 // (GROUP * D),
-                 (col0 - NUM_HEADS * D) // D % NUM_KV)
-    TILES_PER_GROUP: tl.constexpr = (GROUP + 2) * D // BLOCK_N
-    if arrive(cnt_ptr + m * NUM_KV + g, TILES_PER_GROUP * SPLIT):
+    if last:
         _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
                         rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
                         stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,

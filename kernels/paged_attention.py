@@ -165,34 +165,41 @@ def num_splits_for(batch: int, num_kv_heads: int, max_pages: int, page_size: int
     return max(1, min(want, _MAX_SPLITS, triton.cdiv(max_pages * page_size, block_n)))
 
 
-def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, scale, out):
+def split_launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Phase 1's grid, its fp32 partials (acc, max, sum), its positional arguments and its meta
+    (constexprs and launch options) for config cfg."""
     bsz, num_heads, head_dim = q.shape
     page_size, num_kv = k_cache.shape[1], k_cache.shape[2]
     splits = num_splits_for(bsz, num_kv, block_tables.shape[1], page_size, cfg.block_n, q.device)
     part_acc = torch.empty(bsz, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(bsz, num_heads, splits, dtype=torch.float32, device=q.device)
-    part_sum = torch.empty_like(part_max)
+    parts = (part_acc, part_max, torch.empty_like(part_max))
     group = num_heads // num_kv
-    block_d = triton.next_power_of_2(head_dim)
-    _decode_split_kernel[(bsz, num_kv, splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
-        part_acc, part_max, part_sum,
-        splits, scale * _LOG2E,
-        context_lens.stride(0),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE_SIZE=page_size,
-        BLOCK_N=cfg.block_n, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    _decode_reduce_kernel[(bsz, num_heads)](
-        part_acc, part_max, part_sum, out,
-        splits,
+    args = (q, k_cache, v_cache, block_tables, context_lens, *parts,
+            splits, scale * _LOG2E,
+            context_lens.stride(0),
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0))
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group,
+                BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE_SIZE=page_size,
+                BLOCK_N=cfg.block_n,
+                DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return (bsz, num_kv, splits), parts, args, meta
+
+
+def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, scale, out):
+    grid, parts, args, meta = split_launch(cfg, q, k_cache, v_cache, block_tables, context_lens,
+                                           scale)
+    _decode_split_kernel[grid](*args, **meta)
+    block_d = meta["BLOCK_D"]
+    _decode_reduce_kernel[(q.shape[0], q.shape[1])](
+        *parts, out,
+        grid[2],
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=16,
+        HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=block_d, BLOCK_S=16,
         num_warps=4 if block_d >= 256 else 2,
     )
 

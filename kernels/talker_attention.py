@@ -19,22 +19,22 @@ from ._cast import cast
 from ._launch import device_guard
 from .autotune import pick
 from .code_predictor_gemm import arrive
-from .paged_attention import (_CANDIDATES, _INTERPRET_CONFIG, _LOG2E, DecodeConfig,
-                              _decode_split_kernel, check_inputs, merge_splits, num_splits_for)
+from .paged_attention import (_CANDIDATES, _INTERPRET_CONFIG, DecodeConfig, _decode_split_kernel,
+                              check_inputs, merge_splits, split_launch)
 
 _BLOCK_S = 16  # splits merged per step (as paged_attention's phase 2)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _attention_kernel(
-    # pointers
+    # phase 1's arguments (paged_attention.split_launch)
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, cnt_ptr,
-    # sizes
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
     num_splits, scale_log2,
-    # strides
     stride_ctx, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-    stride_vh, stride_bt, stride_ob, stride_oh,
+    stride_vh, stride_bt,
+    # the output and the tickets
+    out_ptr, cnt_ptr, stride_ob, stride_oh,
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -59,24 +59,10 @@ def _attention_kernel(
 
 def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, scale, counters,
             out) -> None:
-    bsz, num_heads, head_dim = q.shape
-    page_size, num_kv = k_cache.shape[1], k_cache.shape[2]
-    splits = num_splits_for(bsz, num_kv, block_tables.shape[1], page_size, cfg.block_n, q.device)
-    part_acc = torch.empty(bsz, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    part_max = torch.empty(bsz, num_heads, splits, dtype=torch.float32, device=q.device)
-    part_sum = torch.empty_like(part_max)
-    group = num_heads // num_kv
-    _attention_kernel[(bsz, num_kv, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, out,
-        counters,
-        splits, scale * _LOG2E,
-        context_lens.stride(0), q.stride(0), q.stride(1), *k_cache.stride()[:3],
-        *v_cache.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE_SIZE=page_size,
-        BLOCK_N=cfg.block_n, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        BLOCK_S=_BLOCK_S, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    grid, _, args, meta = split_launch(cfg, q, k_cache, v_cache, block_tables, context_lens,
+                                       scale)
+    _attention_kernel[grid](*args, out, counters, out.stride(0), out.stride(1), BLOCK_S=_BLOCK_S,
+                            **meta)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

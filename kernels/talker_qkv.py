@@ -2,11 +2,11 @@
 into the paged cache, in one kernel (the attention runs next, kernels/talker_attention.py).
 
 Grid (row blocks, QKV column tiles, K slices) runs the split-K skinny GEMM of
-code_predictor_gemm.py into fp32 partials; the last program of each (row block, kv head) group
-(its GROUP q heads, its k and v columns, every slice) runs the epilogue for those rows: sum the
-partials, round to the model dtype, QK-norm and RoPE at each row's position (cos/sin gathered from
-the [max_pos, D] tables), rotated q to `out`, k and v to the row's cache slot (slot < 0: a padding
-row, nothing stored).
+code_predictor_gemm.py into fp32 partials (`qkv_group_partials`, shared with the code predictor's
+qkv_attention); the last program of each (row block, kv head) group (its GROUP q heads, its k and
+v columns, every slice) runs the epilogue for those rows: sum the partials, round to the model
+dtype, QK-norm and RoPE at each row's position (cos/sin gathered from the [max_pos, D] tables),
+rotated q to `out`, k and v to the row's cache slot (slot < 0: a padding row, nothing stored).
 Roundings are the eager layer's (models/layers.py), through the code predictor's `_norm_rope`:
 bf16 GEMM output, rms_norm_ref's two roundings, rotary products rounded when the tables have the
 activation dtype (kernels/rotary.py). Torch reference: talker_reference.qkv_rope_store_ref.
@@ -21,12 +21,9 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard
 from .autotune import pick
-from .code_predictor_attention import _norm_rope
-from .code_predictor_gemm import (BLOCK_M, NORM, GemmConfig, arrive, candidates, counters_needed,
-                                  dot_precision, interpret_config, load_sum, mainloop,
-                                  row_blocks, row_offsets, row_rstd, store_partial)
-
-_NORM = tl.constexpr(NORM)  # a jit function reads globals only as constexpr
+from .code_predictor_attention import _norm_rope, qkv_group_partials
+from .code_predictor_gemm import (BLOCK_M, GemmConfig, candidates, counters_needed, dot_precision,
+                                  interpret_config, load_sum, row_blocks)
 
 
 @triton.jit
@@ -98,22 +95,11 @@ def _talker_qkv_kernel(
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, 1, 0, stride_xm, 0, _NORM)
-    rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M, BLOCK_K)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, cols.to(tl.int64) * stride_w, split, K, nw_ptr,
-                   rstd, _NORM, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION)
+    rows, row_mask, g, last = qkv_group_partials(
+        x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_w, NUM_HEADS,
+        NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION)
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
-    store_partial(part_ptr, acc, split, rows, cols, M_PAD, NP)
-    # the kv group of this tile: q heads g*GROUP.., then k head g, then v head g
-    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
-    col0 = tile * BLOCK_N
-    g = tl.where(col0 < NUM_HEADS * D, col0 // (GROUP * D), (col0 - NUM_HEADS * D) // D % NUM_KV)
-    TILES_PER_GROUP: tl.constexpr = (GROUP + 2) * D // BLOCK_N
-    if arrive(cnt_ptr + m * NUM_KV + g, TILES_PER_GROUP * SPLIT):
+    if last:
         _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
                         slot_ptr, rows, row_mask, g, eps, M_PAD, NP,
                         stride_q, stride_pos, stride_slot, stride_kp, stride_ks, stride_kh,
