@@ -31,10 +31,12 @@ import torch
 
 from code_predictor_cases import Inputs
 from kernel_checks import DEVICE, assert_close_3way, kernel_module
-from q3tts.checkpoint.maker import _init_tensor
+from q3tts.checkpoint.maker import _init_tensor, make_checkpoint
 from q3tts.checkpoint.presets import model_config_dict
 from q3tts.config import DecoderLayerConfig, TalkerConfig
+from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.engine.config import EngineConfig
+from q3tts.engine.engine import Engine
 from q3tts.kernels.reference import paged_decode_attention_ref, rope_cos_sin
 from q3tts.kernels.talker_reference import qkv_rope_store_ref
 from q3tts.models.attention import DecodeContext, PagedKVCache, PrefillContext
@@ -263,6 +265,38 @@ def test_engine_config_fused_talker_flag():
     assert EngineConfig(fused_talker=True).fused_talker is True
     with pytest.raises(ValueError, match="fused_talker must be true or false"):
         EngineConfig(fused_talker="yes")
+
+
+def _engine_frames(ckpt_dir, fused: bool) -> dict[str, list[list[int]]]:
+    config = EngineConfig(device=DEVICE, dtype="float32", num_pages=32, max_slots=3, max_frames=8,
+                          max_prompt_tokens=128, max_text_tokens=64, graph_batch_sizes=(4,),
+                          use_cuda_graphs=False)
+    engine = Engine(str(ckpt_dir), config, with_codec=False)
+    engine.runner.talker.use_fused(fused)
+    speaker = sorted(engine.checkpoint.config.talker.speaker_ids)[0]
+    for i, text in enumerate(["Hello there.", "Another one, a little longer.", "Three."]):
+        engine.add(f"s{i}", VoiceSpec(speaker=speaker),
+                   SamplingParams(greedy=i == 0, seed=i, max_frames=3), text, True)
+    frames: dict[str, list[list[int]]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            frames.setdefault(out.seq_id, []).append(out.codes.tolist())
+    return frames
+
+
+def test_engine_decode_steps_through_the_fused_talker(tmp_path, fused_calls, monkeypatch):
+    """The engine's decode step (its metadata columns, a padding row in the bucket of 4) with the
+    talker's decode forward fused: a greedy and two sampled sequences make the frames of the eager
+    forward (fp32, tiny 1.7B checkpoint)."""
+    ckpt_dir = make_checkpoint(tmp_path / "cv", "custom_voice", "1.7b", "tiny", seed=0)
+    # the rest of the engine on the torch references (fast on CPU), the fused talker's kernels
+    # through the interpreter (or compiled on CUDA)
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")
+    monkeypatch.setattr(FusedTalker, "serves", staticmethod(lambda x: True))
+    want = _engine_frames(ckpt_dir, fused=False)
+    got = _engine_frames(ckpt_dir, fused=True)
+    assert len(fused_calls) >= 2 and sorted(got) == ["s0", "s1", "s2"]
+    assert got == want
 
 
 # ------------------------------------------------------------------------- GPU, real 1.7B widths
