@@ -1,0 +1,197 @@
+"""Talker decode bench: the fused decode forward (models/talker_fused.py) vs the eager one.
+
+H200: python3 perf/bench_talker.py      [--batches 1 16 64] [--context 300] [--layers 28] [--iters 50]
+    a real-size 1.7B talker stack (hidden 2048, 16/8 heads x 128, intermediate 6144; --layers of
+    its 28) with the checkpoint maker's random weights, bf16, every row at --context keys over
+    pages of 16. For each batch size:
+      correctness  fused vs eager hidden (max |diff| / max |eager|); fused graph replay == eager
+      forward ms   device time of one CUDA-graph replay of each (CUDA events, median of --iters),
+                   and per layer
+      kernels      launches per forward (torch.profiler over one eager call)
+      per kernel   each fused launch of layer 0 alone in its own graph: us, compulsory MB (weights
+                   once + activations + the K/V read), achieved GB/s and % of the HBM line
+      per layer    the fused forward's compulsory bytes per layer / its time per layer
+    HBM line: a 1 GiB device-to-device copy (bytes read + written / time).
+    Writes $OUT/talker_bench.md when OUT is set.
+CPU check: python3 perf/bench_talker.py --scale tiny --device cpu --batches 2 --iters 1
+    (the kernels through the Triton interpreter: correctness only, no timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("Q3TTS_TRITON_ON_CPU", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_code_predictor import TEXT_IDS, capture_with_outputs, kernels_launched  # noqa: E402
+from profile_step import Timer, capture  # noqa: E402
+from report import emit  # noqa: E402
+
+from q3tts.checkpoint.maker import _init_tensor  # noqa: E402
+from q3tts.checkpoint.presets import model_config_dict  # noqa: E402
+from q3tts.config import TalkerConfig  # noqa: E402
+from q3tts.kernels import code_predictor as cpk  # noqa: E402
+from q3tts.kernels.talker_attention import decode_attention  # noqa: E402
+from q3tts.kernels.talker_qkv import qkv_rope_store  # noqa: E402
+from q3tts.models.attention import DecodeContext, PagedKVCache  # noqa: E402
+from q3tts.models.layers import DecoderStack  # noqa: E402
+from q3tts.models.talker_fused import FusedTalker  # noqa: E402
+
+PAGE_SIZE = 16  # the engine's default
+
+
+def random_stack(scale: str, layers: int | None, dtype: torch.dtype, device: str,
+                 seed: int = 0) -> DecoderStack:
+    """The 1.7B talker's decoder stack at `scale` (`layers` of its layers), weights drawn by the
+    checkpoint maker's recipe, projections fused."""
+    cfg = TalkerConfig.from_dict(
+        model_config_dict("custom_voice", "1.7b", scale, TEXT_IDS, 100)["talker_config"]).layers
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, num_layers=layers)
+    stack = DecoderStack(cfg, max_positions=cfg.max_position_embeddings)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in stack.named_parameters():
+            p.copy_(_init_tensor(name, p.shape, gen))
+    return stack.to(device=device, dtype=dtype).eval().fuse_()
+
+
+class Step:
+    """One decode step's inputs for B rows, each at `context` keys (its own pages)."""
+
+    def __init__(self, stack: DecoderStack, bsz: int, context: int, seed: int = 0):
+        cfg, w = stack.cfg, stack.norm.weight
+        pages = -(-context // PAGE_SIZE)
+        gen = torch.Generator(w.device).manual_seed(seed)
+        self.cache = PagedKVCache(cfg.num_layers, bsz * pages, PAGE_SIZE, cfg.num_kv_heads,
+                                  cfg.head_dim, w.dtype, w.device)
+        for kv in (self.cache.k, self.cache.v):
+            kv.copy_(torch.randn(kv.shape, generator=gen, device=w.device))
+        table = torch.arange(bsz * pages).view(bsz, pages)  # [B, pages]
+        pos = torch.full((bsz,), context - 1)
+        slots = table[:, -1] * PAGE_SIZE + pos % PAGE_SIZE
+        self.positions = pos.to(w.device)
+        self.ctx = DecodeContext(self.cache, slots.to(w.device), table.int().to(w.device),
+                                 (pos + 1).int().to(w.device), cfg.head_dim ** -0.5)
+        self.x = torch.randn(bsz, cfg.hidden_size, generator=gen, device=w.device).to(w.dtype)
+
+    def run(self, forward: Callable) -> torch.Tensor:
+        return forward(self.x, self.positions, self.ctx)
+
+
+def layer_launches(stack: DecoderStack, step: Step) -> list[tuple[str, int, Callable]]:
+    """The fused launches of layer 0, each with its compulsory bytes."""
+    cfg, layer, ctx = stack.cfg, stack.layers[0], step.ctx
+    attn, mlp, x = layer.self_attn, layer.mlp, step.x
+    bsz, esz = x.shape[0], x.element_size()
+    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    counters = torch.zeros(cpk.counters_needed(bsz, cfg.intermediate_size // cpk.MIN_BLOCK_N),
+                           dtype=torch.int32, device=x.device)
+    rope = stack.rope(x.device, x.dtype)
+    q = torch.randn(bsz, q_width, device=x.device, dtype=x.dtype)
+    act = torch.randn(bsz, cfg.intermediate_size, device=x.device, dtype=x.dtype)
+    nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    rows = lambda width: bsz * width * esz  # noqa: E731
+    kv_read = 2 * int(ctx.context_lens.sum()) * kv_width * esz
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    return [
+        ("norm + qkv + qk-norm + rope + K/V store",
+         nbytes(attn.fused_weight()) + rows(cfg.hidden_size + q_width + 2 * kv_width),
+         lambda: qkv_rope_store(x, norm1.weight, attn.fused_weight(), attn.q_norm.weight,
+                                attn.k_norm.weight, *rope, step.positions, ctx.slot_mapping,
+                                ctx.cache.k[0], ctx.cache.v[0], norm1.eps, counters)),
+        ("paged attention (split + merge)", kv_read + rows(2 * q_width),
+         lambda: decode_attention(q.view(bsz, cfg.num_heads, -1), ctx.cache.k[0], ctx.cache.v[0],
+                                  ctx.block_tables, ctx.context_lens, ctx.scale, counters)),
+        ("o_proj + residual", nbytes(attn.o_proj.weight) + rows(q_width + 2 * cfg.hidden_size),
+         lambda: cpk.linear_residual(q, attn.o_proj.weight, x, counters)),
+        ("norm + gate_up + silu", nbytes(mlp.fused_weight()) + rows(cfg.hidden_size
+                                                                    + cfg.intermediate_size),
+         lambda: cpk.norm_gate_up(x, norm2.weight, mlp.fused_weight(), norm2.eps, counters)),
+        ("down + residual", nbytes(mlp.down_proj.weight)
+         + rows(cfg.intermediate_size + 2 * cfg.hidden_size),
+         lambda: cpk.linear_residual(act, mlp.down_proj.weight, x, counters)),
+    ]
+
+
+def hbm_gbps(timer: Timer) -> float:
+    """GB/s of a 1 GiB device-to-device copy (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = timer.graph(capture(lambda: dst.copy_(src)).replay)
+    return 2 * src.numel() / ms / 1e6
+
+
+def bench_batch(stack: DecoderStack, bsz: int, args, hbm: float | None) -> list[str]:
+    fused, step = FusedTalker(stack), Step(stack, bsz, args.context)
+    start = (step.cache.k.clone(), step.cache.v.clone())
+    with torch.no_grad():
+        want, got = step.run(stack), step.run(fused.forward)
+    rel = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    lines = [f"### batch {bsz} (context {args.context})", "",
+             f"fused vs eager hidden: max |diff| / max |eager| = {rel:.2e}"]
+    if not torch.cuda.is_available():
+        return lines + ["(no CUDA: correctness only)", ""]
+    timer = Timer(torch.device("cuda"), args.iters, eager_iters=1)
+    with torch.no_grad():
+        eager_graph, _ = capture_with_outputs(lambda: step.run(stack))
+        fused_graph, fused_out = capture_with_outputs(lambda: step.run(fused.forward))
+        for cache, saved in zip((step.cache.k, step.cache.v), start):
+            cache.copy_(saved)
+        fused_graph.replay()
+        replayed = fused_out.clone()
+        same = torch.equal(replayed, step.run(fused.forward))
+        ms = {"eager": timer.graph(eager_graph.replay), "fused": timer.graph(fused_graph.replay)}
+        launches = {"eager": kernels_launched(lambda: step.run(stack)),
+                    "fused": kernels_launched(lambda: step.run(fused.forward))}
+        per_kernel = [(name, n, 1e3 * timer.graph(capture(fn).replay))
+                      for name, n, fn in layer_launches(stack, step)]
+    layers = stack.cfg.num_layers
+    lines += [f"fused graph replay == fused eager: {same}", "",
+              "| forward | ms | ms / layer | kernels |", "|---|---:|---:|---:|"]
+    lines += [f"| {k} | {ms[k]:.3f} | {ms[k] / layers:.4f} | {launches[k]} |" for k in ms]
+    pct = lambda gbps: f"{100 * gbps / hbm:.0f} %" if hbm else "-"  # noqa: E731
+    lines += ["", f"| fused launch (layer 0, alone in a graph) | us | MB | GB/s | of HBM ({hbm:.0f}"
+              f" GB/s) |", "|---|---:|---:|---:|---:|"]
+    for name, n, us in per_kernel:
+        lines.append(f"| {name} | {us:.1f} | {n / 1e6:.2f} | {n / us / 1e3:.0f} | "
+                     f"{pct(n / us / 1e3)} |")
+    layer_bytes = sum(n for _, n, _ in per_kernel)
+    us_layer = 1e3 * ms["fused"] / layers
+    lines += [f"| per layer, in the fused forward | {us_layer:.1f} | {layer_bytes / 1e6:.2f} | "
+              f"{layer_bytes / us_layer / 1e3:.0f} | {pct(layer_bytes / us_layer / 1e3)} |", ""]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", choices=("full", "tiny"), default="full")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--context", type=int, default=300, help="keys each row attends over")
+    p.add_argument("--layers", type=int, default=None, help="layers of the stack (default: all)")
+    p.add_argument("--iters", type=int, default=50)
+    args = p.parse_args(argv)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    stack = random_stack(args.scale, args.layers, dtype, args.device)
+    cuda = torch.cuda.is_available()
+    hbm = hbm_gbps(Timer(torch.device("cuda"), args.iters, eager_iters=1)) if cuda else None
+    head = [f"# talker decode: fused kernels vs eager ({args.scale}, {stack.cfg.num_layers} layers,"
+            f" {dtype}, {torch.cuda.get_device_name() if cuda else 'cpu'})", ""]
+    lines = head + [line for bsz in args.batches for line in bench_batch(stack, bsz, args, hbm)]
+    emit("\n".join(lines), "talker_bench.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
