@@ -102,7 +102,7 @@ def perturb_(module: torch.nn.Module, scale: float, seed: int = 0) -> None:
             p.add_((scale * p.float().std() * noise.to(p.device)).to(p.dtype))
 
 
-def load_side(path: Path, dtype: torch.dtype, device: str, fused_code_predictor: bool = False,
+def load_side(path: Path, dtype: torch.dtype, device: str, fused_code_predictor: int = 0,
               codec_kernels: bool = False, perturb: float = 0.0) -> Side:
     """The checkpoint at `dtype` on `device` (the switches: see the module docstring)."""
     ckpt = load_checkpoint(path, dtype, device)
@@ -242,9 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None,
                    help="the low side's; default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--frames", type=int, default=200)
-    p.add_argument("--fused-code-predictor", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.fused_code_predictor,
-                   help="low side: EngineConfig.fused_code_predictor")
+    p.add_argument("--fused-code-predictor", type=int, default=EngineConfig.fused_code_predictor,
+                   metavar="MAX_BATCH", help="low side: EngineConfig.fused_code_predictor (0: the eager passes)")
     p.add_argument("--codec-kernels", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.codec_kernels, help="low side: EngineConfig.codec_kernels")
     p.add_argument("--perturb", type=float, default=0.0,
@@ -285,7 +284,9 @@ def measure(args: argparse.Namespace, path: Path) -> dict:
 
 def config_name(args: argparse.Namespace) -> str:
     """The low side's switches that are on (and the perturbation), or "default"."""
-    on = [n for n in ("fused_code_predictor", "codec_kernels") if getattr(args, n)]
+    on = [n for n in ("codec_kernels",) if getattr(args, n)]
+    if args.fused_code_predictor:
+        on.append(f"fused_code_predictor={args.fused_code_predictor}")
     if args.perturb:
         on.append(f"perturb{args.perturb:g}")
     return "+".join(on) or "default"

@@ -68,9 +68,11 @@ class EngineConfig:
                          on the H200 it made the decode step 20-25% faster at batch 64-128, but served
                          greedy TTFA p50 at 16 streams rose from ~123 to ~198 ms in an A/B (4 runs each),
                          cause not yet found (perf/results/RESULTS.md)
-    fused_code_predictor run the code predictor's 15 passes through its fused kernels (kernels/code_predictor.py,
-                         23 launches a pass) where the kernels serve the device. Off until measured on the
-                         H200 (perf/bench_code_predictor.py: fused vs eager time and launches per pass)
+    fused_code_predictor the largest decode bucket whose code predictor runs its 15 passes through the fused
+                         kernels (kernels/code_predictor.py, 23 launches a pass; where the kernels serve the
+                         device); larger buckets run the eager passes; 0: never. 32: on the H200 (1.7B, bf16,
+                         graphs) the fused passes made the step 1.4-2.1 ms faster at batch 1-16, 0.6 ms at 32
+                         and 2.5 ms slower at 64 (perf/results/RESULTS.md)
     fused_talker         run the talker's decode forward through its fused kernels (models/talker_fused.py, 5
                          launches per layer) where the kernels serve the device; prefill stays eager. Off
                          until measured on the H200 (perf/bench_engine.py --fused-talker)
@@ -102,7 +104,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     prefill_graphs: bool = True
     codec_kernels: bool = False
-    fused_code_predictor: bool = False
+    fused_code_predictor: int = 32
     fused_talker: bool = False
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
@@ -135,8 +137,9 @@ class EngineConfig:
         need(list(bs) == sorted(set(bs)), f"graph_batch_sizes must be strictly increasing, got {bs}")
         need(self.fault_injection_seed is None or os.environ.get(TEST_HOOKS_ENV) == "1",
              f"fault_injection_seed is a test hook: refused unless {TEST_HOOKS_ENV}=1")
-        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fused_code_predictor",
-                     "fused_talker"):
+        need(type(self.fused_code_predictor) is int and self.fused_code_predictor >= 0,
+             f"fused_code_predictor must be an int >= 0 (a batch size), got {self.fused_code_predictor!r}")
+        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fused_talker"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # --- derived values ---------------------------------------------------------------------------

@@ -51,13 +51,14 @@ class CodePredictor(nn.Module):
         self._embed_c0 = embed_c0  # the talker's codec embedding C(.), not a submodule
         self._cache: PagedKVCache | None = None
         self._fused: FusedCodePredictor | None = None
+        self._fused_max_batch = 0
 
-    def use_fused(self, on: bool) -> None:
-        """`generate` through the fused kernels (models/code_predictor_fused.py) where they serve
-        the inputs' device (EngineConfig.fused_code_predictor); off, or without triton: the eager
-        passes below."""
-        self._fused = None
-        if on and kernels.HAS_TRITON:
+    def use_fused(self, max_batch: int) -> None:
+        """`generate` of at most `max_batch` rows through the fused kernels (models/code_predictor_fused.py)
+        where they serve the inputs' device (EngineConfig.fused_code_predictor); larger batches, 0, or no
+        triton: the eager passes below."""
+        self._fused, self._fused_max_batch = None, max_batch
+        if max_batch and kernels.HAS_TRITON:
             from q3tts.models.code_predictor_fused import FusedCodePredictor  # imports triton
 
             self._fused = FusedCodePredictor(self)
@@ -85,7 +86,8 @@ class CodePredictor(nn.Module):
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """past_hidden [B, H] (talker final-normed hidden), c0 [B] ->
         codes [B, 15] int64 (c1..c15), next_input [B, H] = C(c0) + sum_g codec_embedding[g-1](c_g)."""
-        if self._fused is not None and self._fused.serves(past_hidden):
+        if (self._fused is not None and c0.shape[0] <= self._fused_max_batch
+                and self._fused.serves(past_hidden)):
             return self._fused.generate(past_hidden, c0, sampler)
         bsz = c0.shape[0]
         cache = self._kv(bsz, past_hidden)

@@ -173,9 +173,9 @@ def fused_calls(monkeypatch) -> list[int]:
 
 def test_fused_code_predictor_generates_the_eager_codes(fused_calls, monkeypatch):
     """fp32, the tiny 0.6B preset (no input projection: embedding rows straight in): after
-    use_fused(True), generate runs the fused passes (Triton interpreter on CPU) and gives the eager
+    use_fused(2), generate of 2 rows runs the fused passes (Triton interpreter on CPU) and gives the eager
     passes' codes c1..c15 and next input; a greedy row, and a top-p row whose FULL-mode draws go
-    through warp_and_draw with the same uniforms."""
+    through warp_and_draw with the same uniforms. With use_fused(1) the 2 rows run the eager passes."""
     talker = _tiny_talker("0.6b")
     cp = talker.code_predictor
     inp = Inputs(DEVICE, 10)
@@ -188,7 +188,10 @@ def test_fused_code_predictor_generates_the_eager_codes(fused_calls, monkeypatch
         monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")  # the eager passes on the torch references
         want_codes, want_next = cp.generate(past_hidden, c0, SubtalkerSampler(params, u))
         monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
-        cp.use_fused(True)
+        cp.use_fused(1)
+        cp.generate(past_hidden, c0, SubtalkerSampler(params, u))
+        assert fused_calls == []  # more rows than the fused batch bound: eager
+        cp.use_fused(2)
         got_codes, got_next = cp.generate(past_hidden, c0, SubtalkerSampler(params, u))
     assert fused_calls == [1] and got_codes.shape == (len(rows), 15)
     assert torch.equal(got_codes, want_codes) and torch.equal(got_next, want_next)
@@ -241,13 +244,13 @@ def test_engine_fused_code_predictor_switch(tmp_path, fused_calls, monkeypatch):
     """EngineConfig.fused_code_predictor (tiny 1.7B, with its input projection, fp32): a greedy and
     a sampled (TOPK) sequence make the same two frames as with the eager passes (frame 1's c0 comes
     from the talker fed with the fused passes' next input)."""
-    assert EngineConfig().fused_code_predictor is False
-    with pytest.raises(ValueError, match="fused_code_predictor must be true or false"):
-        EngineConfig(fused_code_predictor="yes")
+    for bad in ("yes", True, -1):
+        with pytest.raises(ValueError, match="fused_code_predictor must be an int >= 0"):
+            EngineConfig(fused_code_predictor=bad)
     ckpt_dir = make_checkpoint(tmp_path / "cv", "custom_voice", "1.7b", "tiny", seed=0)
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")
-    want = _engine_frames(ckpt_dir, fused=False)
+    want = _engine_frames(ckpt_dir, fused=0)
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
-    got = _engine_frames(ckpt_dir, fused=True)
+    got = _engine_frames(ckpt_dir, fused=2)
     assert len(fused_calls) == 2 and sorted(got) == ["s0", "s1"]
     assert got == want
