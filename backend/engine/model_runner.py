@@ -8,7 +8,7 @@ decode bucket like a decode step. One decode step (`decode_rows`), for rows [:bu
 `GraphBuffers` (all state in place, no host sync, so it is one CUDA graph per bucket on CUDA):
 
     c1..c15 = code_predictor(past_hidden[slot], last_c0[slot])        uniforms(seed, t)[:, 1:]
-    frame   = (last_c0, c1..c15)  -> streaming codec -> pcm [1920]
+    frame   = (last_c0, c1..c15)  -> streaming codec -> pcm [1920]     on CUDA on its own stream, beside:
     x       = C(c0) + sum_g E_g(c_g) + (text_queue[slot, t] if t < text_len else E_pad)
     hidden  = talker(x @ position, paged KV)  -> logits -> c0_next     uniforms(seed, t + 1)[:, 0]
     faults  = slot_faults[slot] | (any of the 16 draws had non-finite scores)
@@ -101,11 +101,15 @@ class ModelRunner:
         assert config.num_pages is not None, "EngineConfig.resolve() first"
         self.model, self.talker, self.codec, self.config = model, model.talker, codec, config
         self.talker.code_predictor.use_fused(config.fused_code_predictor)
+        self.talker.use_fused(config.fused_talker)
         tc = model.config.talker
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.groups = tc.num_code_groups
         self.samples_per_frame = codec.samples_per_frame if codec is not None else 0
+        # the codec's own stream: a step decodes its frame's audio beside its talker half (`_decode_audio`)
+        self.codec_stream = (torch.cuda.Stream(self.device) if codec is not None and self.device.type == "cuda"
+                             else None)
         lc = tc.layers
         self.kv = PagedKVCache(lc.num_layers, config.num_pages + 1, config.page_size, lc.num_kv_heads,
                                lc.head_dim, self.dtype, self.device)
@@ -346,19 +350,36 @@ class ModelRunner:
             context_lens=row.context_len.int(), generated=st.rep_mask[sl], num_generated=row.frame + 1,
             seeds=st.seed[sl], counters=row.frame)
         faults = self.slot_faults[sl]  # [B] a fault of the row's prefill draw is reported with this step
-        result = step.decode_step(self.talker, self.kv, batch, self.talker_params(sl, mode),
-                                  self.sub_params(sl, mode), self.uniform_source, faults)
-        frames, c0_next, hidden = result.codes, result.next_c0, result.hidden  # [B, 16], [B], [B, H]
+        buf.frames[:bs], next_input = step.predict_frame(self.talker, batch, self.sub_params(sl, mode),
+                                                         self.uniform_source, faults)  # [B, 16], [B, H]
+        self._decode_audio(bs, sl)
+        c0_next, hidden = step.advance(self.talker, self.kv, batch, next_input, self.talker_params(sl, mode),
+                                       self.uniform_source, faults)  # [B], [B, H]
         buf.faults[:bs] = faults
-        buf.frames[:bs] = frames
         buf.c0_next[:bs] = c0_next
-        if self.codec is not None:
-            buf.pcm[:bs] = self.codec.decode_frame(sl, frames).float()
+        if self.codec_stream is not None:  # join the audio branch
+            torch.cuda.current_stream(self.device).wait_stream(self.codec_stream)
         # the slots' talker state last, after all work that can fail: a failed step leaves it as it was
         # (what a retry of its rows reads: engine/isolation.py)
         st.last_c0[sl] = c0_next
         st.past_hidden[sl] = hidden
         _mark_generated(st.rep_mask, sl, c0_next)
+
+
+    def _decode_audio(self, bs: int, sl: torch.Tensor) -> None:
+        """pcm [:bs] of the frames [:bs] in the step's buffers (slots `sl` [bs]). On CUDA the codec runs on its
+        own stream, forked here, beside the talker half of the step (the step joins it before the talker state
+        is written; captured into the step's graph as two branches): the codec reads only the static frames
+        and slots and its own state."""
+        if self.codec is None:
+            return
+        frames, pcm = self.buf.frames[:bs], self.buf.pcm[:bs]
+        if self.codec_stream is None:
+            pcm.copy_(self.codec.decode_frame(sl, frames))
+            return
+        self.codec_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.codec_stream):
+            pcm.copy_(self.codec.decode_frame(sl, frames))
 
 
 def _cache_slots(pages: list[int], start: int, stop: int, page_size: int) -> np.ndarray:

@@ -3,8 +3,9 @@
 `prefill_batch` runs the prompts of several sequences as one ragged forward (rows back to back,
 positions restarting at 0, block-diagonal causal attention) and draws each one's first c0;
 `prefill` is its one-sequence case. `decode_step` advances B sequences by one
-frame each: code predictor (c1..c15 of frame t from `past_hidden` and c0[t]) -> talker step at the
-frame's position with input `next_input + text_row` -> c0[t+1]. The caller owns all bookkeeping:
+frame each: code predictor (c1..c15 of frame t from `past_hidden` and c0[t]: `predict_frame`) -> talker
+step at the frame's position with input `next_input + text_row` -> c0[t+1] (`advance`; the two halves are
+separate so that a caller can decode the frame's audio while the talker runs). The caller owns all bookkeeping:
 positions, pages, the c0 history mask, the text queue and stopping (c0 == EOS ends a sequence
 without a frame; see spec b.4).
 Uniform column 0 of counter t draws c0[t]; columns 1..15 of counter t draw c1..c15 of frame t.
@@ -133,14 +134,31 @@ def decode_step(talker: Talker, cache: PagedKVCache, batch: DecodeBatch, params:
                 cp_params: SamplingTensors, uniform_source: UniformSource,
                 faults: torch.Tensor | None = None) -> StepResult:
     """Advance every row by one frame (see module docstring); static shapes for a given B."""
+    codes, next_input = predict_frame(talker, batch, cp_params, uniform_source, faults)
+    next_c0, hidden = advance(talker, cache, batch, next_input, params, uniform_source, faults)
+    return StepResult(codes=codes, next_c0=next_c0, hidden=hidden)
+
+
+def predict_frame(talker: Talker, batch: DecodeBatch, cp_params: SamplingTensors,
+                  uniform_source: UniformSource, faults: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first half of a decode step: the code predictor -> codes [B, 16] of frame t (c0[t] first) and
+    the talker's next input [B, H] (the frame's summed embeddings)."""
     u_frame = uniform_source(batch.seeds, batch.counters)  # [B, 16]
     codes, next_input = talker.code_predictor.generate(
         batch.past_hidden, batch.c0, SubtalkerSampler(cp_params, u_frame, faults))
+    return torch.cat((batch.c0[:, None], codes), dim=1), next_input
+
+
+def advance(talker: Talker, cache: PagedKVCache, batch: DecodeBatch, next_input: torch.Tensor,
+            params: SamplingTensors, uniform_source: UniformSource, faults: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second half: the talker step on next_input [B, H] + the text row -> c0[t+1] [B] and its
+    hidden [B, H]."""
     ctx = DecodeContext(cache, batch.slot_mapping, batch.block_tables, batch.context_lens,
                         talker.attn_scale)
     hidden = talker(next_input + batch.text, batch.positions, ctx)  # [B, H]
     u_next = uniform_source(batch.seeds, batch.counters + 1)[:, 0]  # [B]
     next_c0 = sample_talker(talker.logits(hidden), params, talker_rules(talker), batch.generated,
                             batch.num_generated, u_next, faults)
-    return StepResult(codes=torch.cat((batch.c0[:, None], codes), dim=1), next_c0=next_c0,
-                      hidden=hidden)
+    return next_c0, hidden
