@@ -239,6 +239,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     bsz, num_heads, head_dim = q.shape
+    _, page_size, num_kv, _ = k_cache.shape
     out = torch.empty(bsz, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
