@@ -64,10 +64,9 @@ class EngineConfig:
                          c0 draw, prompts packed into 64..4096-row token buckets, engine/prefill_graph.py)
                          on CUDA; a step past the largest bucket runs eagerly (ignored on CPU)
     codec_kernels        run the codec's convs and SnakeBeta through q3tts.kernels (Triton conv timed
-                         against cuDNN per shape in the graph warm-up, fused SnakeBeta). Off by default:
-                         on the H200 it made the decode step 20-25% faster at batch 64-128, but served
-                         greedy TTFA p50 at 16 streams rose from ~123 to ~198 ms in an A/B (4 runs each),
-                         cause not yet found (perf/results/RESULTS.md)
+                         against cuDNN per shape in the graph warm-up, fused SnakeBeta; on CPU their torch
+                         references). On the H200 served at 64 streams: 247-249 audio-s/s against 198-199
+                         off, first audio no later (two interleaved A/B rounds, perf/results/RESULTS.md)
     fused_code_predictor the largest decode bucket whose code predictor runs its 15 passes through the fused
                          kernels (kernels/code_predictor.py, 23 launches a pass; where the kernels serve the
                          device); larger buckets run the eager passes; 0: never. 32: on the H200 (1.7B, bf16,
@@ -103,7 +102,7 @@ class EngineConfig:
     device: str = "cuda"
     use_cuda_graphs: bool = True
     prefill_graphs: bool = True
-    codec_kernels: bool = False
+    codec_kernels: bool = True
     fused_code_predictor: int = 32
     fused_talker: bool = False
     voice_cache_bytes: int = 256 << 20
