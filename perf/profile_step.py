@@ -8,7 +8,7 @@ H200 (the default): python3 perf/profile_step.py            (~2-4 min with the c
       talker_head     codec head -> fp32 logits
       talker_sample   sample_talker (rep. penalty, EOS/suppress, temp, top-k, top-p, draw)
       cp_generate     code predictor: 15 passes + 15 subtalker samples (what the step runs)
-      cp_passes       the same 15 passes with an argmax sampler (passes alone)
+      cp_passes       the same 15 passes with greedy draws (an argmax: the passes nearly alone)
       sub_sample_x15  15 x warp_and_draw on [B, codebook] logits (subtalker sampling alone, the
                       step's sampling mode: TOPK for default parameters)
       sub_sample_full_x15  the same with the reference FULL (two-sort) sampling
@@ -30,6 +30,7 @@ CPU check:          python3 perf/profile_step.py --scale tiny --device cpu --bat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -46,7 +47,7 @@ from q3tts.engine.cuda_graph import DecodeMeta  # noqa: E402
 from q3tts.engine.engine import Engine  # noqa: E402
 from q3tts.models import step as model_step  # noqa: E402
 from q3tts.models.attention import DecodeContext  # noqa: E402
-from q3tts.models.sampling import FULL, SubtalkerSampler, sample_talker, warp_and_draw  # noqa: E402
+from q3tts.models.sampling import FULL, GREEDY, SubtalkerSampler, sample_talker, warp_and_draw  # noqa: E402
 
 
 # --------------------------------------------------------------------------- timing
@@ -169,8 +170,10 @@ def components(engine: Engine, bs: int) -> list[Component]:
         o_codes.copy_(codes)
         o_next.copy_(nxt)
 
-    def cp_passes():
-        codes, _ = cp.generate(past, c0, lambda logits, group: logits.argmax(-1))
+    greedy = dataclasses.replace(sparams, greedy=torch.ones_like(sparams.greedy)).with_mode(GREEDY)
+
+    def cp_passes():  # greedy draws: an argmax per pass (fused or eager, as the step runs it)
+        codes, _ = cp.generate(past, c0, SubtalkerSampler(greedy, u_frame))
         o_codes2.copy_(codes)
 
     def sub_sample():
