@@ -154,10 +154,9 @@ ENGINE_CSV_COLUMNS = ("batch", "ms_per_step", "audio_s_per_s", "kernels_per_step
 
 def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
-    on = [n for n in ("codec_kernels", "fused_talker") if getattr(args, n)]
-    if args.fused_code_predictor != EngineConfig.fused_code_predictor:
-        on.append(f"fused_code_predictor={args.fused_code_predictor}")
-    return "+".join(on) or "default"
+    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "fused_code_predictor", "fused_talker")
+               if getattr(args, n) != getattr(EngineConfig, n)]
+    return "+".join(n if v is True else f"no_{n}" if v is False else f"{n}={v}" for n, v in changed) or "default"
 
 
 def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
@@ -167,11 +166,12 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--batches", type=int, nargs="+", default=batches)
-    p.add_argument("--codec-kernels", action="store_true", help="EngineConfig.codec_kernels (Triton conv/SnakeBeta)")
+    p.add_argument("--codec-kernels", action=argparse.BooleanOptionalAction, default=EngineConfig.codec_kernels,
+                   help="EngineConfig.codec_kernels (Triton conv/SnakeBeta)")
     p.add_argument("--fused-code-predictor", type=int, default=EngineConfig.fused_code_predictor,
                    metavar="MAX_BATCH", help="EngineConfig.fused_code_predictor: the largest bucket whose code "
                    "predictor runs its fused Triton kernels (0: never)")
-    p.add_argument("--fused-talker", action="store_true",
+    p.add_argument("--fused-talker", action=argparse.BooleanOptionalAction, default=EngineConfig.fused_talker,
                    help="EngineConfig.fused_talker (the talker's decode layers in 5 Triton launches each)")
 
 

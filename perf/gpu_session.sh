@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device-tool call on the H200 (build the carry first: bash perf/gpu_carry.sh): run the GPU tests and every benchmark,
 # leave tables and logs under $OUT. Usage (device tool, carry [".gpu"]): bash perf/gpu_session.sh [steps...]
-# steps: env kernels kbench codec codec_layers engine engine_ck serve (default: all but codec_layers, engine_ck, serve)
-# (engine_ck: the engine bench with EngineConfig.codec_kernels)
+# steps: env kernels kbench codec codec_layers engine engine_nock serve (default: all but codec_layers, engine_nock, serve)
+# (engine_nock: the engine bench with EngineConfig.codec_kernels off, the torch codec)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -23,7 +23,7 @@ for s in "${steps[@]}"; do case $s in
   engine) run engine_test python3 -m pytest -q -x tests/engine -m gpu -p no:cacheprovider
           run engine_bench python3 perf/bench_engine.py ;;
   codec_layers) run codec_layers python3 perf/bench_codec_layers.py ;;
-  engine_ck) run engine_bench_codec_kernels python3 perf/bench_engine.py --codec-kernels ;;
+  engine_nock) run engine_bench_no_codec_kernels python3 perf/bench_engine.py --no-codec-kernels ;;
   serve) run serve_bench bash perf/gpu_serve.sh ;;
   *) echo "unknown step $s"; failed=1 ;;
 esac; done
