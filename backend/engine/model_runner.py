@@ -365,7 +365,6 @@ class ModelRunner:
         st.past_hidden[sl] = hidden
         _mark_generated(st.rep_mask, sl, c0_next)
 
-
     def _decode_audio(self, bs: int, sl: torch.Tensor) -> None:
         """pcm [:bs] of the frames [:bs] in the step's buffers (slots `sl` [bs]). On CUDA the codec runs on its
         own stream, forked here, beside the talker half of the step (the step joins it before the talker state
@@ -373,13 +372,10 @@ class ModelRunner:
         and slots and its own state."""
         if self.codec is None:
             return
-        frames, pcm = self.buf.frames[:bs], self.buf.pcm[:bs]
-        if self.codec_stream is None:
-            pcm.copy_(self.codec.decode_frame(sl, frames))
-            return
-        self.codec_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.codec_stream):
-            pcm.copy_(self.codec.decode_frame(sl, frames))
+        if self.codec_stream is not None:
+            self.codec_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.codec_stream):  # None (CPU): in line
+            self.buf.pcm[:bs].copy_(self.codec.decode_frame(sl, self.buf.frames[:bs]))
 
 
 def _cache_slots(pages: list[int], start: int, stop: int, page_size: int) -> np.ndarray:
