@@ -28,7 +28,9 @@ argmax of the code-predictor heads. Its codes drive the figures:
              once, as the engine decodes), low vs reference: 10·log10(Σ ref² / Σ (low − ref)²) over
              the concatenated PCM, in dB (inf: bit-equal); gate >= 35 dB.
 `--perturb S` adds S·std(w) Gaussian noise to every weight of the low side (talker and codec): the
-gates' own check. `--gates`: exit 1 when a gate fails. Prints a markdown table ($OUT/fidelity.md
+gates' own check. `--fp32-residual` (an experiment, where the low side runs the torch references: CPU, or
+Q3TTS_KERNELS=torch): its residual adds keep the residual stream in fp32 (the normed rows that feed the
+GEMMs stay in the low dtype), instead of rounding it to the low dtype as the official model does. `--gates`: exit 1 when a gate fails. Prints a markdown table ($OUT/fidelity.md
 when OUT is set); on CUDA appends a row to perf/results/fidelity.csv (and $OUT/fidelity.csv).
 """
 
@@ -49,6 +51,7 @@ from bench_engine import TEXT, make_model
 from report import append_csv, emit
 
 from q3tts import kernels
+from q3tts.kernels import reference
 from q3tts.checkpoint.loader import load_checkpoint
 from q3tts.codec.decoder import CodecDecoder
 from q3tts.codec.streaming import StreamingDecoder
@@ -90,6 +93,26 @@ def reference_math():
         else:
             os.environ["Q3TTS_KERNELS"] = saved[0]
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[1:]
+
+
+@contextlib.contextmanager
+def fp32_residual(on: bool):
+    """`--fp32-residual`: while open, the torch reference of the fused residual add + RMSNorm keeps
+    h = x + residual in fp32 and rounds only the normed rows to x.dtype (before the weight, as
+    `rms_norm_ref` does)."""
+    saved = reference.add_rms_norm_ref
+
+    def add_rms_norm(x, residual, weight, eps):
+        hidden = x.float() + residual.float()  # [..., D] fp32: the residual stream
+        normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(x.dtype), hidden
+
+    if on:
+        reference.add_rms_norm_ref = add_rms_norm
+    try:
+        yield
+    finally:
+        reference.add_rms_norm_ref = saved
 
 
 @torch.no_grad()
@@ -248,8 +271,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=EngineConfig.codec_kernels, help="low side: EngineConfig.codec_kernels")
     p.add_argument("--perturb", type=float, default=0.0,
                    help="noise scale on the low side's weights (the gates' check)")
+    p.add_argument("--fp32-residual", action="store_true",
+                   help="experiment: the low side's residual stream in fp32 (torch references only)")
     p.add_argument("--gates", action="store_true", help="exit 1 when a gate fails")
     args = p.parse_args(argv)
+    if args.fp32_residual and kernels.use_triton(torch.empty(0, device=args.device)):
+        p.error("--fp32-residual changes the torch references only: run it on the CPU or with Q3TTS_KERNELS=torch")
     if args.frames < 1:
         p.error(f"--frames must be >= 1, got {args.frames}")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -273,7 +300,7 @@ def measure(args: argparse.Namespace, path: Path) -> dict:
     print(f"fp32 reference: {args.frames} frames + codec in {t1 - t0:.1f} s", flush=True)
     low = load_side(path, getattr(torch, args.dtype), args.device, args.fused_code_predictor,
                     args.codec_kernels, args.perturb)
-    with kernels.tuning():
+    with kernels.tuning(), fp32_residual(args.fp32_residual):
         forced_logits, _ = run_talker(low, args.frames, forced=ref_codes)
         _, free_codes = run_talker(low, args.frames)
         low_pcm = stream_pcm(low.codec, ref_codes)
@@ -289,6 +316,8 @@ def config_name(args: argparse.Namespace) -> str:
         on.append(f"fused_code_predictor={args.fused_code_predictor}")
     if args.perturb:
         on.append(f"perturb{args.perturb:g}")
+    if args.fp32_residual:
+        on.append("fp32_residual")
     return "+".join(on) or "default"
 
 
