@@ -11,11 +11,13 @@ from typing import NamedTuple
 import torch
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim. x: [..., D], weight: [D] -> [..., D] in x.dtype."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim. x: [..., D], weight: [D] -> [..., D]: the normalised value rounded to
+    `dtype` (default x.dtype), then times the weight (in promote(dtype, weight.dtype))."""
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    return weight * normed.to(dtype or x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
@@ -136,9 +138,10 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused residual add + RMSNorm: h = x + residual (in x.dtype) -> (rms_norm_ref(h), h)."""
-    hidden = x + residual
-    return rms_norm_ref(hidden, weight, eps), hidden
+    """Fused residual add + RMSNorm: h = x + residual in residual's dtype (x.dtype, or float32 for a
+    residual stream kept in fp32) -> (rms_norm_ref of h rounded to x.dtype, h)."""
+    hidden = (x + residual).to(residual.dtype)
+    return rms_norm_ref(hidden, weight, eps, x.dtype), hidden
 
 
 def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

@@ -2,7 +2,8 @@
 
 Numerics of `rms_norm_ref`: statistics in fp32, normalised value rounded to x.dtype, then
 the weight multiply (rounded to the promoted dtype, as torch does). The fused residual add rounds
-x + residual to x.dtype first, like the eager `hidden = hidden + residual`.
+x + residual to the residual's dtype first: x.dtype, like the eager `hidden = hidden + residual`, or
+float32 for a residual stream kept in fp32 (the normalised value is still rounded to x.dtype).
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         r_offs = (outer * stride_r0 + (rows % inner) * stride_r1)[:, None] + cols[None, :]
         r = tl.load(res_ptr + r_offs, mask=mask, other=0.0)
-        # residual sum rounded to the activation dtype, as the eager add does
-        x = cast(x.to(tl.float32) + r.to(tl.float32), x.dtype)
-        tl.store(res_out_ptr + o_offs, x, mask=mask)
+        # residual sum rounded to the residual's dtype (the activation's, as the eager add does, or fp32)
+        h = cast(x.to(tl.float32) + r.to(tl.float32), res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + o_offs, h, mask=mask)
+        xf = h.to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
     # fp32 statistics
-    xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / DIM + eps)
-    normed = cast(xf * rstd[:, None], x.dtype).to(tl.float32)
+    normed = cast(xf * rstd[:, None], x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < DIM, other=0.0).to(tl.float32)
     tl.store(out_ptr + o_offs, cast(normed * w[None, :], out_ptr.dtype.element_ty), mask=mask)
 
@@ -62,8 +65,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """RMSNorm over the last dim, optionally of (x + residual).
 
     x: [..., D] (2-D [N, D] or QK-norm [N, heads, D]; last dim contiguous); weight: [D];
-    residual: None or like x. Returns out [..., D] in promote(x.dtype, weight.dtype) or, with a
-    residual, (out, new_residual) where new_residual = x + residual in x.dtype.
+    residual: None or shaped like x, in x.dtype or float32 (a residual stream kept in fp32). Returns out
+    [..., D] in promote(x.dtype, weight.dtype) or, with a residual, (out, new_residual) where
+    new_residual = x + residual in residual's dtype.
     """
     dim = x.shape[-1]
     assert weight.shape == (dim,), f"weight {tuple(weight.shape)} != ({dim},)"
@@ -72,14 +76,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     assert x.device == weight.device, f"x on {x.device}, weight on {weight.device}"
     assert dim <= 16384, f"feature dim {dim} > 16384 is not supported"
     if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype, \
-            f"residual {tuple(residual.shape)}/{residual.dtype} != x {tuple(x.shape)}/{x.dtype}"
+        assert residual.shape == x.shape and residual.dtype in (x.dtype, torch.float32), \
+            f"residual {tuple(residual.shape)}/{residual.dtype}: must be x's shape {tuple(x.shape)}, x's dtype or float32"
         assert residual.stride(-1) == 1, "residual last dim must be contiguous"
     x3 = _as_3d(x)
     r3 = _as_3d(residual) if residual is not None else x3
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    res_out = torch.empty_like(x, memory_format=torch.contiguous_format) \
-        if residual is not None else out
+    res_out = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else out
     n_rows = x3.shape[0] * x3.shape[1]
     block_d = triton.next_power_of_2(dim)
     block_r = max(1, min(16, 2048 // block_d))  # several short rows (QK-norm) per program

@@ -28,9 +28,9 @@ argmax of the code-predictor heads. Its codes drive the figures:
              once, as the engine decodes), low vs reference: 10·log10(Σ ref² / Σ (low − ref)²) over
              the concatenated PCM, in dB (inf: bit-equal); gate >= 35 dB.
 `--perturb S` adds S·std(w) Gaussian noise to every weight of the low side (talker and codec): the
-gates' own check. `--fp32-residual` (an experiment, where the low side runs the torch references: CPU, or
-Q3TTS_KERNELS=torch): its residual adds keep the residual stream in fp32 (the normed rows that feed the
-GEMMs stay in the low dtype), instead of rounding it to the low dtype as the official model does. `--gates`: exit 1 when a gate fails. Prints a markdown table ($OUT/fidelity.md
+gates' own check. `--fp32-residual`: the low side with EngineConfig.fp32_residual (the residual stream in
+fp32, the normed rows that feed the GEMMs in the low dtype; the fused code predictor off), instead of the
+stream rounded to the low dtype as the official model rounds it. `--gates`: exit 1 when a gate fails. Prints a markdown table ($OUT/fidelity.md
 when OUT is set); on CUDA appends a row to perf/results/fidelity.csv (and $OUT/fidelity.csv).
 """
 
@@ -51,7 +51,6 @@ from bench_engine import TEXT, make_model
 from report import append_csv, emit
 
 from q3tts import kernels
-from q3tts.kernels import reference
 from q3tts.checkpoint.loader import load_checkpoint
 from q3tts.codec.decoder import CodecDecoder
 from q3tts.codec.streaming import StreamingDecoder
@@ -95,26 +94,6 @@ def reference_math():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[1:]
 
 
-@contextlib.contextmanager
-def fp32_residual(on: bool):
-    """`--fp32-residual`: while open, the torch reference of the fused residual add + RMSNorm keeps
-    h = x + residual in fp32 and rounds only the normed rows to x.dtype (before the weight, as
-    `rms_norm_ref` does)."""
-    saved = reference.add_rms_norm_ref
-
-    def add_rms_norm(x, residual, weight, eps):
-        hidden = x.float() + residual.float()  # [..., D] fp32: the residual stream
-        normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * normed.to(x.dtype), hidden
-
-    if on:
-        reference.add_rms_norm_ref = add_rms_norm
-    try:
-        yield
-    finally:
-        reference.add_rms_norm_ref = saved
-
-
 @torch.no_grad()
 def perturb_(module: torch.nn.Module, scale: float, seed: int = 0) -> None:
     """Add scale·std(w)·N(0, 1) to every floating parameter w of `module`, in place (seeded)."""
@@ -126,7 +105,7 @@ def perturb_(module: torch.nn.Module, scale: float, seed: int = 0) -> None:
 
 
 def load_side(path: Path, dtype: torch.dtype, device: str, fused_code_predictor: int = 0,
-              codec_kernels: bool = False, perturb: float = 0.0) -> Side:
+              codec_kernels: bool = False, perturb: float = 0.0, fp32_residual: bool = False) -> Side:
     """The checkpoint at `dtype` on `device` (the switches: see the module docstring)."""
     ckpt = load_checkpoint(path, dtype, device)
     model = Qwen3TTS.from_checkpoint(ckpt)
@@ -134,7 +113,8 @@ def load_side(path: Path, dtype: torch.dtype, device: str, fused_code_predictor:
     if perturb:
         perturb_(model, perturb)
         perturb_(decoder, perturb, seed=1)
-    model.talker.code_predictor.use_fused(fused_code_predictor)
+    model.talker.keep_fp32_residual(fp32_residual)  # as ModelRunner: no fused passes with an fp32 stream
+    model.talker.code_predictor.use_fused(0 if fp32_residual else fused_code_predictor)
     speakers = sorted(model.config.talker.speaker_ids)
     if not speakers:
         raise SystemExit(f"--model {path}: no speakers; fidelity.py needs a CustomVoice checkpoint")
@@ -271,12 +251,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=EngineConfig.codec_kernels, help="low side: EngineConfig.codec_kernels")
     p.add_argument("--perturb", type=float, default=0.0,
                    help="noise scale on the low side's weights (the gates' check)")
-    p.add_argument("--fp32-residual", action="store_true",
-                   help="experiment: the low side's residual stream in fp32 (torch references only)")
+    p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=EngineConfig.fp32_residual,
+                   help="low side: EngineConfig.fp32_residual")
     p.add_argument("--gates", action="store_true", help="exit 1 when a gate fails")
     args = p.parse_args(argv)
-    if args.fp32_residual and kernels.use_triton(torch.empty(0, device=args.device)):
-        p.error("--fp32-residual changes the torch references only: run it on the CPU or with Q3TTS_KERNELS=torch")
     if args.frames < 1:
         p.error(f"--frames must be >= 1, got {args.frames}")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -299,8 +277,8 @@ def measure(args: argparse.Namespace, path: Path) -> dict:
     t1 = time.perf_counter()
     print(f"fp32 reference: {args.frames} frames + codec in {t1 - t0:.1f} s", flush=True)
     low = load_side(path, getattr(torch, args.dtype), args.device, args.fused_code_predictor,
-                    args.codec_kernels, args.perturb)
-    with kernels.tuning(), fp32_residual(args.fp32_residual):
+                    args.codec_kernels, args.perturb, args.fp32_residual)
+    with kernels.tuning():
         forced_logits, _ = run_talker(low, args.frames, forced=ref_codes)
         _, free_codes = run_talker(low, args.frames)
         low_pcm = stream_pcm(low.codec, ref_codes)

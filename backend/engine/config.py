@@ -75,6 +75,11 @@ class EngineConfig:
     fused_talker         run the talker's decode forward through its fused kernels (models/talker_fused.py, 5
                          launches per layer) where the kernels serve the device; prefill stays eager. Off
                          until measured on the H200 (perf/bench_engine.py --fused-talker)
+    fp32_residual        keep the residual stream of the talker and code predictor in fp32 (the normed rows
+                         that feed the GEMMs stay in `dtype`); the fused code predictor and talker are not
+                         used with it. Off: the official model's arithmetic (the stream rounded to bf16),
+                         which fails issue 11's bf16 fidelity gates on random weights; on, a CPU run of the
+                         real-size model passed them (perf/results/RESULTS.md). Not yet measured on the GPU
     voice_cache_bytes    device memory for the Base voices kept prepared (engine/voice_cache.py: x-vector,
                          reference codes, an ICL voice's primed codec stream; least recently used first
                          out). 256 MiB holds about 60 ICL voices of the released 1.7B in bfloat16 (a
@@ -105,6 +110,7 @@ class EngineConfig:
     codec_kernels: bool = True
     fused_code_predictor: int = 32
     fused_talker: bool = False
+    fp32_residual: bool = False
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
 
@@ -138,7 +144,7 @@ class EngineConfig:
              f"fault_injection_seed is a test hook: refused unless {TEST_HOOKS_ENV}=1")
         need(type(self.fused_code_predictor) is int and self.fused_code_predictor >= 0,
              f"fused_code_predictor must be an int >= 0 (a batch size), got {self.fused_code_predictor!r}")
-        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fused_talker"):
+        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fused_talker", "fp32_residual"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # --- derived values ---------------------------------------------------------------------------

@@ -14,7 +14,9 @@ RoPE reads cos/sin tables [max_positions, D] built once per (device, dtype) with
 kernel, instead of ~10 table kernels per forward and 5 eager ops per q/k.
 The residual stream is carried between layers as (x, residual) and added inside the next norm
 (`kernels.rms_norm(x, w, eps, residual)`): the add is done in the model dtype and rounded before the
-fp32 statistics, exactly the eager `h = x + residual; rms_norm(h)`.
+fp32 statistics, exactly the eager `h = x + residual; rms_norm(h)`. `DecoderStack.fp32_residual` (off:
+the official arithmetic) keeps the residual stream in fp32 instead; the normed rows that feed the GEMMs
+stay in the model dtype.
 
 Fused projections: `fuse_()` concatenates q/k/v and gate/up once into non-persistent buffers
 (`qkv_weight`, `gate_up_weight`) and re-points the released parameters at row slices of them, so the
@@ -231,6 +233,7 @@ class DecoderStack(nn.Module):
         self.max_positions = max_positions
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fp32_residual = False  # the residual stream in fp32 (EngineConfig.fp32_residual)
         self._rope: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
@@ -281,7 +284,8 @@ class DecoderStack(nn.Module):
                 attn: AttentionContext) -> torch.Tensor:
         """x [N, H], positions [N] -> final-normed hidden [N, H]."""
         cos, sin = self.rope(x.device, x.dtype)
-        residual = None
+        # an fp32 stream starts at 0: the first norm's h = x + 0 is x exactly, as without a residual
+        residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if self.fp32_residual else None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, cos, sin, attn)
         if residual is None:  # no layers

@@ -66,6 +66,11 @@ class Talker(nn.Module):
 
             self._fused = FusedTalker(self.model)
 
+    def keep_fp32_residual(self, on: bool) -> None:
+        """The residual streams of both stacks (talker, code predictor) in fp32 instead of the model dtype
+        (EngineConfig.fp32_residual). The fused decode paths carry a rounded stream: leave them off with it."""
+        self.model.fp32_residual = self.code_predictor.model.fp32_residual = on
+
     @property
     def attn_scale(self) -> float:
         return self.model.attn_scale

@@ -34,6 +34,24 @@ def test_rms_norm_matches_reference(dtype, shape, residual):
     assert_close_3way(out, out_pt, out_ref, dtype, f"rms_norm {dtype} {shape}")
 
 
+@pytest.mark.parametrize("shape", [(3, 80), (2, 2048)], ids=lambda s: "x".join(map(str, s)))
+def test_fp32_residual_stream_with_bf16_activations(shape):
+    """EngineConfig.fp32_residual: bf16 x + an fp32 residual -> the new residual in fp32, bit-equal to the
+    reference's unrounded sum (a kernel that rounds it to bf16, as the plain stream does, fails here), and
+    the normed rows in bf16 as the reference rounds them."""
+    torch.manual_seed(3)
+    x = torch.randn(shape, device=DEVICE).mul(3).to(torch.bfloat16)
+    w = torch.randn(shape[-1], device=DEVICE).to(torch.bfloat16)
+    r = torch.randn(shape, device=DEVICE).div(7)  # fp32, not representable in bf16
+    out, res = rmsnorm.rms_norm(x, w, 1e-6, residual=r)
+    out_pt, res_pt = add_rms_norm_ref(x, r, w, 1e-6)
+    assert res.dtype == res_pt.dtype == torch.float32 and torch.equal(res, res_pt)
+    assert not torch.equal(res, res.bfloat16().float())  # the stream really kept fp32 bits
+    out_ref, _ = add_rms_norm_ref(x.float(), r, w.float(), 1e-6)
+    assert out.dtype == out_pt.dtype == torch.bfloat16
+    assert_close_3way(out, out_pt, out_ref, torch.bfloat16, f"fp32-residual rms_norm {shape}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_qk_norm_on_strided_head_view(dtype):
     """QK-norm on q = a [N, NH, D] view of a fused qkv projection (row stride != NH * D)."""
