@@ -154,7 +154,8 @@ ENGINE_CSV_COLUMNS = ("batch", "ms_per_step", "audio_s_per_s", "kernels_per_step
 
 def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
-    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "fused_code_predictor", "fused_talker")
+    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "fused_code_predictor", "fused_talker",
+                                                "fp32_residual")
                if getattr(args, n) != getattr(EngineConfig, n)]
     return "+".join(n if v is True else f"no_{n}" if v is False else f"{n}={v}" for n, v in changed) or "default"
 
@@ -173,6 +174,8 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
                    "predictor runs its fused Triton kernels (0: never)")
     p.add_argument("--fused-talker", action=argparse.BooleanOptionalAction, default=EngineConfig.fused_talker,
                    help="EngineConfig.fused_talker (the talker's decode layers in 5 Triton launches each)")
+    p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=EngineConfig.fp32_residual,
+                   help="EngineConfig.fp32_residual (the residual stream in fp32)")
 
 
 def build_engine(args, frames: int) -> Engine:
@@ -187,7 +190,8 @@ def build_engine(args, frames: int) -> Engine:
                        kv_memory_fraction=0.5, graph_batch_sizes=buckets,
                        num_pages=None if args.device.startswith("cuda") else 2 * max_b * (frames + 300) // 16,
                        use_cuda_graphs=not args.no_cuda_graphs, codec_kernels=args.codec_kernels,
-                       fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker)
+                       fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker,
+                       fp32_residual=args.fp32_residual)
     model = make_model(args)
     t0 = time.perf_counter()
     engine = Engine(model, cfg)
