@@ -48,7 +48,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
-    """RMSNorm over the last dim of x [..., D] (weight [D]); with residual, returns
+    """RMSNorm over the last dim of x [..., D] (weight [D]); with residual (x.dtype or float32), returns
     (rms_norm(x + residual), x + residual). See kernels/rmsnorm.py."""
     if use_triton(x):
         return _rn.rms_norm(x, weight, eps, residual)

@@ -50,7 +50,8 @@ def _refuse_in_capture(what: str) -> None:
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim; statistics in fp32, rounded to the input dtype before the weight.
 
-    With `residual`, returns (rms_norm(x + residual), x + residual) (add in x.dtype)."""
+    With `residual`, returns (rms_norm(x + residual), x + residual) (the add in the residual's dtype: x.dtype,
+    or float32 for an fp32 residual stream)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
