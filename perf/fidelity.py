@@ -28,10 +28,11 @@ argmax of the code-predictor heads. Its codes drive the figures:
              once, as the engine decodes), low vs reference: 10·log10(Σ ref² / Σ (low − ref)²) over
              the concatenated PCM, in dB (inf: bit-equal); gate >= 35 dB.
 `--perturb S` adds S·std(w) Gaussian noise to every weight of the low side (talker and codec): the
-gates' own check. `--fp32-residual`: the low side with EngineConfig.fp32_residual (the residual stream in
-fp32, the normed rows that feed the GEMMs in the low dtype; the fused code predictor off), instead of the
-stream rounded to the low dtype as the official model rounds it. `--gates`: exit 1 when a gate fails. Prints a markdown table ($OUT/fidelity.md
-when OUT is set); on CUDA appends a row to perf/results/fidelity.csv (and $OUT/fidelity.csv).
+gates' own check. `--fp32-residual`: the low side with EngineConfig.fp32_residual (the residual stream
+in fp32, the normed rows that feed the GEMMs in the low dtype; the fused code predictor does not serve
+it), instead of the stream rounded to the low dtype as the official model rounds it. `--gates`: exit 1
+when a gate fails. Prints a markdown table ($OUT/fidelity.md when OUT is set); on CUDA appends a row to
+perf/results/fidelity.csv (and $OUT/fidelity.csv).
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ def load_side(path: Path, dtype: torch.dtype, device: str, fused_code_predictor:
     if perturb:
         perturb_(model, perturb)
         perturb_(decoder, perturb, seed=1)
-    model.talker.keep_fp32_residual(fp32_residual)  # as ModelRunner: no fused passes with an fp32 stream
-    model.talker.code_predictor.use_fused(0 if fp32_residual else fused_code_predictor)
+    model.talker.keep_fp32_residual(fp32_residual)
+    model.talker.code_predictor.use_fused(fused_code_predictor)
     speakers = sorted(model.config.talker.speaker_ids)
     if not speakers:
         raise SystemExit(f"--model {path}: no speakers; fidelity.py needs a CustomVoice checkpoint")

@@ -100,9 +100,9 @@ class ModelRunner:
                  uniform_source: UniformSource | None = None) -> None:
         assert config.num_pages is not None, "EngineConfig.resolve() first"
         self.model, self.talker, self.codec, self.config = model, model.talker, codec, config
-        self.talker.keep_fp32_residual(config.fp32_residual)  # the fused paths carry a rounded stream
-        self.talker.code_predictor.use_fused(0 if config.fp32_residual else config.fused_code_predictor)
-        self.talker.use_fused(config.fused_talker and not config.fp32_residual)
+        self.talker.keep_fp32_residual(config.fp32_residual)
+        self.talker.code_predictor.use_fused(config.fused_code_predictor)
+        self.talker.use_fused(config.fused_talker)
         tc = model.config.talker
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)

@@ -39,10 +39,10 @@ class FusedCodePredictor:
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, B, P, KVH, D] each
         self._counters: torch.Tensor | None = None
 
-    @staticmethod
-    def serves(x: torch.Tensor) -> bool:
-        """Whether the kernels run on x's device (else the caller takes the eager passes)."""
-        return kernels.use_triton(x)
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether the kernels run on x's device and the stack's residual stream is in the model dtype (their
+        epilogues round it there: an fp32 stream, `DecoderStack.fp32_residual`, takes the eager passes)."""
+        return kernels.use_triton(x) and not self.cp.model.fp32_residual
 
     def _workspace(self, batch: int, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                  torch.Tensor]:

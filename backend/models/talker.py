@@ -68,7 +68,8 @@ class Talker(nn.Module):
 
     def keep_fp32_residual(self, on: bool) -> None:
         """The residual streams of both stacks (talker, code predictor) in fp32 instead of the model dtype
-        (EngineConfig.fp32_residual). The fused decode paths carry a rounded stream: leave them off with it."""
+        (EngineConfig.fp32_residual). The fused decode paths round the stream, so they do not serve it (the
+        eager stacks run)."""
         self.model.fp32_residual = self.code_predictor.model.fp32_residual = on
 
     @property

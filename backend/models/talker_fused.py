@@ -47,10 +47,10 @@ class FusedTalker:
         self.stack = stack
         self._counters: torch.Tensor | None = None
 
-    @staticmethod
-    def serves(x: torch.Tensor) -> bool:
-        """Whether the kernels run on x's device (else the caller takes the eager stack)."""
-        return kernels.use_triton(x)
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether the kernels run on x's device and the stack's residual stream is in the model dtype (their
+        epilogues round it there: an fp32 stream, `DecoderStack.fp32_residual`, takes the eager stack)."""
+        return kernels.use_triton(x) and not self.stack.fp32_residual
 
     def _workspace(self, batch: int, ref: torch.Tensor) -> torch.Tensor:
         """The kernels' ticket counters (int32 zeros) for >= batch rows: one per (row block, output
