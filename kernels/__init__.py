@@ -4,6 +4,23 @@ Same signatures as `q3tts.kernels.reference` (plus the fused-residual / in-place
 Dispatch: Triton when the tensor is on CUDA and triton imports (`Q3TTS_KERNELS=torch` forces the
 reference), or on CPU when `TRITON_INTERPRET=1` and `Q3TTS_TRITON_ON_CPU=1` (tests, debugging).
 Call `warmup(...)` once before CUDA-graph capture so that nothing compiles or tunes inside it.
+
+Batch invariance (`set_batch_invariant(True)`, process-wide; off by default): a row's result then
+depends neither on how many rows share a launch nor on what they hold. Per kernel:
+  by construction  rms_norm (a row's statistics inside one program, tiles set by the feature dim),
+                   apply_rotary and store_kv (one program per token, no reduction across tokens),
+                   snake_beta (elementwise), the code predictor's sample (one program per row),
+                   qkv_attention / talker_qkv (BLOCK_M 16, config per weight shape; attention over
+                   the row's own positions or pages)
+  under the switch the skinny GEMMs (project, linear_residual, norm_gate_up, norm_head, linear):
+                   BLOCK_M 16 and the config per weight shape, where off a batch of 17+ rows takes
+                   its row class's tiles and split count; paged_decode_attention and the talker's
+                   decode attention: batch 1's split count of each row's context (off, it shrinks
+                   as the batch grows); causal_conv1d: always the Triton kernel (tiles set by
+                   channels and length, one batch row per program), never cuDNN
+  not invariant    prefill_attention: a program takes BLOCK_M packed rows that may straddle
+                   prompts and walks the keys in blocks from its first row's prompt start, so a
+                   row's online-softmax blocking depends on where its prompt sits in the pack
 """
 
 from __future__ import annotations
@@ -13,10 +30,14 @@ import os
 
 import torch
 
+import torch.nn.functional as F
+
 from . import reference
+from .autotune import batch_invariant, set_batch_invariant
 from .reference import PagedPrefix
 
 try:
+    from . import code_predictor_linear as _cpl
     from . import conv1d as _cv
     from . import paged_attention as _pa
     from . import prefill_attention as _pf
@@ -31,9 +52,9 @@ try:
 except ImportError:  # CPU-only install without triton: the references serve every call
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "PagedPrefix", "apply_rotary", "causal_conv1d", "paged_decode_attention",
-           "prefill_attention", "rms_norm",
-           "conv_kernel_weight", "snake_beta", "store_kv", "tuning", "use_triton", "warmup"]
+__all__ = ["HAS_TRITON", "PagedPrefix", "apply_rotary", "batch_invariant", "causal_conv1d", "linear",
+           "paged_decode_attention", "prefill_attention", "rms_norm", "conv_kernel_weight",
+           "set_batch_invariant", "snake_beta", "store_kv", "tuning", "use_triton", "warmup"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -44,6 +65,15 @@ def use_triton(t: torch.Tensor) -> bool:
         return True
     return (os.environ.get("TRITON_INTERPRET", "0") == "1"
             and os.environ.get("Q3TTS_TRITON_ON_CPU", "0") == "1")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in weight.dtype, rounded as F.linear (the
+    reference) rounds it; any M, N a multiple of 16. Its launch config depends on M only through
+    the row class, and not at all under `batch_invariant()`. See kernels/code_predictor_linear.py."""
+    if use_triton(x):
+        return _cpl.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

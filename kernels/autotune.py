@@ -7,6 +7,9 @@ must not compile or time anything while it is captured).
 inside `tuning()`, i.e. in each bucket's graph warm-up; an untuned shape takes its default.
 Tuning runs only on CUDA, outside graph capture, and only for idempotent launches; elsewhere the
 first (heuristic) candidate is used. `Q3TTS_TUNE=0` disables tuning.
+`set_batch_invariant(True)` (process-wide) makes the kernels that would key a choice on the batch
+(the skinny GEMMs' row classes, the codec conv's kernel-vs-cuDNN choice, paged attention's split
+count) take their batch-independent choice instead (see q3tts.kernels' docstring).
 """
 
 from __future__ import annotations
@@ -18,6 +21,18 @@ from typing import Any, Callable, Sequence
 import torch
 
 _BEST: dict[tuple, Any] = {}
+_INVARIANT = [False]
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Process-wide: when on, every kernel computes each row with arithmetic that depends neither on
+    how many rows share the launch nor on what they hold (default off: faster configs per batch)."""
+    _INVARIANT[0] = bool(on)
+
+
+def batch_invariant() -> bool:
+    """Whether `set_batch_invariant(True)` is in force."""
+    return _INVARIANT[0]
 
 
 def _can_tune(device: torch.device) -> bool:

@@ -8,8 +8,11 @@ column tile, or a kv-head group for attention) sums the partials in split order 
 the epilogue. No program waits on another, so any grid is safe (the interpreter runs programs one
 by one); the sums never depend on which program arrived last or on M.
 
-Batch invariance: BLOCK_M is the same for every M and the launch config is chosen per weight shape
-(never per M), so a row's arithmetic does not depend on how many rows share the call.
+Launch configs (code_predictor_linear.select_config): with `autotune.batch_invariant()` on, BLOCK_M
+16 and a config chosen per weight shape (never per M), so a row's arithmetic does not depend on how
+many rows share the call. Off (the default), batches of 17+ rows take the config tuned for their
+row class (rows rounded up to a power of 2, ROW_CLASSES), BLOCK_M up to 64: one weight tile feeds
+more rows (fewer L2 re-reads, wgmma-sized dots) at the price of per-class split counts and tiles.
 Prologues: rows of X as they are, gathered by id from a table, or RMS-normalised (fp32 statistics
 over the whole row, rounded like `rms_norm_ref`).
 """
@@ -25,8 +28,9 @@ import triton.language as tl
 from ._cast import cast, dot
 from ._launch import num_sms
 
-BLOCK_M = 16  # rows per program: the smallest tl.dot M; fixed so rows never see their neighbours
+BLOCK_M = 16  # rows per program of the batch-invariant configs: the smallest tl.dot M
 MIN_BLOCK_N = 16
+ROW_CLASSES = (16, 32, 64, 128, 256)  # rows rounded up to a power of 2, capped: one tuning per class
 PLAIN, GATHER, NORM = 0, 1, 2  # prologues: X rows / table rows by id / RMSNorm(X rows)
 
 
@@ -36,6 +40,7 @@ class GemmConfig(NamedTuple):
     split: int  # slices of K; > 1 sums fp32 partials in the last program of a unit
     num_warps: int
     num_stages: int
+    block_m: int = BLOCK_M  # rows per program (16, 32 or 64)
 
 
 def interpret_config(cols: int) -> GemmConfig:
@@ -48,32 +53,55 @@ def interpret_config(cols: int) -> GemmConfig:
     return GemmConfig(block_n, 64, 1, 1, 1)
 
 
-def row_blocks(rows: int) -> int:
-    return triton.cdiv(rows, BLOCK_M)
+def row_blocks(rows: int, block_m: int = BLOCK_M) -> int:
+    return triton.cdiv(rows, block_m)
 
 
-def counters_needed(rows: int, units_per_block: int) -> int:
-    """Tickets one launch uses: one per (row block, unit)."""
-    return row_blocks(rows) * units_per_block
+def counters_needed(rows: int, units_per_block: int, block_m: int = BLOCK_M) -> int:
+    """Tickets one launch uses: one per (row block, unit). The default BLOCK_M, the smallest,
+    gives the most: enough for any config."""
+    return row_blocks(rows, block_m) * units_per_block
 
 
-def candidates(n_tiles_per_block_n, k: int, device: torch.device) -> list[GemmConfig]:
-    """Launch configs to time (4: compiling each costs seconds), the heuristic first (used untuned).
+def row_class(rows: int) -> int:
+    """The row class of a launch of `rows` rows: rows rounded up to a power of 2 within ROW_CLASSES."""
+    return min(max(triton.next_power_of_2(rows), ROW_CLASSES[0]), ROW_CLASSES[-1])
+
+
+def _split(programs: int, k: int, block_k: int, device: torch.device, split_k: bool) -> int:
+    """K slices for `programs` output tiles: about two programs per SM, slices of whole BLOCK_K
+    steps (no empty or ragged slice); 1 without split_k."""
+    split = 1
+    while split_k and programs * split < 2 * num_sms(device) and k % (2 * split * block_k) == 0:
+        split *= 2
+    return split
+
+
+def candidates(n_tiles_per_block_n, k: int, device: torch.device, rows: int = BLOCK_M,
+               split_k: bool = True) -> list[GemmConfig]:
+    """Launch configs to time for row class `rows` (at most 5: compiling each costs seconds), the
+    heuristic first (used untuned).
 
     n_tiles_per_block_n(bn) -> column tiles for weight-row tile bn (None when bn does not fit).
-    The split count aims at about two programs per SM at one row block (batch 1), with K slices of
-    whole BLOCK_K steps (no empty or ragged slice)."""
-    out, block_k = [], 128
-    for bn in (32, 16, 64):
-        tiles = n_tiles_per_block_n(bn)
-        if tiles is None:
+    Class 16 (one row block, the batch-invariant configs): BLOCK_M 16, weight-row tiles 32 / 16 /
+    64 and the heuristic's tile with half the slices. Larger classes: BLOCK_M 64 and 32 (up to the
+    class) x tiles 32 / 64, wider tiles with more warps. The split count aims at about two programs
+    per SM over all row blocks of the class; split_k=False keeps one slice (no partials)."""
+    block_k = 128
+    if rows <= BLOCK_M:
+        tiles = [(BLOCK_M, bn) for bn in (32, 16, 64)]
+    else:
+        tiles = [(bm, bn) for bm in (64, 32) if bm <= rows for bn in (32, 64)]
+    out = []
+    for bm, bn in tiles:
+        n_tiles = n_tiles_per_block_n(bn)
+        if n_tiles is None:
             continue
-        split = 1
-        while tiles * split < 2 * num_sms(device) and k % (2 * split * block_k) == 0:
-            split *= 2
-        out.append(GemmConfig(bn, block_k, split, 4, 4))
+        split = _split(row_blocks(rows, bm) * n_tiles, k, block_k, device, split_k)
+        warps, stages = (8, 3) if bm * bn >= 4096 else (4, 4)
+        out.append(GemmConfig(bn, block_k, split, warps, stages, bm))
         if split > 1 and len(out) == 1:  # the heuristic's tile with half the slices
-            out.append(GemmConfig(bn, block_k, split // 2, 4, 4))
+            out.append(out[0]._replace(split=split // 2))
     assert out, "no block size fits the weight"
     return out
 

@@ -5,12 +5,17 @@
     norm_gate_up   out = silu(g) * u, [g | u] = RMSNorm(X) @ W_gate_up^T   (one weight tile holds
                    gate row j and up row j side by side, so one dot feeds both halves)
     norm_head      logits = (RMSNorm(X[T-1::T]) @ W^T) as fp32 (final norm + lm_head)
+    linear         out = X @ W^T (+ b), any M, one K slice (F.linear for the engine's GEMMs)
 
 Roundings are the eager model's: each GEMM result rounds to the weight dtype before the residual add
 / SiLU / the fp32 logits; the bias joins before that rounding (as cuBLAS adds it).
+Launch configs: `select_config` (per weight shape and row class; per weight shape only under
+`autotune.batch_invariant()`).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import triton
@@ -18,13 +23,13 @@ import triton.language as tl
 
 from ._cast import cast
 from ._launch import device_guard
-from .autotune import pick
-from .code_predictor_gemm import (BLOCK_M, GATHER, NORM, PLAIN, GemmConfig, interpret_config,
+from .autotune import batch_invariant, choose, pick
+from .code_predictor_gemm import (BLOCK_M, GATHER, MIN_BLOCK_N, NORM, PLAIN, GemmConfig, interpret_config,
                                   arrive, candidates, counters_needed, dot_precision, load_sum,
-                                  mainloop, row_blocks, row_offsets, row_rstd,
+                                  mainloop, row_blocks, row_class, row_offsets, row_rstd,
                                   store_partial)
 
-BIAS, RESIDUAL, SWIGLU, LOGITS = 0, 1, 2, 3  # epilogues
+BIAS, RESIDUAL, SWIGLU, ROUND = 0, 1, 2, 3  # epilogues (ROUND: the product in the weight dtype)
 
 
 @triton.jit
@@ -98,44 +103,73 @@ def _linear_kernel(
 def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n, ids=None,
             norm_w=None, bias=None, residual=None, row_step=1, row_first=0, eps=0.0) -> None:
     tiles = n // cfg.block_n
-    m_pad = row_blocks(rows) * BLOCK_M
+    m_pad = row_blocks(rows, cfg.block_m) * cfg.block_m
     w_tile = cfg.block_n * (2 if epilogue == SWIGLU else 1)
-    part = (torch.empty(cfg.split, m_pad, tiles * w_tile, dtype=torch.float32, device=x.device)
-            if cfg.split > 1 else out)
-    assert counters.numel() >= counters_needed(rows, tiles), "counters too small"
-    _linear_kernel[(row_blocks(rows), tiles, cfg.split)](
-        x, ids if ids is not None else counters, norm_w if norm_w is not None else w, w,
+    part = out
+    if cfg.split > 1:
+        part = torch.empty(cfg.split, m_pad, tiles * w_tile, dtype=torch.float32, device=x.device)
+        assert counters is not None and counters.dtype == torch.int32, \
+            "counters must be int32 zeros for a split-K config"
+        assert counters.numel() >= counters_needed(rows, tiles, cfg.block_m), "counters too small"
+    cnt = counters if counters is not None else out  # never read with one K slice
+    _linear_kernel[(row_blocks(rows, cfg.block_m), tiles, cfg.split)](
+        x, ids if ids is not None else cnt, norm_w if norm_w is not None else w, w,
         bias if bias is not None else w, residual if residual is not None else out, out, part,
-        counters,
+        cnt,
         rows, n, w.shape[1], row_step, row_first, eps, m_pad,
         x.stride(0), ids.stride(0) if ids is not None else 0, w.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
-        PROLOGUE=prologue, EPILOGUE=epilogue, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
+        PROLOGUE=prologue, EPILOGUE=epilogue, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def _run(name: str, config: GemmConfig | None, **kw) -> None:
-    """Launch with `config`, else the tuned config of (name, weight shape, dtype), never of M: timed
-    on the first row block only (the batch-1 shape), whatever batch comes first."""
+def tuning_key(name: str, weight: torch.Tensor, n: int, rows: int) -> tuple:
+    """The tuning-cache key of a launch of `name` on `weight` with n output columns and `rows` rows:
+    (name, N, K, dtype, row class); the class is BLOCK_M's for every M under batch_invariant()."""
+    rc = BLOCK_M if batch_invariant() else row_class(rows)
+    return name, n, weight.shape[1], weight.dtype, rc
+
+
+def select_config(name: str, weight: torch.Tensor, n: int, rows: int,
+                  launch: Callable[[GemmConfig, int], None], split_k: bool = True) -> GemmConfig:
+    """The launch config of `name` for `rows` rows; launch(cfg, m) runs it on the first m rows.
+
+    The row class 16 config is tuned per weight shape at its first call on CUDA, on one row block
+    (the batch-1 shape), whatever batch comes first; it serves every M under batch_invariant().
+    Otherwise a larger row class takes its own config, tuned (among the class's candidates and
+    the class-16 config) only inside `autotune.tuning()` (the CUDA-graph warm-up of each bucket),
+    on the call's rows; untuned, the class-16 config."""
+    fits = lambda bn: n // bn if n % bn == 0 else None  # noqa: E731
+    k, device = weight.shape[1], weight.device
+    base = pick(tuning_key(name, weight, n, BLOCK_M), candidates(fits, k, device, BLOCK_M, split_k),
+                lambda c: launch(c, min(rows, BLOCK_M)), device)
+    key = tuning_key(name, weight, n, rows)
+    if key[-1] == BLOCK_M:
+        return base
+    return choose(key, [base, *candidates(fits, k, device, key[-1], split_k)],
+                  lambda c: launch(c, rows), device, default=base)
+
+
+def _run(name: str, config: GemmConfig | None, split_k: bool = True, **kw) -> None:
+    """Launch with `config`, else `select_config`'s (the interpreter's off CUDA)."""
     x, w, n = kw["x"], kw["w"], kw["n"]
     for label, t in (("x", x), ("weight", w), ("out", kw["out"])):
         assert t.stride(-1) == 1, f"{name}: {label} last dim must be contiguous"
         assert t.device == w.device, f"{name}: {label} on {t.device}, weight on {w.device}"
     assert x.dtype == w.dtype, f"{name}: x {x.dtype} and weight {w.dtype} differ"
-    assert kw["counters"].dtype == torch.int32, f"{name}: counters must be int32 (zeros)"
+    assert kw["counters"] is None or kw["counters"].dtype == torch.int32, \
+        f"{name}: counters must be int32 (zeros)"
     if kw["rows"] == 0:
         return
-    fits = lambda bn: n // bn if n % bn == 0 else None  # noqa: E731
     with device_guard(w):
         if config is None and w.is_cuda:
-            key = (name, n, w.shape[1], w.dtype)
-            one_block = dict(kw, rows=min(kw["rows"], BLOCK_M))
-            config = pick(key, candidates(fits, w.shape[1], w.device),
-                          lambda c: _launch(c, **one_block), w.device)
+            config = select_config(name, w, n, kw["rows"],
+                                   lambda c, m: _launch(c, **dict(kw, rows=m)), split_k)
         config = config or interpret_config(n)
         assert n % config.block_n == 0, f"{name}: {n} columns not a multiple of {config.block_n}"
+        assert split_k or config.split == 1, f"{name}: takes one K slice, config has {config.split}"
         _launch(config, **kw)
 
 
@@ -204,6 +238,24 @@ def norm_head(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, 
     rows = x.shape[0] // t
     out = _out(out, rows, weight.shape[0], x, torch.float32)
     _run("cp_norm_head", config, x=x, w=weight, out=out, counters=counters, prologue=NORM,
-         epilogue=LOGITS, rows=rows, n=weight.shape[0], norm_w=norm_weight, eps=eps, row_step=t,
+         epilogue=ROUND, rows=rows, n=weight.shape[0], norm_w=norm_weight, eps=eps, row_step=t,
          row_first=t - 1)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in weight.dtype, as F.linear rounds it
+    (fp32 accumulation, the bias added before the one rounding); any M (prefill: thousands), N a
+    multiple of 16. One K slice: no counters, no partials, so it needs no workspace."""
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], \
+        f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K] and [N, K]"
+    rows, n = x.shape[0], weight.shape[0]
+    assert n % MIN_BLOCK_N == 0, f"linear: weight rows {n} not a multiple of {MIN_BLOCK_N}"
+    assert bias is None or (bias.shape == (n,) and bias.dtype == weight.dtype
+                            and bias.device == weight.device), \
+        f"linear: bias {tuple(bias.shape)}/{bias.dtype} must be [{n}] in {weight.dtype}"
+    out = _out(out, rows, n, x, weight.dtype)
+    _run("linear", config, split_k=False, x=x, w=weight, out=out, counters=None, prologue=PLAIN,
+         epilogue=ROUND if bias is None else BIAS, rows=rows, n=n, bias=bias)
     return out

@@ -12,6 +12,8 @@ batch shapes (~1 ms per conv at batch 64 on the H200, 10x its neighbours), and t
 convs are 2-3x faster here. cuDNN is still faster for most K=7 shapes, so on CUDA `causal_conv1d`
 times both once per shape inside `autotune.tuning()` (the CUDA-graph warm-up of each batch bucket)
 and keeps the faster; untuned CUDA shapes run cuDNN; elsewhere (the interpreter) the kernel runs.
+Under `autotune.batch_invariant()` the kernel always runs (cuDNN's algorithm, hence its arithmetic,
+may change with the batch): its tiles depend on channels and length only, one batch row per program.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import triton.language as tl
 
 from ._cast import cast, dot
 from ._launch import device_guard
-from .autotune import choose
+from .autotune import batch_invariant, choose
 from .reference import causal_conv1d_ref
 
 
@@ -76,7 +78,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     weight_oik: optional copy of `weight` stored input-channel-fastest (`q3tts.kernels.conv_kernel_weight`), read
     coalesced by the kernel; cuDNN keeps using `weight`. On CUDA: the faster of kernel and cuDNN for
-    shapes tuned in `autotune.tuning()`, cuDNN for the rest. impl="triton" | "cudnn" forces one."""
+    shapes tuned in `autotune.tuning()`, cuDNN for the rest; the kernel under
+    `autotune.batch_invariant()`. impl="triton" | "cudnn" forces one."""
     bsz, c_in, length = x.shape
     c_out, w_in, k = weight.shape
     t_out = length - (k - 1) * dilation
@@ -100,7 +103,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     key = ("conv1d", tuple(x.shape), tuple(weight.shape), dilation, x.dtype, bias is not None,
            residual is not None, weight_oik is not None)
     with device_guard(x):  # the tuning launches too: x may sit on another GPU than the current one
-        if impl is not None or not x.is_cuda:
+        if impl is not None or not x.is_cuda or batch_invariant():
             return launch(impl or "triton")
         return launch(choose(key, ("triton", "cudnn"), launch, x.device, default="cudnn"))
 

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ._cast import cast, dot
 from ._launch import device_guard, num_sms
-from .autotune import pick
+from .autotune import batch_invariant, pick
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": empty splits merge without inf - inf = nan
 _MAX_SPLITS = 64
@@ -159,8 +159,9 @@ _INTERPRET_CONFIG = DecodeConfig(16, 1, 1)
 def num_splits_for(batch: int, num_kv_heads: int, max_pages: int, page_size: int, block_n: int,
                    device: torch.device) -> int:
     """Splits per (row, kv head): about 4 waves of programs over the SMs, at most one per BLOCK_N
-    tokens of the longest possible context. Static given (B, max_pages): graph-safe."""
-    programs = max(1, batch * num_kv_heads)
+    tokens of the longest possible context. Static given (B, max_pages): graph-safe. Under
+    `batch_invariant()`, the count of batch 1 for every batch (it sets where a row's sums split)."""
+    programs = max(1, (1 if batch_invariant() else batch) * num_kv_heads)
     want = triton.cdiv(4 * num_sms(device), programs)
     return max(1, min(want, _MAX_SPLITS, triton.cdiv(max_pages * page_size, block_n)))
 
