@@ -1,6 +1,7 @@
 """Code-predictor bench: the 15 passes of a frame, fused kernels vs today's eager passes.
 
-H200: python3 perf/bench_code_predictor.py            [--batches 1 16 64] [--iters 50] [--greedy]
+H200: python3 perf/bench_code_predictor.py   [--batches 1 16 64 256] [--iters 50] [--greedy]
+                                               [--batch-invariant]
     a real-size 1.7B code predictor (hidden 1024, 5 layers, 16/8 heads x 128, intermediate 3072,
     input projection 2048 -> 1024, 15 heads of 2048) with the checkpoint maker's random weights,
     bf16, default sampling (TOPK: temperature 0.9, top-k 50) or --greedy. For each batch size:
@@ -11,6 +12,9 @@ H200: python3 perf/bench_code_predictor.py            [--batches 1 16 64] [--ite
       kernels      launches per pass (torch.profiler over one eager call, / 15)
       per kernel   each fused launch of a middle pass alone in its own graph: us and achieved GB/s
                    (compulsory bytes: weights once + activations, caches, logits)
+    Every warm-up runs inside kernels.tuning(), as the engine's graph warm-up: batches of 17+ rows
+    take the GEMM configs tuned for their row class (listed at the end); --batch-invariant runs
+    with kernels.set_batch_invariant(True) (one config per weight shape) to measure its cost.
     Writes $OUT/code_predictor_bench.md when OUT is set.
 CPU check: python3 perf/bench_code_predictor.py --scale tiny --device cpu --batches 2 --iters 1
     (the kernels through the Triton interpreter: correctness only, no timing).
@@ -39,7 +43,9 @@ from q3tts.checkpoint.maker import _init_tensor  # noqa: E402
 from q3tts.checkpoint.presets import model_config_dict  # noqa: E402
 from q3tts.config import TalkerConfig  # noqa: E402
 from q3tts.core import SamplingParams  # noqa: E402
+from q3tts import kernels  # noqa: E402
 from q3tts.kernels import code_predictor as cpk  # noqa: E402
+from q3tts.kernels.autotune import tuned_configs  # noqa: E402
 from q3tts.models.code_predictor import CodePredictor  # noqa: E402
 from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402
 from q3tts.models.sampling import SamplingTensors, SubtalkerSampler, uniforms  # noqa: E402
@@ -84,12 +90,31 @@ class Inputs:
 
 # ------------------------------------------------------------------------------------ timing
 
+def tuned_capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """`profile_step.capture` of fn inside kernels.tuning(): its warm-up tunes the kernels' keys of
+    this batch (row classes included), as the engine's graph warm-up does."""
+    with kernels.tuning():
+        return capture(fn)
+
+
 def capture_with_outputs(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
-    """`profile_step.capture` of fn (warm-up on a side stream: tunes the kernels), and the
-    captured call's outputs (static tensors the replays rewrite)."""
+    """`tuned_capture` of fn, and the captured call's outputs (static tensors the replays
+    rewrite)."""
     outs: list[object] = []
-    graph = capture(lambda: outs.append(fn()))
+    graph = tuned_capture(lambda: outs.append(fn()))
     return graph, outs[-1]
+
+
+def gemm_config_table() -> list[str]:
+    """The skinny GEMMs' tuned launch configs, one row per (kernel, weight shape, row class)."""
+    lines = ["| GEMM | N | K | row class | BLOCK_M | BLOCK_N | BLOCK_K | split | warps | stages |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, c in sorted(tuned_configs().items(), key=str):
+        if key[0].startswith("cp_") or key[0] == "linear":
+            name, n, k, _, rows = key[:5]
+            lines.append(f"| {name} | {n} | {k} | {rows} | {c.block_m} | {c.block_n} | "
+                         f"{c.block_k} | {c.split} | {c.num_warps} | {c.num_stages} |")
+    return lines
 
 
 def kernels_launched(fn: Callable[[], object]) -> int:
@@ -181,7 +206,7 @@ def bench_batch(cp: CodePredictor, bsz: int, args) -> list[str]:
               "|---|---:|---:|---:|"]
     with torch.no_grad():
         for name, nbytes, fn in pass_launches(cp, bsz):
-            us = 1e3 * timer.graph(capture(fn).replay)
+            us = 1e3 * timer.graph(tuned_capture(fn).replay)
             lines.append(f"| {name} | {us:.1f} | {nbytes / 1e6:.2f} | {nbytes / us / 1e3:.0f} |")
     return lines + [""]
 
@@ -190,16 +215,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", choices=("full", "tiny"), default="full")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--greedy", action="store_true", help="time greedy draws (default: TOPK)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="kernels.set_batch_invariant(True): one GEMM config per weight shape")
     args = p.parse_args(argv)
+    kernels.set_batch_invariant(args.batch_invariant)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     cp = random_code_predictor(args.scale, dtype, args.device)
     head = [f"# code predictor: fused kernels vs eager passes ({args.scale}, {dtype}, "
             f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
-            f"{'greedy' if args.greedy else 'topk'} sampling)", ""]
+            f"{'greedy' if args.greedy else 'topk'} sampling"
+            f"{', batch-invariant' if args.batch_invariant else ''})", ""]
     lines = head + [line for bsz in args.batches for line in bench_batch(cp, bsz, args)]
+    lines += ["### tuned GEMM configs", "", *gemm_config_table(), ""]
     emit("\n".join(lines), "code_predictor_bench.md")
     return 0
 

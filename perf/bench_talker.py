@@ -1,6 +1,7 @@
 """Talker decode bench: the fused decode forward (models/talker_fused.py) vs the eager one.
 
-H200: python3 perf/bench_talker.py      [--batches 1 16 64] [--context 300] [--layers 28] [--iters 50]
+H200: python3 perf/bench_talker.py   [--batches 1 16 64 256] [--context 300] [--layers 28] [--iters 50]
+                                       [--batch-invariant]
     a real-size 1.7B talker stack (hidden 2048, 16/8 heads x 128, intermediate 6144; --layers of
     its 28) with the checkpoint maker's random weights, bf16, every row at --context keys over
     pages of 16. For each batch size:
@@ -12,6 +13,9 @@ H200: python3 perf/bench_talker.py      [--batches 1 16 64] [--context 300] [--l
                    once + activations + the K/V read), achieved GB/s and % of the HBM line
       per layer    the fused forward's compulsory bytes per layer / its time per layer
     HBM line: a 1 GiB device-to-device copy (bytes read + written / time).
+    Warm-ups run inside kernels.tuning() (bench_code_predictor.tuned_capture): batches of 17+ rows
+    take the GEMM configs tuned for their row class (listed at the end); --batch-invariant runs
+    with kernels.set_batch_invariant(True) to measure its cost.
     Writes $OUT/talker_bench.md when OUT is set.
 CPU check: python3 perf/bench_talker.py --scale tiny --device cpu --batches 2 --iters 1
     (the kernels through the Triton interpreter: correctness only, no timing).
@@ -33,13 +37,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("Q3TTS_TRITON_ON_CPU", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_code_predictor import TEXT_IDS, capture_with_outputs, kernels_launched  # noqa: E402
+from bench_code_predictor import (TEXT_IDS, capture_with_outputs, gemm_config_table,  # noqa: E402
+                                  kernels_launched, tuned_capture)
 from profile_step import Timer, capture  # noqa: E402
 from report import emit  # noqa: E402
 
 from q3tts.checkpoint.maker import _init_tensor  # noqa: E402
 from q3tts.checkpoint.presets import model_config_dict  # noqa: E402
 from q3tts.config import TalkerConfig  # noqa: E402
+from q3tts import kernels  # noqa: E402
 from q3tts.kernels import code_predictor as cpk  # noqa: E402
 from q3tts.kernels.talker_attention import decode_attention  # noqa: E402
 from q3tts.kernels.talker_qkv import qkv_rope_store  # noqa: E402
@@ -154,7 +160,7 @@ def bench_batch(stack: DecoderStack, bsz: int, args, hbm: float | None) -> list[
         ms = {"eager": timer.graph(eager_graph.replay), "fused": timer.graph(fused_graph.replay)}
         launches = {"eager": kernels_launched(lambda: step.run(stack)),
                     "fused": kernels_launched(lambda: step.run(fused.forward))}
-        per_kernel = [(name, n, 1e3 * timer.graph(capture(fn).replay))
+        per_kernel = [(name, n, 1e3 * timer.graph(tuned_capture(fn).replay))
                       for name, n, fn in layer_launches(stack, step)]
     layers = stack.cfg.num_layers
     lines += [f"fused graph replay == fused eager: {same}", "",
@@ -177,18 +183,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", choices=("full", "tiny"), default="full")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--context", type=int, default=300, help="keys each row attends over")
     p.add_argument("--layers", type=int, default=None, help="layers of the stack (default: all)")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="kernels.set_batch_invariant(True): one GEMM config per weight shape")
     args = p.parse_args(argv)
+    kernels.set_batch_invariant(args.batch_invariant)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     stack = random_stack(args.scale, args.layers, dtype, args.device)
     cuda = torch.cuda.is_available()
     hbm = hbm_gbps(Timer(torch.device("cuda"), args.iters, eager_iters=1)) if cuda else None
     head = [f"# talker decode: fused kernels vs eager ({args.scale}, {stack.cfg.num_layers} layers,"
-            f" {dtype}, {torch.cuda.get_device_name() if cuda else 'cpu'})", ""]
+            f" {dtype}, {torch.cuda.get_device_name() if cuda else 'cpu'}"
+            f"{', batch-invariant' if args.batch_invariant else ''})", ""]
     lines = head + [line for bsz in args.batches for line in bench_batch(stack, bsz, args, hbm)]
+    lines += ["### tuned GEMM configs", "", *gemm_config_table(), ""]
     emit("\n".join(lines), "talker_bench.md")
     return 0
 
