@@ -155,7 +155,7 @@ ENGINE_CSV_COLUMNS = ("batch", "ms_per_step", "audio_s_per_s", "kernels_per_step
 def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
     changed = [(n, getattr(args, n)) for n in ("codec_kernels", "fused_code_predictor", "fused_talker",
-                                                "fp32_residual")
+                                                "fp32_residual", "batch_invariant")
                if getattr(args, n) != getattr(EngineConfig, n)]
     return "+".join(n if v is True else f"no_{n}" if v is False else f"{n}={v}" for n, v in changed) or "default"
 
@@ -176,6 +176,9 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
                    help="EngineConfig.fused_talker (the talker's decode layers in 5 Triton launches each)")
     p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=EngineConfig.fp32_residual,
                    help="EngineConfig.fp32_residual (the residual stream in fp32)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.batch_invariant,
+                   help="EngineConfig.batch_invariant (a row's bits independent of the batch)")
 
 
 def build_engine(args, frames: int) -> Engine:
@@ -191,7 +194,7 @@ def build_engine(args, frames: int) -> Engine:
                        num_pages=None if args.device.startswith("cuda") else 2 * max_b * (frames + 300) // 16,
                        use_cuda_graphs=not args.no_cuda_graphs, codec_kernels=args.codec_kernels,
                        fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker,
-                       fp32_residual=args.fp32_residual)
+                       fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant)
     model = make_model(args)
     t0 = time.perf_counter()
     engine = Engine(model, cfg)

@@ -80,6 +80,15 @@ class EngineConfig:
                          used with it. Off: the official model's arithmetic (the stream rounded to bf16),
                          which fails issue 11's bf16 fidelity gates on random weights; on, a CPU run of the
                          real-size model passed them (perf/results/RESULTS.md). Not yet measured on the GPU
+    batch_invariant      a row's codes and PCM do not depend on the batch it ran in (which decode bucket or
+                         prefill token bucket, what the other rows hold): the engine turns on
+                         `q3tts.kernels.set_batch_invariant` (process-wide, left on), every linear layer runs
+                         through `kernels.linear` (models/layers.py `linear`), the fused code predictor serves
+                         every bucket, the codec's convs run through the kernels (as with codec_kernels) and
+                         its transposed / depthwise convs and attention through row-independent paths
+                         (codec/layers.py). Off: cuBLAS / cuDNN / torch reductions pick their reduction order
+                         by shape (16 identical greedy bf16 requests served together: 29.7 dB from the same
+                         request alone). Its cost on the H200: perf/bench_engine.py --batch-invariant
     voice_cache_bytes    device memory for the Base voices kept prepared (engine/voice_cache.py: x-vector,
                          reference codes, an ICL voice's primed codec stream; least recently used first
                          out). 256 MiB holds about 60 ICL voices of the released 1.7B in bfloat16 (a
@@ -111,6 +120,7 @@ class EngineConfig:
     fused_code_predictor: int = 32
     fused_talker: bool = False
     fp32_residual: bool = False
+    batch_invariant: bool = False
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
 
@@ -144,7 +154,8 @@ class EngineConfig:
              f"fault_injection_seed is a test hook: refused unless {TEST_HOOKS_ENV}=1")
         need(type(self.fused_code_predictor) is int and self.fused_code_predictor >= 0,
              f"fused_code_predictor must be an int >= 0 (a batch size), got {self.fused_code_predictor!r}")
-        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fused_talker", "fp32_residual"):
+        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fused_talker", "fp32_residual",
+                     "batch_invariant"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # --- derived values ---------------------------------------------------------------------------
@@ -153,6 +164,12 @@ class EngineConfig:
     def max_graph_batch(self) -> int:
         """Largest decode batch a graph serves: the first bucket >= max_slots, else the largest."""
         return self.bucket_for(self.max_slots) or self.graph_batch_sizes[-1]
+
+    @property
+    def fused_code_predictor_batch(self) -> int:
+        """The largest decode batch whose code predictor runs the fused kernels: every batch under
+        `batch_invariant` (one path whatever the bucket), else `fused_code_predictor`."""
+        return max(self.max_graph_batch, self.max_slots) if self.batch_invariant else self.fused_code_predictor
 
     def bucket_for(self, batch: int) -> int | None:
         """Smallest captured bucket holding `batch` rows, None if the batch is larger than all."""

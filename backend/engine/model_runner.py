@@ -36,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from q3tts import kernels
 from q3tts.models import step
 from q3tts.models.attention import PagedKVCache
 from q3tts.models.sampling import (FULL, TOPK, SamplingTensors, UniformSource, row_mode, sampling_mode,
@@ -75,7 +76,7 @@ def make_codec(ckpt, config: EngineConfig):
 
     decoder = CodecDecoder.from_weights(ckpt.codec_config, ckpt.codec_weights)
     return StreamingDecoder(decoder, config.max_slots, getattr(torch, config.dtype), config.device,
-                            use_kernels=config.codec_kernels)
+                            use_kernels=config.codec_kernels or config.batch_invariant)
 
 
 def resolve_config(model, config: EngineConfig) -> EngineConfig:
@@ -100,8 +101,10 @@ class ModelRunner:
                  uniform_source: UniformSource | None = None) -> None:
         assert config.num_pages is not None, "EngineConfig.resolve() first"
         self.model, self.talker, self.codec, self.config = model, model.talker, codec, config
+        if config.batch_invariant:  # process-wide, left on: EngineConfig.batch_invariant
+            kernels.set_batch_invariant(True)
         self.talker.keep_fp32_residual(config.fp32_residual)
-        self.talker.code_predictor.use_fused(config.fused_code_predictor)
+        self.talker.code_predictor.use_fused(config.fused_code_predictor_batch)
         self.talker.use_fused(config.fused_talker)
         tc = model.config.talker
         self.device = torch.device(config.device)
