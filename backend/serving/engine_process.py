@@ -6,8 +6,9 @@ does not restart the stub of a decoupled model (its /v2/health/ready stays 200).
 CUDA: `EngineProcess` starts a child (`python -m q3tts.serving.engine_process`: a fresh interpreter, a fresh
 CUDA context) that builds the `Engine` and answers calls over a socket pair (a multiprocessing Connection),
 and the serving loop talks to it through today's engine API (`add`, `append_text`, `end_text`, `abort`,
-`step`, `has_work`, `stats`, `default_sampling`). One call is one round trip; each answer carries
-`has_work`, so asking it costs nothing.
+`step`, `has_work`, `stats`, `default_sampling`). One message is one round trip and carries any number of
+calls (`call_many`: a burst of 64 STARTs is one message, each call still gets its own result or error); each
+answer carries `has_work`, so asking it costs nothing.
 
 When a call fails with an error that poisons the device context (engine/faults.py), or the child dies, the
 call raises `DeviceFault` and the child is gone; the serving loop then ends every open request and starts a
@@ -30,6 +31,8 @@ from typing import Any
 from q3tts.core import EngineError
 
 STOP_TIMEOUT_S = 10.0
+Call = tuple[str, tuple, dict]  # (engine method, args, kwargs)
+Result = tuple[bool, Any]  # (True, the call's result) | (False, its exception)
 
 
 class DeviceFault(Exception):
@@ -144,16 +147,23 @@ class EngineProcess:
     def stats(self) -> dict[str, Any]:
         return self._call("stats")
 
-    def _call(self, method: str, args: tuple = (), kwargs: dict | None = None):
+    def call_many(self, calls: list[Call]) -> list[Result]:
+        """Run `calls` (method, args, kwargs) in order in one round trip -> one (ok, value) per call: the
+        call's result, or (False, its exception). Raises DeviceFault when a call poisoned the device context
+        (the calls after it did not run) or the child died."""
         try:
-            self._conn.send((method, args, kwargs or {}))
+            self._conn.send(list(calls))
         except (OSError, ValueError) as e:
             raise self._died(e) from None
         kind, value, self._work = self._recv()
         if kind == "fault":
             self.close()
             raise DeviceFault(value)
-        if kind == "error":
+        return value
+
+    def _call(self, method: str, args: tuple = (), kwargs: dict | None = None):
+        [(ok, value)] = self.call_many([(method, args, kwargs or {})])
+        if not ok:
             raise value
         return value
 
@@ -184,8 +194,8 @@ def child_main(conn, checkpoint: str, engine_config: dict[str, Any]) -> None:
         conn.send(("start_error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", engine.default_sampling, engine.checkpoint.config))
-    while (msg := _next(conn)) is not None:
-        answer = _answer(engine, *msg)
+    while (calls := _next(conn)) is not None:
+        answer = _answer_all(engine, calls)
         conn.send(answer)
         if answer[0] == "fault":
             os._exit(1)  # the context is poisoned: nothing of this process can be trusted
@@ -198,8 +208,22 @@ def _next(conn):
         return None
 
 
-def _answer(engine, method: str, args: tuple, kwargs: dict) -> tuple:
-    """One call -> ("ok", result, has_work) | ("error", exception, has_work) | ("fault", text, False)."""
+def _answer_all(engine, calls: list[Call]) -> tuple:
+    """Calls in order -> ("ok", [Result per call], has_work), or ("fault", text, False) at the first call that
+    poisoned the device context (the rest do not run)."""
+    try:
+        results = [_answer(engine, *call) for call in calls]
+    except _Poisoned as e:
+        return "fault", str(e), False
+    return "ok", results, engine.has_work()
+
+
+class _Poisoned(Exception):
+    """A call left the device context unusable: the child answers with a fault and exits."""
+
+
+def _answer(engine, method: str, args: tuple, kwargs: dict) -> Result:
+    """One call -> (True, result) | (False, exception); raises _Poisoned."""
     from q3tts.engine.faults import context_usable, is_device_fault
 
     device = engine.runner.device
@@ -208,11 +232,11 @@ def _answer(engine, method: str, args: tuple, kwargs: dict) -> tuple:
     except Exception as e:  # noqa: BLE001 - every error goes back to the caller
         if is_device_fault(e, device):
             sys.stderr.write(f"[q3tts] engine process: device fault in {method}: {traceback.format_exc()}")
-            return "fault", f"{type(e).__name__}: {e}", False
-        return "error", _picklable(e), engine.has_work()
+            raise _Poisoned(f"{type(e).__name__}: {e}") from None
+        return False, _picklable(e)
     if method == "step" and any(out.reason == "error" for out in result) and not context_usable(device):
-        return "fault", "the device context failed after a step that ended sequences with errors", False
-    return "ok", result, engine.has_work()
+        raise _Poisoned("the device context failed after a step that ended sequences with errors")
+    return True, result
 
 
 def _picklable(e: Exception) -> Exception:

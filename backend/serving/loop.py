@@ -1,7 +1,8 @@
 """The serving threads: one engine thread owns the Engine and the SessionTable, one response thread owns every
 `sender.send`. `submit()` (called by execute()) only parses and enqueues.
 
-The engine thread applies commands in arrival order, steps the engine while it has work, routes each
+The engine thread applies the queued commands as one batch (serving/calls.py: their engine calls in one round
+trip per round, each sequence's in arrival order), steps the engine while it has work, routes each
 output's PCM to its session, and every TICK_S does the housekeeping: idle sequences, cancellations while
 no audio flows, metrics, and the unload check (once Triton unloads the model, every open sequence ends within
 UNLOAD_CONFIRM_S with "the model is being unloaded (...)", new ones are refused: unloading never waits on a client).
@@ -23,11 +24,12 @@ import time
 import traceback
 from typing import Callable
 
-from q3tts.core import AdmissionRejected, EngineError, InvalidRequest, StepOutput, VoiceSpec
+from q3tts.core import StepOutput
 from q3tts.serving import request as R
-from q3tts.serving.commands import Abort, Append, Cancel, Command, Refuse, SessionOptions, Shutdown, Start
+from q3tts.serving.commands import Cancel, Command, Refuse, Shutdown
 from q3tts.serving.engine_process import DeviceFault
-from q3tts.serving.session import Reply, Session, SessionTable, refuse
+from q3tts.serving.handlers import INTERNAL, SHUTTING_DOWN, CommandHandlers
+from q3tts.serving.session import Reply, Session, SessionTable
 
 TICK_S = 0.2  # engine thread housekeeping period
 IDLE_MARGIN_S = 1.0  # after Triton's own idle timeout: Triton has dropped the sequence by then
@@ -35,9 +37,7 @@ IDLE_MARGIN_S = 1.0  # after Triton's own idle timeout: Triton has dropped the s
 # for a moment (measured ~0.3 s with two CPU instances); an unload stays not ready
 UNLOAD_CONFIRM_S = 2.0
 CANCEL_CHECK_S = 0.5  # how often a request is asked is_cancelled() (a round trip to the server), at most
-SHUTTING_DOWN = "the model is being unloaded (the server is shutting down or was asked to unload it)"
 RESTARTING = "instance restarting after a device fault"
-INTERNAL = "an internal error: the server log has its traceback"  # never the exception's own text
 RESPAWN_RETRY_S = 5.0  # a replacement engine that failed to start is tried again after this long
 
 
@@ -45,7 +45,7 @@ def _no_log(level: str, msg: str) -> None:
     pass
 
 
-class EngineLoop:
+class EngineLoop(CommandHandlers):
     """`make_engine()` runs on the engine thread (a failure is raised from start()); it returns an engine or an
     `EngineProcess` (then the loop waits for its child, and replaces it after a device fault). `model_ready()`
     says whether Triton still serves the model; it is only trusted after it was once True (not while loading)."""
@@ -143,23 +143,12 @@ class EngineLoop:
                 return cmds
 
     def _apply_all(self, cmds: list[Command]) -> bool:
-        """Apply the commands in order; False on Shutdown."""
-        handlers = {Start: self._start, Append: self._append, Abort: self._abort, Refuse: self._refuse,
-                    Cancel: self._cancel}
-        for cmd in cmds:
-            if isinstance(cmd, Shutdown):
-                self._close_all("unavailable", SHUTTING_DOWN)
-                return False
-            try:
-                handlers[type(cmd)](cmd)
-            except DeviceFault as e:
-                self._device_fault(e)
-                if not cmd.reply.done:
-                    refuse(cmd.reply, "UNAVAILABLE", f"sequence {cmd.key}: {self.restarting}", self.metrics)
-            except Exception as e:  # never let one request kill the engine thread
-                self.log("error", f"{type(cmd).__name__} of sequence {cmd.key} failed: {traceback.format_exc()}")
-                if not cmd.reply.done:
-                    refuse(cmd.reply, "INTERNAL", f"sequence {cmd.key}: {type(cmd).__name__} failed ({INTERNAL})")
+        """Apply the commands (those before a Shutdown) as one batch; False on Shutdown."""
+        stop = next((i for i, cmd in enumerate(cmds) if isinstance(cmd, Shutdown)), len(cmds))
+        self._run((cmd.key, self._command(cmd)) for cmd in cmds[:stop])
+        if stop < len(cmds):
+            self._close_all("unavailable", SHUTTING_DOWN)
+            return False
         # NOTE: `cmds` dies with this frame: no response sender is held past its FINAL (see _response_main)
         return True
 
@@ -180,9 +169,10 @@ class EngineLoop:
                 continue  # closed (cancelled/idle/restarted): its outputs are ignored
             try:
                 self._route(s, out, returned)
-            except Exception as e:
+            except Exception:
                 self.log("error", f"routing output of sequence {s.key} failed: {traceback.format_exc()}")
-                self._close(s, "error", f"sending its audio failed ({INTERNAL})", why="it failed with an internal error")
+                self._close_now([s], "error", f"sending its audio failed ({INTERNAL})",
+                                why="it failed with an internal error")
 
     def _route(self, s: Session, out: StepOutput, returned: float) -> None:
         s.feed(out.pcm, last=out.finished, stamps={**out.stats, "step_returned": returned} if out.stats else None)
@@ -193,107 +183,6 @@ class EngineLoop:
             else:
                 s.close(out.reason or "eos")
             self._forget_if_over(s)
-
-    # --- commands -----------------------------------------------------------------------------------------
-    def _start(self, cmd: Start) -> None:
-        old = self.table.get(cmd.key)
-        if old is not None:
-            self._close(old, "cancelled", "restarted by a new START request")
-        self.table.forget_why(cmd.key)
-        if self.draining or self.restarting:
-            why = SHUTTING_DOWN if self.draining else self.restarting
-            refuse(cmd.reply, "UNAVAILABLE", f"sequence {cmd.key}: {why}", self.metrics)
-            return
-        engine_id, o, added = next(self._ids), cmd.options, time.monotonic()
-        try:
-            self.engine.add(engine_id, self._voice(o), o.sampling, text=cmd.text, text_done=cmd.end)
-        except (InvalidRequest, AdmissionRejected, EngineError, ValueError) as e:
-            code = "UNAVAILABLE" if isinstance(e, AdmissionRejected) else "INVALID_ARG"
-            refuse(cmd.reply, code, f"sequence {cmd.key}: {e}", self.metrics)
-            if not cmd.end:
-                self.table.note(cmd.key, f"its START request failed: {e}")
-            return
-        s = Session(cmd.key, engine_id, o, started_at=cmd.at, metrics=self.metrics, ended=cmd.end,
-                    stamps={"engine_add": added})
-        self.table.add(s)
-        s.attach(cmd.reply, cmd.end)
-
-    def _voice(self, o: SessionOptions) -> VoiceSpec:
-        """The START request's voice: a VOICE input comes from the voice cache (nothing to encode)."""
-        if o.voice_name is None:
-            return o.voice
-        if self.voices is None:
-            raise InvalidRequest("input VOICE: this server has no voices directory")
-        return self.voices.resolve(o.voice_name).spec(o.voice.language, o.voice.text_mode, o.voice.xvector_only)
-
-    def _append(self, cmd: Append) -> None:
-        s = self.table.get(cmd.key)
-        if s is None:
-            why = self.table.why(cmd.key)
-            if cmd.end:
-                self.table.forget_why(cmd.key)
-            if cmd.end and not cmd.text:  # closing an already closed sequence: harmless
-                cmd.reply.end()
-            else:
-                refuse(cmd.reply, "INVALID_ARG", f"sequence {cmd.key} has no open session"
-                       + (f": {why}" if why else " (send START first)"), self.metrics)
-            return
-        s.last_request = cmd.at
-        running, reply = self.table.is_running(s), cmd.reply
-        try:
-            if cmd.text and running:
-                self.engine.append_text(s.engine_id, cmd.text)
-        except (InvalidRequest, EngineError, ValueError) as e:
-            refuse(reply, "INVALID_ARG", f"sequence {cmd.key}: {e}", self.metrics)
-            reply = None
-        if cmd.end:
-            s.ended = True
-            if running:
-                self.engine.end_text(s.engine_id)
-        if reply is not None:
-            s.attach(reply, cmd.end)
-        self._forget_if_over(s)
-
-    def _abort(self, cmd: Abort) -> None:
-        s = self.table.get(cmd.key)
-        if s is not None:
-            self._close(s, "aborted", why="it was aborted")
-        else:
-            self.table.note(cmd.key, "it was aborted")
-        cmd.reply.end()
-
-    def _refuse(self, cmd: Refuse) -> None:
-        refuse(cmd.reply, "INVALID_ARG", cmd.message, self.metrics)
-        s = self.table.get(cmd.key)
-        if s is not None and (cmd.start or cmd.end):
-            self._close(s, "cancelled", "a new START request with invalid input replaced it" if cmd.start
-                        else f"its END request was invalid: {cmd.message}")
-        if cmd.start:  # Triton opened the sequence: later requests get a clear error, not "unknown"
-            self.table.note(cmd.key, f"its START request was invalid: {cmd.message}")
-        if cmd.end:  # ... and closed it again
-            self.table.forget_why(cmd.key)
-
-    def _cancel(self, cmd: Cancel) -> None:
-        s = self.table.get(cmd.key)
-        if s is not None and s.reply is cmd.reply and not cmd.reply.done:
-            self._close(s, "cancelled", "the request was cancelled", why="it was cancelled")
-
-    # --- closing ------------------------------------------------------------------------------------------
-    def _close(self, s: Session, reason: str, error: str | None = None, why: str | None = None) -> None:
-        """End a session on any path but the engine's own finish: abort it in the engine (pages and slot
-        are freed at its next step), close it, forget it."""
-        if self.table.stop(s):
-            try:
-                self.engine.abort(s.engine_id)
-            except EngineError:
-                pass
-        s.close(reason, error)
-        self.table.remove(s, why)
-        self.log("verbose", f"sequence {s.key} closed: {error or reason}")
-
-    def _close_all(self, reason: str, error: str) -> None:
-        for s in self.table.sessions():
-            self._close(s, reason, error, why=f"it was closed: {error}")
 
     # --- device faults ------------------------------------------------------------------------------------
     def _device_fault(self, fault: DeviceFault) -> None:
@@ -334,10 +223,6 @@ class EngineLoop:
             self.health["instance_restarts"] += 1
             self._update_metrics()
 
-    def _forget_if_over(self, s: Session) -> None:
-        if s.ended and s.finished:  # END seen and the outcome delivered: nothing more can come
-            self.table.remove(s)
-
     # --- housekeeping -------------------------------------------------------------------------------------
     def _maybe_tick(self) -> None:
         now = time.monotonic()
@@ -357,13 +242,13 @@ class EngineLoop:
         elif hasattr(self.engine, "alive") and not self.engine.alive():
             raise DeviceFault("the engine process exited")
         limit = self.idle_s + IDLE_MARGIN_S
-        for s in self.table.sessions():
-            if not s.ended and now - s.last_request > limit:  # Triton expired it silently
-                self._close(s, "unavailable", f"no request for {self.idle_s:g} s without END: the sequence "
-                            "idled out", why="it idled out")
-            elif s.reply is not None and s.reply.check_cancelled(now, CANCEL_CHECK_S):
-                # where no audio flows (waiting for text or a slot): the response thread asks the others
-                self._close(s, "cancelled", "the request was cancelled", why="it was cancelled")
+        idle = [s for s in self.table.sessions() if not s.ended and now - s.last_request > limit]  # Triton
+        self._close_now(idle, "unavailable", f"no request for {self.idle_s:g} s without END: the sequence "
+                        "idled out", why="it idled out")  # expired them silently
+        # where no audio flows (waiting for text or a slot): the response thread asks the others
+        cancelled = [s for s in self.table.sessions() if s.reply is not None
+                     and s.reply.check_cancelled(now, CANCEL_CHECK_S)]
+        self._close_now(cancelled, "cancelled", "the request was cancelled", why="it was cancelled")
         self.table.expire(now - limit)
         self._check_unload(now)
         self._update_metrics()
