@@ -13,34 +13,27 @@ import torch
 import torch.nn.functional as F
 
 from code_predictor_cases import EPS, REAL, Inputs, check_gemms
-from kernel_checks import assert_close_3way
+from kernel_checks import assert_close_3way, kernel_module
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+cpk = kernel_module("code_predictor")  # skips the module without triton
+import q3tts.kernels as kernels  # noqa: E402
+from q3tts.kernels.autotune import tuned_configs  # noqa: E402
+from q3tts.kernels.code_predictor_gemm import row_class  # noqa: E402
 
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    import q3tts.kernels as kernels
-
-    return kernels
-
-
 @pytest.fixture
-def invariant(kernels):
+def invariant():
     kernels.set_batch_invariant(True)
     yield
     kernels.set_batch_invariant(False)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 64, 256])
-def test_gemm_kernels_tuned_per_row_class(kernels, rows):
-    from q3tts.kernels import code_predictor as cpk
-    from q3tts.kernels.autotune import tuned_configs
-    from q3tts.kernels.code_predictor_gemm import row_class
-
+def test_gemm_kernels_tuned_per_row_class(rows):
     with kernels.tuning():
         check_gemms(cpk, REAL, rows, BF16, Inputs("cuda", 21, rows), None)
     tuned = [k for k in tuned_configs() if k[0] == "cp_norm_gate_up"]
@@ -49,7 +42,7 @@ def test_gemm_kernels_tuned_per_row_class(kernels, rows):
 
 @pytest.mark.parametrize("rows", [1, 16, 64, 256, 2000])
 @pytest.mark.parametrize("n", [2048, 6144])
-def test_linear_matches_f_linear(kernels, n, rows):
+def test_linear_matches_f_linear(n, rows):
     inp = Inputs("cuda", 22, n, rows)
     x, w, b = inp.randn(rows, 2048, dtype=BF16), inp.weight(n, 2048, BF16), \
         inp.randn(n, scale=0.5, dtype=BF16)
@@ -64,8 +57,6 @@ def test_linear_matches_f_linear(kernels, n, rows):
 def _row_alone_equals_row_in_batch(fn, *batched) -> None:
     """fn on 64 rows vs fn on the first row alone: row 0 bit-equal (inside tuning(): a row class
     would be tuned here if the switch let one be used)."""
-    import q3tts.kernels as kernels
-
     with kernels.tuning():
         together = fn(*batched)
         alone = fn(*(t[:1] for t in batched))
@@ -73,9 +64,7 @@ def _row_alone_equals_row_in_batch(fn, *batched) -> None:
         f"max |diff| {(alone[0].float() - together[0].float()).abs().max().item():.3g}"
 
 
-def test_gemms_are_batch_invariant_under_the_switch(kernels, invariant):
-    from q3tts.kernels import code_predictor as cpk
-
+def test_gemms_are_batch_invariant_under_the_switch(invariant):
     inp, s = Inputs("cuda", 23), REAL
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
     h, x_in = inp.randn(64, s.hidden, scale=2, dtype=BF16), inp.randn(64, s.talker_hidden, dtype=BF16)
@@ -90,19 +79,21 @@ def test_gemms_are_batch_invariant_under_the_switch(kernels, invariant):
     assert not counters.any()
 
 
-def test_paged_attention_is_batch_invariant_under_the_switch(kernels, invariant):
-    """64 rows over 4 pages of 16 each, contexts 1..64: row 0 alone == row 0 among them."""
+def test_paged_attention_is_batch_invariant_under_the_switch(invariant):
+    """64 rows over 32 pages of 16 each, contexts 1..512: row 0 alone == row 0 among them (off,
+    batch 64 splits each context in 2, batch 1 in 4 or more)."""
     inp = Inputs("cuda", 24)
-    pages = inp.randn(256, 16, 8, 128, dtype=BF16)  # [pages, page size, KVH, D]
+    pages = inp.randn(2048, 16, 8, 128, dtype=BF16)  # [pages, page size, KVH, D]
     q = inp.randn(64, 16, 128, dtype=BF16)
-    tables = torch.arange(256, dtype=torch.int32, device="cuda").view(64, 4)
-    lens = torch.randint(1, 65, (64,), generator=inp.gen, device="cuda", dtype=torch.int32)
+    tables = torch.arange(2048, dtype=torch.int32, device="cuda").view(64, 32)
+    lens = torch.randint(1, 513, (64,), generator=inp.gen, device="cuda", dtype=torch.int32)
+    lens[0] = 500  # long enough to span several splits
     _row_alone_equals_row_in_batch(
         lambda q, t, n: kernels.paged_decode_attention(q, pages, pages, t, n, 128 ** -0.5),
         q, tables, lens)
 
 
-def test_codec_conv_is_batch_invariant_under_the_switch(kernels, invariant):
+def test_codec_conv_is_batch_invariant_under_the_switch(invariant):
     """A K = 7 conv the tuning could hand to cuDNN: under the switch the kernel, row 0 bit-equal."""
     inp = Inputs("cuda", 25)
     x, w, b = inp.randn(64, 512, 46, dtype=BF16), inp.weight(512, 512 * 7, BF16).view(512, 512, 7), \
