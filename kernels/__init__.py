@@ -52,8 +52,8 @@ try:
 except ImportError:  # CPU-only install without triton: the references serve every call
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "PagedPrefix", "apply_rotary", "batch_invariant", "causal_conv1d", "linear",
-           "paged_decode_attention", "prefill_attention", "rms_norm", "conv_kernel_weight",
+__all__ = ["HAS_TRITON", "PagedPrefix", "apply_rotary", "batch_invariant", "causal_conv1d",
+           "linear", "paged_decode_attention", "prefill_attention", "rms_norm", "conv_kernel_weight",
            "set_batch_invariant", "snake_beta", "store_kv", "tuning", "use_triton", "warmup"]
 
 
@@ -70,7 +70,7 @@ def use_triton(t: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in weight.dtype, rounded as F.linear (the
     reference) rounds it; any M, N a multiple of 16. Its launch config depends on M only through
-    the row class, and not at all under `batch_invariant()`. See kernels/code_predictor_linear.py."""
+    the row class, and not at all under `batch_invariant()`. See code_predictor_linear.py."""
     if use_triton(x):
         return _cpl.linear(x, weight, bias)
     return F.linear(x, weight, bias)

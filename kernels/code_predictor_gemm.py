@@ -30,7 +30,7 @@ from ._launch import num_sms
 
 BLOCK_M = 16  # rows per program of the batch-invariant configs: the smallest tl.dot M
 MIN_BLOCK_N = 16
-ROW_CLASSES = (16, 32, 64, 128, 256)  # rows rounded up to a power of 2, capped: one tuning per class
+ROW_CLASSES = (16, 32, 64, 128, 256)  # rows rounded up to a power of 2, capped; one tuning each
 PLAIN, GATHER, NORM = 0, 1, 2  # prologues: X rows / table rows by id / RMSNorm(X rows)
 
 
@@ -64,7 +64,7 @@ def counters_needed(rows: int, units_per_block: int, block_m: int = BLOCK_M) -> 
 
 
 def row_class(rows: int) -> int:
-    """The row class of a launch of `rows` rows: rows rounded up to a power of 2 within ROW_CLASSES."""
+    """The row class of `rows` rows: rows rounded up to a power of 2 within ROW_CLASSES."""
     return min(max(triton.next_power_of_2(rows), ROW_CLASSES[0]), ROW_CLASSES[-1])
 
 

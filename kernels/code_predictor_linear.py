@@ -24,8 +24,8 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard
 from .autotune import batch_invariant, choose, pick
-from .code_predictor_gemm import (BLOCK_M, GATHER, MIN_BLOCK_N, NORM, PLAIN, GemmConfig, interpret_config,
-                                  arrive, candidates, counters_needed, dot_precision, load_sum,
+from .code_predictor_gemm import (BLOCK_M, GATHER, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
+                                  interpret_config, arrive, candidates, counters_needed, dot_precision, load_sum,
                                   mainloop, row_blocks, row_class, row_offsets, row_rstd,
                                   store_partial)
 

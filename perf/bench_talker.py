@@ -1,7 +1,7 @@
 """Talker decode bench: the fused decode forward (models/talker_fused.py) vs the eager one.
 
-H200: python3 perf/bench_talker.py   [--batches 1 16 64 256] [--context 300] [--layers 28] [--iters 50]
-                                       [--batch-invariant]
+H200: python3 perf/bench_talker.py   [--batches 1 16 64 256] [--context 300] [--layers 28]
+                                       [--iters 50] [--batch-invariant]
     a real-size 1.7B talker stack (hidden 2048, 16/8 heads x 128, intermediate 6144; --layers of
     its 28) with the checkpoint maker's random weights, bf16, every row at --context keys over
     pages of 16. For each batch size:

@@ -1,8 +1,8 @@
 """The skinny GEMMs' row-class configs (BLOCK_M 32 / 64), the batch-invariant switch, and the plain
 `linear` (kernels/code_predictor_linear.py) at tiny shapes through the interpreter on CPU.
 
-Kernel checks as test_code_predictor_kernels.py (poisoned outputs, counters left zero, tolerance from
-the dtype: kernel_checks.assert_close_3way); the config selection is checked in pure Python, with a
+Kernel checks as test_code_predictor_kernels.py (poisoned outputs, counters left zero, tolerance
+from the dtype: kernel_checks.assert_close_3way); the config selection is checked in pure Python, with a
 tuned row class planted in the tuning cache (no device timing on CPU).
 """
 
@@ -76,7 +76,8 @@ def test_batch_invariant_switch_picks_one_config_for_every_batch(monkeypatch):
     config; under the switch both take the class-16 config, and tuning_key no longer sees M."""
     weight = torch.empty(1024, 2048)
     wide = GemmConfig(64, 128, 1, 8, 3, 64)
-    monkeypatch.setitem(autotune._BEST, cpl.tuning_key("cp_linear_residual", weight, 1024, 64), wide)
+    key64 = cpl.tuning_key("cp_linear_residual", weight, 1024, 64)
+    monkeypatch.setitem(autotune._BEST, key64, wide)
     base = _select(weight, 3)
     assert base.block_m == 16 and _select(weight, 64) == wide
     autotune.set_batch_invariant(True)

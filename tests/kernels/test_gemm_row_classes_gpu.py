@@ -67,7 +67,8 @@ def _row_alone_equals_row_in_batch(fn, *batched) -> None:
 def test_gemms_are_batch_invariant_under_the_switch(invariant):
     inp, s = Inputs("cuda", 23), REAL
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
-    h, x_in = inp.randn(64, s.hidden, scale=2, dtype=BF16), inp.randn(64, s.talker_hidden, dtype=BF16)
+    h = inp.randn(64, s.hidden, scale=2, dtype=BF16)
+    x_in = inp.randn(64, s.talker_hidden, dtype=BF16)
     act = inp.randn(64, s.inter, dtype=BF16)
     proj_w, proj_b = inp.weight(s.hidden, s.talker_hidden, BF16), inp.randn(s.hidden, dtype=BF16)
     down_w, nw = inp.weight(s.hidden, s.inter, BF16), inp.norm_weight(s.hidden, BF16)
@@ -96,6 +97,7 @@ def test_paged_attention_is_batch_invariant_under_the_switch(invariant):
 def test_codec_conv_is_batch_invariant_under_the_switch(invariant):
     """A K = 7 conv the tuning could hand to cuDNN: under the switch the kernel, row 0 bit-equal."""
     inp = Inputs("cuda", 25)
-    x, w, b = inp.randn(64, 512, 46, dtype=BF16), inp.weight(512, 512 * 7, BF16).view(512, 512, 7), \
-        inp.randn(512, scale=0.1, dtype=BF16)
+    x = inp.randn(64, 512, 46, dtype=BF16)
+    w = inp.weight(512, 512 * 7, BF16).view(512, 512, 7)  # [C_out, C_in, K]
+    b = inp.randn(512, scale=0.1, dtype=BF16)
     _row_alone_equals_row_in_batch(lambda x: kernels.causal_conv1d(x, w, b), x)
