@@ -30,7 +30,11 @@ argmax of the code-predictor heads. Its codes drive the figures:
 `--perturb S` adds S·std(w) Gaussian noise to every weight of the low side (talker and codec): the
 gates' own check. `--fp32-residual`: the low side with EngineConfig.fp32_residual (the residual stream
 in fp32, the normed rows that feed the GEMMs in the low dtype; the fused code predictor does not serve
-it), instead of the stream rounded to the low dtype as the official model rounds it. `--gates`: exit 1
+it), instead of the stream rounded to the low dtype as the official model rounds it. `--fp32-logits`: the low
+side's talker head scores left in fp32 (the GEMM's fp32 accumulator, not rounded to the low dtype as the
+eager head rounds them): how many of the c0 disagreements are ties that the head's rounding makes. Each
+teacher-forced disagreement is listed with the reference's gap between its top two codebook scores and the
+low side's scores of the two codes (information). `--gates`: exit 1
 when a gate fails. Prints a markdown table ($OUT/fidelity.md when OUT is set); on CUDA appends a row to
 perf/results/fidelity.csv (and $OUT/fidelity.csv).
 """
@@ -106,7 +110,8 @@ def perturb_(module: torch.nn.Module, scale: float, seed: int = 0) -> None:
 
 
 def load_side(path: Path, dtype: torch.dtype, device: str, fused_code_predictor: int = 0,
-              codec_kernels: bool = False, perturb: float = 0.0, fp32_residual: bool = False) -> Side:
+              codec_kernels: bool = False, perturb: float = 0.0, fp32_residual: bool = False,
+              fp32_logits: bool = False) -> Side:
     """The checkpoint at `dtype` on `device` (the switches: see the module docstring)."""
     ckpt = load_checkpoint(path, dtype, device)
     model = Qwen3TTS.from_checkpoint(ckpt)
@@ -115,6 +120,9 @@ def load_side(path: Path, dtype: torch.dtype, device: str, fused_code_predictor:
         perturb_(model, perturb)
         perturb_(decoder, perturb, seed=1)
     model.talker.keep_fp32_residual(fp32_residual)
+    if fp32_logits:
+        head = model.talker.codec_head.weight  # [V, H]
+        model.talker.logits = lambda hidden: unrounded_linear(hidden, head)
     model.talker.code_predictor.use_fused(fused_code_predictor)
     speakers = sorted(model.config.talker.speaker_ids)
     if not speakers:
@@ -122,6 +130,14 @@ def load_side(path: Path, dtype: torch.dtype, device: str, fused_code_predictor:
     prompt = PromptBuilder(model, ckpt.tokenizer).build(TEXT, VoiceSpec(speaker=speakers[0]))
     codec = StreamingDecoder(decoder, 1, dtype, device, use_kernels=codec_kernels)
     return Side(model, codec, prompt)
+
+
+def unrounded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [B, K] @ weight [N, K]^T as float32, never rounded to x's dtype: cuBLAS with an fp32 output
+    on CUDA; on the CPU (which has no such GEMM) in float32 from the low-precision values."""
+    if x.is_cuda:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
 
 
 class ForcedCodes(SubtalkerSampler):
@@ -208,10 +224,21 @@ def figures(ref_logits: torch.Tensor, forced_logits: torch.Tensor, ref_codes: to
     agree = forced_logits[:, :codebook].argmax(-1) == ref_logits[:, :codebook].argmax(-1)  # [T]
     same = free_codes[:, 0] == ref_codes[:, 0]  # [T]
     differ = (~same).nonzero()
-    return dict(cos_min=cos.min().item(), cos_mean=cos.mean().item(),
+    return dict(disagreements=disagreements(ref_logits[:, :codebook], forced_logits[:, :codebook]),
+                cos_min=cos.min().item(), cos_mean=cos.mean().item(),
                 agree_forced=agree.double().mean().item(), agree_free=same.double().mean().item(),
                 first_divergence=int(differ[0]) if len(differ) else None,
                 snr_db=snr_db(ref_pcm, low_pcm))
+
+
+def disagreements(ref: torch.Tensor, low: torch.Tensor) -> list[tuple[int, float, float]]:
+    """(frame, reference's top-2 gap, the low side's score of its own pick minus its score of the
+    reference's pick) of each frame whose argmax differs; ref, low [T, C] codebook scores."""
+    top2 = ref.topk(2, dim=-1).values  # [T, 2]
+    ref_pick, low_pick = ref.argmax(-1), low.argmax(-1)  # [T]
+    rows = (ref_pick != low_pick).nonzero().flatten().tolist()
+    return [(t, (top2[t, 0] - top2[t, 1]).item(), (low[t, low_pick[t]] - low[t, ref_pick[t]]).item())
+            for t in rows]
 
 
 def verdict(name: str, f: dict) -> str:
@@ -232,7 +259,11 @@ def table(f: dict, frames: int) -> str:
             ("streamed codec SNR", f"{f['snr_db']:.2f} dB", "≥ 35 dB", verdict("snr_db", f))]
     head = [f"over {frames} frames", "", "| figure | value | gate | result |",
             "|---|---:|---:|---|"]
-    return "\n".join(head + [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows])
+    ties = [f"frame {t}: reference top-2 gap {gap:.4g}, low side prefers its pick by {margin:.4g}"
+            for t, gap, margin in f["disagreements"]]
+    notes = ["", "teacher-forced c0 disagreements:" if ties else "no teacher-forced c0 disagreement"]
+    return "\n".join(head + [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows] + notes
+                     + [f"- {t}" for t in ties])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -254,6 +285,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="noise scale on the low side's weights (the gates' check)")
     p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=EngineConfig.fp32_residual,
                    help="low side: EngineConfig.fp32_residual")
+    p.add_argument("--fp32-logits", action="store_true",
+                   help="low side: the talker head's scores unrounded (fp32 accumulator)")
     p.add_argument("--gates", action="store_true", help="exit 1 when a gate fails")
     args = p.parse_args(argv)
     if args.frames < 1:
@@ -278,7 +311,7 @@ def measure(args: argparse.Namespace, path: Path) -> dict:
     t1 = time.perf_counter()
     print(f"fp32 reference: {args.frames} frames + codec in {t1 - t0:.1f} s", flush=True)
     low = load_side(path, getattr(torch, args.dtype), args.device, args.fused_code_predictor,
-                    args.codec_kernels, args.perturb, args.fp32_residual)
+                    args.codec_kernels, args.perturb, args.fp32_residual, args.fp32_logits)
     with kernels.tuning():
         forced_logits, _ = run_talker(low, args.frames, forced=ref_codes)
         _, free_codes = run_talker(low, args.frames)
@@ -295,8 +328,7 @@ def config_name(args: argparse.Namespace) -> str:
         on.append(f"fused_code_predictor={args.fused_code_predictor}")
     if args.perturb:
         on.append(f"perturb{args.perturb:g}")
-    if args.fp32_residual:
-        on.append("fp32_residual")
+    on += [n for n in ("fp32_residual", "fp32_logits") if getattr(args, n)]
     return "+".join(on) or "default"
 
 

@@ -87,3 +87,26 @@ def test_fp32_residual_moves_bf16_closer_to_fp32(checkpoint):
     plain = fidelity.measure(fidelity.parse_args(cli(checkpoint, *bf16)), checkpoint)
     kept = fidelity.measure(fidelity.parse_args(cli(checkpoint, *bf16, "--fp32-residual")), checkpoint)
     assert kept["cos_mean"] > plain["cos_mean"] and kept["cos_min"] >= plain["cos_min"]
+
+
+def test_disagreements_name_the_frames_and_the_gaps():
+    """Row 1's argmax differs (reference picks 0 by 0.5; the low side picks 2 by 0.25): it is the one listed."""
+    ref = torch.tensor([[3.0, 1.0, 0.0], [2.0, 1.5, 1.0], [0.0, 0.0, 1.0]])
+    low = torch.tensor([[3.0, 1.0, 0.0], [2.0, 1.0, 2.25], [0.0, 0.0, 1.0]])
+    assert fidelity.disagreements(ref, low) == [(1, 0.5, 0.25)]
+    assert fidelity.disagreements(ref, ref) == []
+
+
+def test_fp32_logits_are_the_unrounded_head(checkpoint):
+    """--fp32-logits: the low side's talker scores are the head's fp32 product, not the bf16-rounded one, so
+    they differ from the rounded scores and are not representable in bf16."""
+    rounded = fidelity.load_side(checkpoint, torch.bfloat16, "cpu")
+    exact = fidelity.load_side(checkpoint, torch.bfloat16, "cpu", fp32_logits=True)
+    hidden = torch.randn(2, rounded.model.config.talker.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(torch.bfloat16)
+    a, b = rounded.model.talker.logits(hidden), exact.model.talker.logits(hidden)
+    assert a.dtype == b.dtype == torch.float32
+    torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)  # the same product, bf16 rounding apart
+    assert not torch.equal(b.to(torch.bfloat16).float(), b)  # values bf16 cannot hold: never rounded
+    expected = hidden.float() @ exact.model.talker.codec_head.weight.float().t()
+    torch.testing.assert_close(b, expected, rtol=0, atol=0)
