@@ -10,7 +10,8 @@
     sample           the GREEDY / TOPK draw (the FULL mode stays with models/sampling.py)
 
 Every GEMM is a split-K skinny GEMM whose last program per unit runs the epilogue
-(code_predictor_gemm.py); the launch config is tuned per weight shape, never per batch size.
+(code_predictor_gemm.py); the launch config is tuned per weight shape and row class (per weight
+shape only under `set_batch_invariant(True)`).
 Each kernel's torch reference is in code_predictor_reference.py (sampling: warp_and_draw).
 `counters` (int32 zeros, left zero by every launch) is the tickets' workspace: size it with
 `counters_needed(rows, units)`, units = the largest output width / MIN_BLOCK_N.
