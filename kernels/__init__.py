@@ -10,6 +10,8 @@ depends neither on how many rows share a launch nor on what they hold. Per kerne
   by construction  rms_norm (a row's statistics inside one program, tiles set by the feature dim),
                    apply_rotary and store_kv (one program per token, no reduction across tokens),
                    snake_beta (elementwise), the code predictor's sample (one program per row),
+                   prefill_attention (a program takes rows of one prompt only; key blocks start at
+                   the prompt's first row, so a prompt's rows never see where it sits in the pack),
                    qkv_attention / talker_qkv (BLOCK_M 16, config per weight shape; attention over
                    the row's own positions or pages)
   under the switch the skinny GEMMs (project, linear_residual, norm_gate_up, norm_head, linear):
@@ -18,9 +20,6 @@ depends neither on how many rows share a launch nor on what they hold. Per kerne
                    decode attention: batch 1's split count of each row's context (off, it shrinks
                    as the batch grows); causal_conv1d: always the Triton kernel (tiles set by
                    channels and length, one batch row per program), never cuDNN
-  not invariant    prefill_attention: a program takes BLOCK_M packed rows that may straddle
-                   prompts and walks the keys in blocks from its first row's prompt start, so a
-                   row's online-softmax blocking depends on where its prompt sits in the pack
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import contextlib
 import os
 
 import torch
-
 import torch.nn.functional as F
 
 from . import reference

@@ -6,12 +6,15 @@ cu_seqlens[i]..cu_seqlens[i+1]-1 and each row attends to its own sequence's rows
 their output rows are never written. The boundaries live on the device and the launch shape depends
 only on (T, NH), so one CUDA graph per token bucket serves every mix of arrivals.
 
-Grid (cdiv(T, BLOCK_M), NH): a program takes BLOCK_M consecutive packed rows of one query head
-(they may straddle sequences). Each row finds its sequence's first row (the largest boundary <= the
-row, a vectorised search over cu_seqlens), then the program runs an online softmax (fp32, exp2)
-over the keys from its first row's sequence start to its last valid row, masking for each row the
-keys outside [its sequence start, itself]. K/V come from the forward's own packed k, v (query head
-h reads kv head h // (NH / KVH)); any row and head strides (v is a view of the fused qkv GEMM).
+Grid (cdiv(T, BLOCK_M) + S, NH): a program takes BLOCK_M consecutive rows of ONE sequence and one
+query head: the sequences' row blocks are numbered one sequence after the other (sequence i has
+cdiv(len_i, BLOCK_M) of them, found by a vectorised search over cu_seqlens), so a block never straddles
+two sequences and programs past the last block do nothing. The program runs an online softmax (fp32,
+exp2) over its sequence's keys from the sequence's first row to its own last row, in key blocks that
+start at the sequence's first row. So a row's arithmetic depends only on its own sequence (and the
+launch config, tuned once per head shape): never on where its prompt sits in the pack or what the
+other prompts hold — the prefill is batch-invariant. K/V come from the forward's own packed k, v (query
+head h reads kv head h // (NH / KVH)); any row and head strides (v is a view of the fused qkv GEMM).
 
 Chunked prefill (`prefix`, a `PagedPrefix`): sequence 0's rows are a piece of a prompt whose first P
 rows are already in the paged KV cache (P and the sequence's page table on the device, P = 0 allowed,
@@ -49,6 +52,30 @@ def _attend_block(q, k, v, allowed, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl
     return m_new, l_i, acc
 
 
+@triton.jit
+def _find_block(cu_ptr, stride_cu, num_seqs, pid, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    """(sequence, its row block, found) of program `pid`: the sequences' row blocks numbered one
+    sequence after the other (sequence i has cdiv(cu[i+1] - cu[i], BLOCK_M)); found is False past the
+    last block (then sequence 0, block 0)."""
+    seq = tl.zeros([], tl.int32)
+    block = tl.zeros([], tl.int32)
+    hits = tl.zeros([], tl.int32)
+    base = tl.zeros([], tl.int32)  # blocks of the sequences before this search step
+    for s0 in range(0, num_seqs, BLOCK_S):
+        idx = s0 + tl.arange(0, BLOCK_S)
+        ok = idx < num_seqs
+        lens = (tl.load(cu_ptr + (idx + 1) * stride_cu, mask=ok, other=0)
+                - tl.load(cu_ptr + idx * stride_cu, mask=ok, other=0)).to(tl.int32)  # [BLOCK_S]
+        blocks = (lens + BLOCK_M - 1) // BLOCK_M
+        after = base + tl.cumsum(blocks, 0)  # [BLOCK_S] blocks up to and including each sequence
+        mine = ok & (after - blocks <= pid) & (pid < after)
+        seq += tl.sum(tl.where(mine, idx, 0), 0)
+        block += tl.sum(tl.where(mine, pid - (after - blocks), 0), 0)
+        hits += tl.sum(mine.to(tl.int32), 0)
+        base += tl.sum(blocks, 0)
+    return seq, block, hits > 0
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_attention_kernel(
     # pointers
@@ -67,23 +94,15 @@ def _prefill_attention_kernel(
     HAS_PREFIX: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    seq, block, found = _find_block(cu_ptr, stride_cu, num_seqs, tl.program_id(0), BLOCK_M, BLOCK_S)
     head = tl.program_id(1)
     kv_head = head // GROUP
-    total = tl.load(cu_ptr + num_seqs * stride_cu).to(tl.int32)
-    first = pid_m * BLOCK_M
+    lo = tl.load(cu_ptr + seq * stride_cu).to(tl.int32)  # the sequence's first row
+    end = tl.where(found, tl.load(cu_ptr + (seq + 1) * stride_cu).to(tl.int32), lo)
+    first = lo + block * BLOCK_M
     rows = first + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    row_ok = rows < total
-
-    # each row's sequence start: the largest boundary cu[1..S-1] <= row (cu[0] = 0)
-    start = tl.zeros([BLOCK_M], tl.int32)
-    for s0 in range(1, num_seqs, BLOCK_S):
-        idx = s0 + tl.arange(0, BLOCK_S)
-        bound = tl.load(cu_ptr + idx * stride_cu, mask=idx < num_seqs, other=0).to(tl.int32)
-        below = tl.where(bound[None, :] <= rows[:, None], bound[None, :], 0)  # [BLOCK_M, BLOCK_S]
-        start = tl.maximum(start, tl.max(below, 1))
-    lo = tl.min(tl.where(row_ok, start, total))  # rows ascend: the first row's start (none: total)
-    hi = tl.minimum(first + BLOCK_M, total)  # keys past the block's last valid row are never seen
+    row_ok = rows < end
+    hi = tl.minimum(first + BLOCK_M, end)  # keys past the block's last valid row are never seen
 
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -92,10 +111,8 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if HAS_PREFIX:  # sequence 0 = rows 0..cu[1]-1 also sees the P keys before its rows, from the cache
-        end0 = tl.load(cu_ptr + stride_cu).to(tl.int32)
-        in0 = row_ok & (rows < end0)
-        p_hi = tl.where(first < end0, tl.load(plen_ptr).to(tl.int32), 0)
+    if HAS_PREFIX:  # sequence 0 also sees the P keys before its rows, from the cache
+        p_hi = tl.where(found & (seq == 0), tl.load(plen_ptr).to(tl.int32), 0)
         for n0 in range(0, p_hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions in the prompt
             pos_ok = pos < p_hi
@@ -106,7 +123,7 @@ def _prefill_attention_kernel(
                         + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(vc_ptr + (page * stride_vcp + off * stride_vcs)[:, None] + kv_head * stride_vch
                         + offs_d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _attend_block(q, k, v, in0[:, None] & pos_ok[None, :], m_i, l_i, acc,
+            m_i, l_i, acc = _attend_block(q, k, v, row_ok[:, None] & pos_ok[None, :], m_i, l_i, acc,
                                           scale_log2, DOT_PRECISION)
     for n0 in range(lo, hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -116,8 +133,7 @@ def _prefill_attention_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + keys.to(tl.int64)[:, None] * stride_vn + kv_head * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        allowed = ((keys[None, :] >= start[:, None]) & (keys[None, :] <= rows[:, None])
-                   & key_ok[None, :])  # [BLOCK_M, BLOCK_N]
+        allowed = (keys[None, :] <= rows[:, None]) & key_ok[None, :]  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = _attend_block(q, k, v, allowed, m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]  # every valid row saw at least itself
@@ -134,14 +150,15 @@ class PrefillConfig(NamedTuple):
 
 _CANDIDATES = [PrefillConfig(m, n, w, s) for m, n, w in ((64, 64, 4), (128, 64, 8), (64, 32, 4),
                                                           (128, 32, 4)) for s in (2, 3)]
-_INTERPRET_CONFIG = PrefillConfig(16, 16, 1, 1)  # small blocks: the tests' short rows straddle them
-_BLOCK_S = 16
+_INTERPRET_CONFIG = PrefillConfig(16, 16, 1, 1)  # small blocks: the tests' short prompts span several
+_BLOCK_S = 16  # sequences compared per step of the block search
 
 
 def _launch(cfg: PrefillConfig, q, k, v, cu_seqlens, scale, out, prefix: PagedPrefix | None) -> None:
     rows, num_heads, head_dim = q.shape
     kc, vc, table, plen = prefix if prefix is not None else (k[None], v[None], cu_seqlens, cu_seqlens)
-    _prefill_attention_kernel[(triton.cdiv(rows, cfg.block_m), num_heads)](
+    grid = (triton.cdiv(rows, cfg.block_m) + cu_seqlens.shape[0] - 1, num_heads)  # >= every sequence's blocks
+    _prefill_attention_kernel[grid](
         q, k, v, cu_seqlens, out,
         kc, vc, table, plen,
         cu_seqlens.shape[0] - 1, scale * _LOG2E,

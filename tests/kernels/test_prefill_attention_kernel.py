@@ -59,18 +59,24 @@ def test_prefill_attention_matches_reference(dtype, case):
     assert_close_3way(out[:total], out_pt[:total], out_ref[:total], dtype, f"prefill {dtype} {case}")
 
 
-def test_each_sequence_is_its_own_prefill():
-    """Packing changes nothing: every sequence's rows equal the kernel run on that sequence alone
-    (int64 boundaries, default output)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_each_sequence_is_its_own_prefill(dtype):
+    """Batch invariance: every sequence's rows are bit-equal to the kernel run on that sequence alone,
+    and to the same sequence packed at another offset behind other prompts (int64 boundaries, default
+    output): a program never straddles two prompts and its key blocks start at its prompt's first row."""
     lens = [7, 1, 30, 2]
-    q, k, v, cu, scale = make_inputs(4, 2, 32, lens, 4, torch.float32, seed=5, cu_dtype=torch.int64)
+    q, k, v, cu, scale = make_inputs(4, 2, 32, lens, 4, dtype, seed=5, cu_dtype=torch.int64)
     packed = pf.prefill_attention(q, k, v, cu, scale)
     start = 0
     for n in lens:
         sl = slice(start, start + n)
         alone = pf.prefill_attention(q[sl], k[sl], v[sl], torch.tensor([0, n], device=DEVICE), scale)
-        torch.testing.assert_close(packed[sl], alone, rtol=1e-5, atol=1e-6)
+        assert torch.equal(packed[sl], alone), f"a {n}-row prompt at row {start} differs from itself alone"
         start += n
+    shift = 11  # the 30-row prompt again, behind an 11-row one whose rows are the packed tail
+    qs, ks, vs = (torch.cat((t[-shift:], t[8:38])) for t in (q, k, v))
+    moved = pf.prefill_attention(qs, ks, vs, torch.tensor([0, shift, shift + 30], device=DEVICE), scale)
+    assert torch.equal(moved[shift:], packed[8:38]), "the 30-row prompt changed with its offset in the pack"
 
 
 PREFIX_CASES = [  # (nh, kvh, head_dim, lens, padding rows, S, prefix length P, page size)
