@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from q3tts import kernels
 from q3tts.kernels.reference import rope_cos_sin
-from q3tts.models.layers import MLP
+from q3tts.models.layers import MLP, Linear, linear
 
 from ..config import CodecConfig, CodecDecoderConfig
 from .layers import (AttentionProjections, CausalConv1d, CausalTransConv1d, LayerScale, RMSNorm, SnakeBeta, StateSpec, States,
@@ -65,6 +66,8 @@ class ResidualVQ(nn.Module):
         for g, layer in enumerate(self.vq.layers):
             emb = F.embedding(codes[:, g], layer._codebook.table())  # [B, T, dim]
             total = emb if total is None else total + emb
+        if kernels.batch_invariant():  # the 1x1 conv as the linear layer it is (codec/layers.py)
+            return linear(total, self.output_proj.weight[:, :, 0]).transpose(1, 2)
         return self.output_proj(total.transpose(1, 2))
 
 
@@ -133,8 +136,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(TransformerLayer(spec, cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
-        self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
+        self.input_proj = Linear(cfg.latent_dim, cfg.hidden_size)
+        self.output_proj = Linear(cfg.hidden_size, cfg.latent_dim)
         self.head_dim, self.theta, self.past = cfg.head_dim, cfg.rope_theta, cfg.sliding_window - 1
         self.pos_state = spec.add((), torch.int64)
 
@@ -158,9 +161,9 @@ class ConvNeXtBlock(nn.Module):
     def __init__(self, spec: StateSpec, dim: int) -> None:
         super().__init__()
         self.dwconv = CausalConv1d(spec, dim, dim, 7, groups=dim)
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        self.pwconv1 = nn.Linear(dim, 4 * dim)
-        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)  # batch-invariant as it is (codec/layers.py)
+        self.pwconv1 = Linear(dim, 4 * dim)
+        self.pwconv2 = Linear(4 * dim, dim)
         self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
 
     def forward(self, x: Tensor, states: States) -> Tensor:  # [B, C, T]

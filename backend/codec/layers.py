@@ -4,16 +4,29 @@ Every stateful layer maps `(x, state) -> (y, new_state)` for a chunk of T new ti
 `state` is exactly what the layer needs from the past. A full decode is one chunk with a
 zero state; a streaming decode is many chunks. States are plain tensors with a leading batch dim, kept
 in a flat list (`States`); each stateful layer owns one or more indices into it, assigned at build time.
+
+Under `kernels.batch_invariant()` (EngineConfig.batch_invariant) a stream's samples do not depend on the
+other streams of a call: linear layers through `models.layers.linear`, RMSNorm through `kernels.rms_norm`,
+groups-1 convs through `kernels.causal_conv1d` (the Triton kernel: one batch row per program),
+transposed convs as a stride-1 conv over their input taps through that kernel, depthwise convs as
+multiply-adds in a fixed order, and attention through the memory-efficient SDPA kernel (one program per
+(query block, head, batch row), each over all its keys). cuDNN and the math SDPA pick their
+algorithms and reduction splits by shape. LayerNorm (codec/decoder.py) stays torch's: its CUDA kernel
+reduces each row inside one block whose size depends only on the row length.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from q3tts import kernels
 from q3tts.kernels.reference import rms_norm_ref, rotate_half, snake_beta_ref
+from q3tts.models.layers import Linear, refuse_in_capture
 
 
 class StateSpec:
@@ -38,8 +51,8 @@ States = list[Tensor]  # one tensor per StateSpec entry, each [B, ...]; updated 
 class CausalConv1d(nn.Module):
     """Conv1d with left zero padding `(k-1)·d` (stride 1), streamed with a history of its input.
 
-    `use_kernels` (`set_use_kernels`, from `CodecDecoder.use_kernels`): groups-1 convs go through
-    `kernels.causal_conv1d`."""
+    `use_kernels` (`set_use_kernels`, from `CodecDecoder.use_kernels`) or `kernels.batch_invariant()`: groups-1
+    convs go through `kernels.causal_conv1d`; depthwise convs under the latter: `depthwise_conv1d`."""
 
     use_kernels = False
 
@@ -56,10 +69,13 @@ class CausalConv1d(nn.Module):
         if self.history:
             x = torch.cat([states[self.state], x], dim=-1)  # [B, C, hist + T]
             states[self.state] = x[..., -self.history:]
-        if self.use_kernels and self.conv.groups == 1:
+        if self.conv.groups == 1 and (self.use_kernels or kernels.batch_invariant()):
             return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual,
                                          self.weight_oik)
-        out = self.conv(x)
+        if self.conv.groups == self.conv.in_channels == self.conv.out_channels and kernels.batch_invariant():
+            out = depthwise_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0])
+        else:
+            out = self.conv(x)
         return out if residual is None else residual + out
 
     def set_use_kernels(self, on: bool) -> None:
@@ -69,11 +85,27 @@ class CausalConv1d(nn.Module):
         self.weight_oik = kernels.conv_kernel_weight(self.conv.weight) if on and self.conv.groups == 1 else None
 
 
+def depthwise_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int) -> Tensor:
+    """Valid depthwise conv1d: x [B, C, L], weight [C, 1, K], bias [C] or None -> [B, C, L - (K-1)·dilation],
+    each element's K products summed in fp32 in tap order (elementwise ops: the same order whatever the
+    batch) and rounded once to x.dtype."""
+    taps = weight.shape[-1]
+    length = x.shape[-1] - (taps - 1) * dilation
+    w = weight[:, 0].float()  # [C, K]
+    acc = x[..., :length].float() * w[:, :1]  # [B, C, T]
+    for j in range(1, taps):
+        acc = torch.addcmul(acc, x[..., j * dilation:j * dilation + length].float(), w[:, j:j + 1])
+    if bias is not None:
+        acc = acc + bias.float()[:, None]
+    return acc.to(x.dtype)
+
+
 class CausalTransConv1d(nn.Module):
     """ConvTranspose1d(k, s) with the last `k - s` samples trimmed (zero look-ahead).
 
     With k = 2s, output block t depends on inputs t and t-1, so the state is the previous input sample.
     With k = s there is no overlap and no state.
+    Under `kernels.batch_invariant()` it runs as a stride-1 conv of k/s taps over its input (`as_conv`).
     """
 
     def __init__(self, spec: StateSpec, c_in: int, c_out: int, kernel: int, stride: int) -> None:
@@ -83,14 +115,46 @@ class CausalTransConv1d(nn.Module):
         self.conv = nn.ConvTranspose1d(c_in, c_out, kernel, stride=stride)
         self.stride = stride
         self.state = spec.add((c_in, 1)) if kernel == 2 * stride else -1
+        self._conv_form: tuple[Tensor, Tensor] | None = None  # (weight, bias) of `as_conv`, per dtype/device
 
     def forward(self, x: Tensor, states: States) -> Tensor:  # [B, C, T] -> [B, C', T·s]
+        if self.state >= 0:
+            x = torch.cat([states[self.state], x], dim=-1)  # [B, C, 1 + T]
+            states[self.state] = x[..., -1:]
+        if kernels.batch_invariant():
+            return self.as_conv(x)
         if self.state < 0:
             return self.conv(x)
-        full = torch.cat([states[self.state], x], dim=-1)  # [B, C, 1 + T]
-        states[self.state] = full[..., -1:]
-        y = self.conv(full)  # [B, C', (T + 2)·s]
+        y = self.conv(x)  # [B, C', (T + 2)·s]
         return y[..., self.stride: y.shape[-1] - self.stride]
+
+    def as_conv(self, x: Tensor) -> Tensor:
+        """The trimmed transposed conv of x [B, C, T + taps - 1] (history first, taps = k/s) as one
+        `kernels.causal_conv1d` of taps taps into C'·s channels, channel (o, r) = output phase r of
+        channel o, then the phases interleaved in time -> [B, C', T·s]."""
+        if x.stride(-1) != 1:  # the kernel reads time contiguously
+            x = x.clone(memory_format=torch.contiguous_format)
+        weight, bias = self._conv_weights()
+        y = kernels.causal_conv1d(x, weight, bias)  # [B, C'·s, T]
+        b, _, t = y.shape
+        return y.view(b, self.conv.out_channels, self.stride, t).transpose(2, 3).reshape(b, -1, t * self.stride)
+
+    def _conv_weights(self) -> tuple[Tensor, Tensor]:
+        """(weight [C'·s, C, taps], bias [C'·s]) of `as_conv`: output phase r of block t is
+        sum_m W[:, o, (taps-1-m)·s + r] · x[t + m] (tap m = taps-1 is the block's own input), built once
+        per dtype/device (outside CUDA graph capture; the weights are fixed after loading)."""
+        w = self.conv.weight  # [C, C', k]
+        cached = self._conv_form
+        if cached is None or cached[0].dtype != w.dtype or cached[0].device != w.device:
+            refuse_in_capture("building the transposed conv's conv-form weights")
+            c_in, c_out, k = w.shape
+            taps = k // self.stride
+            with torch.no_grad():
+                conv_w = (w.view(c_in, c_out, taps, self.stride).flip(2).permute(1, 3, 0, 2)
+                          .reshape(c_out * self.stride, c_in, taps))  # [(o, r), C, m]
+                cached = self._conv_form = (kernels.conv_kernel_weight(conv_w),
+                                            self.conv.bias.detach().repeat_interleave(self.stride))
+        return cached
 
 
 class SnakeBeta(nn.Module):
@@ -119,6 +183,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if kernels.batch_invariant():
+            return kernels.rms_norm(x, self.weight, self.eps)
         return rms_norm_ref(x, self.weight, self.eps)
 
 
@@ -138,10 +204,10 @@ class AttentionProjections(nn.Module):
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int) -> None:
         super().__init__()
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = Linear(heads * head_dim, hidden, bias=False)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
 
 
@@ -159,6 +225,8 @@ def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_p
     """
     delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, T, S]
     visible = (delta >= 0) & (delta < window) & (k_pos[:, None, :] >= 0)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=visible[:, None])  # [B, H, T, D]
+    invariant = q.is_cuda and kernels.batch_invariant()  # see the module docstring
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION) if invariant else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=visible[:, None])  # [B, H, T, D]
     return out.transpose(1, 2)

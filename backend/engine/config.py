@@ -86,7 +86,8 @@ class EngineConfig:
                          through `kernels.linear` (models/layers.py `linear`), the fused code predictor serves
                          every bucket, the codec's convs run through the kernels (as with codec_kernels) and
                          its transposed / depthwise convs and attention through row-independent paths
-                         (codec/layers.py). Off: cuBLAS / cuDNN / torch reductions pick their reduction order
+                         (codec/layers.py), and the eager prefill attends each prompt alone. Off: cuBLAS /
+                         cuDNN / torch reductions pick their reduction order
                          by shape (16 identical greedy bf16 requests served together: 29.7 dB from the same
                          request alone). Its cost on the H200: perf/bench_engine.py --batch-invariant
     voice_cache_bytes    device memory for the Base voices kept prepared (engine/voice_cache.py: x-vector,

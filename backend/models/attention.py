@@ -61,7 +61,8 @@ class PrefillContext(AttentionContext):
     False = `causal_attention` per sequence on slices of the one q/k/v (each sequence's arithmetic is
     exactly its single-sequence prefill: the CPU default); True = one batched attention per group of
     sequences padded to the group's longest (a few launches per layer whatever the count: the CUDA
-    default; equal to the loop up to floating-point rounding).
+    default, except under `kernels.batch_invariant()`: a row's result must not depend on the other
+    prompts; equal to the loop up to floating-point rounding).
     prefixes (chunked prefill): per sequence None, or the cache slots [P_i] of its P_i earlier prompt
     rows already in the cache; its rows are then a piece at positions P_i.. that also attends to those
     keys (read from the cache: a sequence with a prefix always takes the per-sequence loop).
@@ -75,7 +76,8 @@ class PrefillContext(AttentionContext):
         self.seq_lens = None if seq_lens is None else [int(n) for n in seq_lens]
         self.prefixes = prefixes if prefixes is not None and any(p is not None for p in prefixes) else None
         assert self.prefixes is None or len(self.prefixes) == len(self.seq_lens), "one prefix per sequence"
-        self.padded = (slot_mapping.device.type == "cuda" if padded is None else padded) and not self.prefixes
+        default = slot_mapping.device.type == "cuda" and not kernels.batch_invariant()
+        self.padded = (default if padded is None else padded) and not self.prefixes
         self._groups: list[_PaddedGroup] | None = None  # built on first use, shared by all layers
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch import nn
 from q3tts import kernels
 from q3tts.config import TalkerConfig
 from q3tts.models.attention import DecodeContext, PagedKVCache
-from q3tts.models.layers import DecoderStack
+from q3tts.models.layers import DecoderStack, Linear
 from q3tts.models.sampling import SubtalkerSampler
 
 if TYPE_CHECKING:
@@ -43,11 +43,11 @@ class CodePredictor(nn.Module):
         cp = cfg.code_predictor
         self.num_groups = cfg.num_code_groups
         self.model = CodePredictorModel(cfg)
-        self.lm_head = nn.ModuleList(nn.Linear(cp.hidden_size, cfg.codebook_size, bias=False)
+        self.lm_head = nn.ModuleList(Linear(cp.hidden_size, cfg.codebook_size, bias=False)
                                      for _ in range(self.num_groups - 1))
         same_width = cp.hidden_size == cfg.hidden_size
         self.small_to_mtp_projection = (
-            nn.Identity() if same_width else nn.Linear(cfg.hidden_size, cp.hidden_size, bias=True))
+            nn.Identity() if same_width else Linear(cfg.hidden_size, cp.hidden_size, bias=True))
         self._embed_c0 = embed_c0  # the talker's codec embedding C(.), not a submodule
         self._cache: PagedKVCache | None = None
         self._fused: FusedCodePredictor | None = None

@@ -25,6 +25,12 @@ keep that layout (see `_apply`); `load_state_dict` (copy) writes through the vie
 unfused (or stale, e.g. after `load_state_dict(assign=True)`) weights by pointer check and fuses
 then, which is refused during CUDA graph capture: call `fuse_()` (Qwen3TTS.from_checkpoint does)
 before capturing.
+
+Every linear layer of the model layer (these stacks, the talker's text projection and heads, the code
+predictor's heads, the codec decoder's transformer and ConvNeXt blocks) runs through `linear`, the one
+dispatch point: `kernels.linear` while `kernels.batch_invariant()` is on (a row's product then does
+not depend on how many rows share the GEMM: EngineConfig.batch_invariant), F.linear (cuBLAS, which
+picks its kernel and reduction split by shape) otherwise.
 """
 
 from __future__ import annotations
@@ -41,10 +47,27 @@ from q3tts.kernels.reference import rope_cos_sin
 from q3tts.models.attention import AttentionContext
 
 
-def _refuse_in_capture(what: str) -> None:
+def refuse_in_capture(what: str) -> None:
+    """Raise when called inside CUDA graph capture: `what` builds a tensor that must exist before."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{what} inside CUDA graph capture: call fuse_() on the model "
                            f"(after any .to()) before capturing")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]: `kernels.linear` under
+    `kernels.batch_invariant()` (rows independent of the row count), else F.linear."""
+    if not kernels.batch_invariant():
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    return kernels.linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state_dict keys) whose forward is `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -69,7 +92,7 @@ def rope_tables(max_positions: int, head_dim: int, theta: float, dtype: torch.dt
     return rope_cos_sin(torch.arange(max_positions, device=device), head_dim, theta, dtype)
 
 
-def _fuse_rows(owner: nn.Module, buffer_name: str, linears: list[nn.Linear]) -> None:
+def _fuse_rows(owner: nn.Module, buffer_name: str, linears: list[Linear]) -> None:
     """Concatenate the weights of `linears` (rows) into `owner.<buffer_name>` (non-persistent) and
     make each weight a row slice of it."""
     with torch.no_grad():
@@ -78,7 +101,7 @@ def _fuse_rows(owner: nn.Module, buffer_name: str, linears: list[nn.Linear]) -> 
         _view_rows(fused, linears)
 
 
-def _view_rows(fused: torch.Tensor, linears: list[nn.Linear]) -> None:
+def _view_rows(fused: torch.Tensor, linears: list[Linear]) -> None:
     start = 0
     for lin in linears:
         rows = lin.weight.shape[0]
@@ -86,7 +109,7 @@ def _view_rows(fused: torch.Tensor, linears: list[nn.Linear]) -> None:
         start += rows
 
 
-def _is_fused(fused: torch.Tensor | None, linears: list[nn.Linear]) -> bool:
+def _is_fused(fused: torch.Tensor | None, linears: list[Linear]) -> bool:
     """Whether every weight still is its row slice of `fused` (host-side pointer check)."""
     if fused is None:
         return False
@@ -107,7 +130,7 @@ class _FusedRows(nn.Module):
     _buffer: str
     _fused_names: tuple[str, ...]
 
-    def _linears(self) -> list[nn.Linear]:
+    def _linears(self) -> list[Linear]:
         return [getattr(self, name) for name in self._fused_names]
 
     def fuse_(self) -> None:
@@ -119,7 +142,7 @@ class _FusedRows(nn.Module):
         """The concatenated weight, (re)built when missing or stale (never inside capture)."""
         fused = getattr(self, self._buffer, None)
         if not _is_fused(fused, self._linears()):
-            _refuse_in_capture(f"fusing {type(self).__name__} weights")
+            refuse_in_capture(f"fusing {type(self).__name__} weights")
             self.fuse_()
             fused = getattr(self, self._buffer)
         return fused
@@ -155,10 +178,10 @@ class SelfAttention(_FusedRows):
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=False)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, q_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, kv_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, kv_dim, bias=False)
+        self.o_proj = Linear(q_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.register_buffer("qkv_weight", None, persistent=False)
@@ -168,7 +191,7 @@ class SelfAttention(_FusedRows):
                 sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """x [N, H] at positions [N]; cos, sin: RoPE tables [max_pos, D] -> [N, H]."""
         n = x.shape[0]
-        q, k, v = F.linear(x, self.fused_weight()).split(self._split, dim=-1)  # views of [N, Q+2KV]
+        q, k, v = linear(x, self.fused_weight()).split(self._split, dim=-1)  # views of [N, Q+2KV]
         q = self.q_norm(q.view(n, self.num_heads, self.head_dim))  # [N, NH, D] (new tensor)
         k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))  # [N, KVH, D] (new tensor)
         v = v.view(n, self.num_kv_heads, self.head_dim)  # [N, KVH, D] view (row stride Q+2KV)
@@ -186,14 +209,14 @@ class MLP(_FusedRows):
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)
         self._intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.fused_weight()).split(self._intermediate, dim=-1)
+        gate, up = linear(x, self.fused_weight()).split(self._intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -246,7 +269,7 @@ class DecoderStack(nn.Module):
         key = (torch.device(device), dtype)
         tables = self._rope.get(key)
         if tables is None:
-            _refuse_in_capture("building RoPE tables")
+            refuse_in_capture("building RoPE tables")
             tables = rope_tables(self.max_positions, self.cfg.head_dim, self.cfg.rope_theta,
                                  dtype, key[0])
             self._rope[key] = tables

@@ -17,7 +17,7 @@ from q3tts import kernels
 from q3tts.config import TalkerConfig
 from q3tts.models.attention import AttentionContext, DecodeContext
 from q3tts.models.code_predictor import CodePredictor
-from q3tts.models.layers import DecoderStack
+from q3tts.models.layers import DecoderStack, Linear
 
 if TYPE_CHECKING:
     from q3tts.models.talker_fused import FusedTalker
@@ -37,8 +37,8 @@ class TextProjection(nn.Module):
 
     def __init__(self, text_hidden: int, hidden: int):
         super().__init__()
-        self.linear_fc1 = nn.Linear(text_hidden, text_hidden, bias=True)
-        self.linear_fc2 = nn.Linear(text_hidden, hidden, bias=True)
+        self.linear_fc1 = Linear(text_hidden, text_hidden, bias=True)
+        self.linear_fc2 = Linear(text_hidden, hidden, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
@@ -52,7 +52,7 @@ class Talker(nn.Module):
         self.cfg = cfg
         self.model = TalkerModel(cfg)
         self.text_projection = TextProjection(cfg.text_hidden_size, cfg.hidden_size)
-        self.codec_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.codec_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.code_predictor = CodePredictor(cfg, self.embed_codec)
         self._fused: FusedTalker | None = None
 
