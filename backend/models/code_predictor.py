@@ -104,5 +104,7 @@ class CodePredictor(nn.Module):
             code = sampler(self._step(embeds[-1], rows, positions, cache, head=j), j + 1)
             codes.append(code)
         embeds.append(self.model.codec_embedding[self.num_groups - 2](code))
+        # a reduction over a non-inner dim of 16 values: torch sums each output's 16 in one thread, in an
+        # order set by the 16 alone, whatever B (batch-invariant as it is)
         next_input = torch.stack(embeds, dim=1).sum(1)  # [B, 16, H] -> [B, H]
         return torch.stack(codes, dim=1), next_input

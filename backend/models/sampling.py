@@ -13,6 +13,9 @@ a plain argmax (valid when every row is greedy with top_p >= 1). `sampling_mode`
 valid one from the rows' Python values.
 Uniforms come from `uniforms(seeds, counters)`: a splitmix64 hash in int64 tensor ops, no host RNG,
 so a sequence's draws depend only on its seed and frame index.
+Batch invariance (EngineConfig.batch_invariant): given a row's logits, its draw depends on no other row.
+The processors are elementwise; argmax, amax, sort and topk select (exact in any order); softmax and
+cumsum reduce within a row, torch's CUDA kernels in a per-row order set by the vocabulary size alone.
 """
 
 from __future__ import annotations
