@@ -16,7 +16,7 @@ import torch
 
 from q3tts.codec.voice import check_reference, needs_encoding, resolve_voice
 from q3tts.core import SamplingParams, VoiceSpec
-from q3tts.models.prompt import PromptBuilder, icl_prefill_rows
+from q3tts.models.prompt import ROLE_TOKENS, TARGET_TAIL_TOKENS, PromptBuilder, icl_prefill_rows
 
 from .config import EngineConfig
 from .sequence import Sequence
@@ -68,7 +68,7 @@ class InputProcessor:
     def _feed(self, voice: VoiceSpec, tensors) -> TextFeed:
         mode = self.builder.text_mode(voice)
         if mode == "whole":
-            return TextFeed(mode, count_tokens=lambda text: len(self.builder.tokenizer.encode(text)))
+            return TextFeed(mode)
         head, prompt_rows = [], 1
         if self.builder.is_icl(voice):
             head = tensors.ref_ids if tensors is not None else self.builder.ref_ids(voice.ref_text)
@@ -88,9 +88,14 @@ class InputProcessor:
     # --- prompts ----------------------------------------------------------------------------------
 
     def build_prompt(self, seq: Sequence) -> None:
-        """seq.prompt [L0, H] and seq.prompt_len from the feed's text (call once `feed.is_ready`)."""
-        prompt = self.builder.build(seq.feed.prompt_text(), seq.voice, seq.voice_tensors)
+        """seq.prompt [L0, H] and seq.prompt_len from the feed's text (call once `feed.is_ready`); in whole mode
+        also the feed's token count (the text is tokenized once, here)."""
+        text = seq.feed.prompt_text()
+        ids = self.builder.target_ids(text)
+        prompt = self.builder.build(text, seq.voice, seq.voice_tensors, ids=ids)
         seq.prompt, seq.prompt_len = prompt.prefill, prompt.prefill.shape[0]
+        if seq.feed.mode == "whole":
+            seq.feed.num_tokens = len(ids) - ROLE_TOKENS - TARGET_TAIL_TOKENS
 
     def estimate_prompt_len(self, seq: Sequence) -> int:
         """L0 before the text allows the prompt: that of a one-token text (never-fits rejects early)."""

@@ -12,7 +12,6 @@ and E_pad past the end, which is only right once the text has ended.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 from q3tts.core import InvalidRequest
 
@@ -27,12 +26,12 @@ class TextFeed:
     prompt_rows: int = 1               # track rows that go into the prompt
     eos_id: int = -1                   # tts_eos: the track's last row once the text ended
     max_trailing: int | None = None    # more trailing ids are refused (the slot's text queue rows)
-    count_tokens: Callable[[str], int] | None = None  # whole mode: the text's tokens, counted once it ended
     text: str = ""                     # all text so far
     done: bool = False
     trailing: list[int] = field(default_factory=list)  # trailing ids known so far
     num_queued: int = 0                # trailing ids already copied into the slot's text queue
-    num_tokens: int = 0                # the text's tokens known so far (the default frame cap follows them)
+    num_tokens: int = 0                # the text's tokens known so far (the default frame cap follows them;
+    # whole mode: counted once, by InputProcessor.build_prompt when the text ended)
 
     def add(self, piece: str, done: bool = False) -> None:
         """Take a piece of text and/or its end. Raises InvalidRequest when the trailing ids outgrow
@@ -46,8 +45,6 @@ class TextFeed:
         self.done = self.done or done
         if self.stream is not None:
             self.num_tokens = len(self.stream.ids)
-        elif done and self.count_tokens is not None:
-            self.num_tokens = self.count_tokens(self.text)
         if self.mode == "incremental":
             track = self.head + self.stream.ids + ([self.eos_id] if self.done else [])
             trailing = track[self.prompt_rows:]

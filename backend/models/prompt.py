@@ -223,12 +223,14 @@ class PromptBuilder:
         return VoiceTensors(xvector, codes, self.ref_ids(voice.ref_text))
 
     @torch.no_grad()
-    def build(self, text: str, voice: VoiceSpec, tensors: VoiceTensors | None = None) -> Prompt:
+    def build(self, text: str, voice: VoiceSpec, tensors: VoiceTensors | None = None,
+              ids: list[int] | None = None) -> Prompt:
         """The prompt of one request; raises InvalidRequest on a bad voice/text. `tensors`: the voice's
-        `voice_tensors`, when the caller keeps them (else they are made here)."""
+        `voice_tensors`, when the caller keeps them (else they are made here); `ids`: `target_ids(text)`,
+        when the caller has them (else the text is tokenized here)."""
         self._check_voice(voice)
         mode = self.text_mode(voice)
-        ids = self.target_ids(text)
+        ids = self.target_ids(text) if ids is None else ids
         if len(ids) <= ROLE_TOKENS + TARGET_TAIL_TOKENS:
             raise InvalidRequest("text is empty")
         _, eos, pad = self.special_embeds()
