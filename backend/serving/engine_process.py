@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -48,6 +49,16 @@ class CheckpointInfo:
     """What the serving side reads of the child's checkpoint (the voice cache checks voices against it)."""
 
     config: Any  # q3tts.config.ModelConfig
+
+
+def send(conn: Connection, message: Any) -> None:
+    """One message, pickled with protocol 5: a step's outputs (64 PCM arrays at 64 rows) pickle ~3x faster than
+    with the Connection's own protocol 4 (arrays in band as buffers, not through `tobytes`)."""
+    conn.send_bytes(pickle.dumps(message, protocol=5))
+
+
+def receive(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
 
 
 def _python() -> str:
@@ -114,7 +125,7 @@ class EngineProcess:
         if self._proc is None:
             return
         try:
-            self._conn.send(None)
+            send(self._conn, None)
         except (OSError, ValueError):
             pass
         try:
@@ -152,7 +163,7 @@ class EngineProcess:
         call's result, or (False, its exception). Raises DeviceFault when a call poisoned the device context
         (the calls after it did not run) or the child died."""
         try:
-            self._conn.send(list(calls))
+            send(self._conn, list(calls))
         except (OSError, ValueError) as e:
             raise self._died(e) from None
         kind, value, self._work = self._recv()
@@ -169,7 +180,7 @@ class EngineProcess:
 
     def _recv(self) -> tuple:
         try:
-            return self._conn.recv()
+            return receive(self._conn)
         except (EOFError, OSError) as e:
             raise self._died(e) from None
 
@@ -191,19 +202,19 @@ def child_main(conn, checkpoint: str, engine_config: dict[str, Any]) -> None:
     try:
         engine = Engine.from_checkpoint(checkpoint, EngineConfig.from_dict(engine_config))
     except BaseException as e:  # noqa: BLE001 - the parent raises it from wait_ready
-        conn.send(("start_error", f"{type(e).__name__}: {e}"))
+        send(conn, ("start_error", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", engine.default_sampling, engine.checkpoint.config))
+    send(conn, ("ready", engine.default_sampling, engine.checkpoint.config))
     while (calls := _next(conn)) is not None:
         answer = _answer_all(engine, calls)
-        conn.send(answer)
+        send(conn, answer)
         if answer[0] == "fault":
             os._exit(1)  # the context is poisoned: nothing of this process can be trusted
 
 
 def _next(conn):
     try:
-        return conn.recv()
+        return receive(conn)
     except (EOFError, OSError):
         return None
 

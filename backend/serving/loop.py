@@ -1,5 +1,5 @@
-"""The serving threads: one engine thread owns the Engine and the SessionTable, one response thread owns every
-`sender.send`. `submit()` (called by execute()) only parses and enqueues.
+"""The serving threads: one engine thread owns the Engine and the SessionTable, RESPONSE_THREADS response threads
+own every `sender.send` (each sequence's on one of them). `submit()` (called by execute()) only parses and enqueues.
 
 The engine thread applies the queued commands as one batch (serving/calls.py: their engine calls in one round
 trip per round, each sequence's in arrival order), steps the engine while it has work, routes each
@@ -39,6 +39,9 @@ UNLOAD_CONFIRM_S = 2.0
 CANCEL_CHECK_S = 0.5  # how often a request is asked is_cancelled() (a round trip to the server), at most
 RESTARTING = "instance restarting after a device fault"
 RESPAWN_RETRY_S = 5.0  # a replacement engine that failed to start is tried again after this long
+# `sender.send` waits (GIL released) until Triton's side of the python backend took the response, ~0.1 ms: a
+# step that starts 64 streams makes 64 first responses, which would wait for each other on one thread
+RESPONSE_THREADS = 4
 
 
 def _no_log(level: str, msg: str) -> None:
@@ -54,7 +57,7 @@ class EngineLoop(CommandHandlers):
                  log: Callable[[str, str], None] = _no_log, model_ready: Callable[[], bool] = lambda: True,
                  make_voices: Callable | None = None):
         self.commands: queue.Queue = queue.Queue()
-        self.responses: queue.Queue = queue.Queue()
+        self.responses = [queue.Queue() for _ in range(RESPONSE_THREADS)]  # one per response thread
         self.default_schedule, self.idle_s, self.metrics, self.log = default_schedule, idle_s, metrics, log
         self.table = SessionTable()
         self.engine = None
@@ -73,28 +76,34 @@ class EngineLoop(CommandHandlers):
         self._start_error: BaseException | None = None
         self._last_tick = 0.0
         self.engine_thread = threading.Thread(target=self._engine_main, name="q3tts-engine", daemon=True)
-        self.response_thread = threading.Thread(target=self._response_main, name="q3tts-responses", daemon=True)
+        self.response_threads = [threading.Thread(target=self._response_main, args=(q,), daemon=True,
+                                                  name=f"q3tts-responses-{i}") for i, q in enumerate(self.responses)]
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        self.response_thread.start()
+        for thread in self.response_threads:
+            thread.start()
         self.engine_thread.start()
         self._started.wait()
         if self._start_error is not None:  # the thread cannot raise into initialize: pass it back
-            self.responses.put(None)
-            self.response_thread.join()
+            self._stop_responses()
             raise self._start_error
 
     def shutdown(self) -> None:
-        """Reverse order: the engine thread (closes every session), then the response thread."""
+        """Reverse order: the engine thread (closes every session), then the response threads."""
         self.commands.put(Shutdown())
         self.engine_thread.join()
-        self.responses.put(None)
-        self.response_thread.join()
+        self._stop_responses()
+
+    def _stop_responses(self) -> None:
+        for q in self.responses:
+            q.put(None)
+        for thread in self.response_threads:
+            thread.join()
 
     # --- called from execute() ----------------------------------------------------------------------------
     def submit(self, request, sender) -> None:
-        reply, now = Reply(sender, self.responses), time.monotonic()
+        now = time.monotonic()
         try:
             cmd = R.parse_request(request, self.default_schedule, self.defaults, self.checkpoint)
         except Exception as e:  # noqa: BLE001 - whatever the parser could not read gets one clear error
@@ -102,6 +111,7 @@ class EngineLoop(CommandHandlers):
                 self.log("error", f"reading a request failed: {traceback.format_exc()}")
             msg = str(e) if isinstance(e, R.BadRequest) else f"could not read the request's inputs ({INTERNAL})"
             cmd = Refuse(*R.sequence_flags(request), msg)
+        reply = Reply(sender, self.responses[hash(cmd.key) % RESPONSE_THREADS])  # a sequence's: one thread, in order
         self.commands.put(dataclasses.replace(cmd, reply=reply, at=now))
 
     # --- engine thread ------------------------------------------------------------------------------------
@@ -245,7 +255,7 @@ class EngineLoop(CommandHandlers):
         idle = [s for s in self.table.sessions() if not s.ended and now - s.last_request > limit]  # Triton
         self._close_now(idle, "unavailable", f"no request for {self.idle_s:g} s without END: the sequence "
                         "idled out", why="it idled out")  # expired them silently
-        # where no audio flows (waiting for text or a slot): the response thread asks the others
+        # where no audio flows (waiting for text or a slot): the response threads ask the others
         cancelled = [s for s in self.table.sessions() if s.reply is not None
                      and s.reply.check_cancelled(now, CANCEL_CHECK_S)]
         self._close_now(cancelled, "cancelled", "the request was cancelled", why="it was cancelled")
@@ -270,9 +280,9 @@ class EngineLoop(CommandHandlers):
             self.log("info", f"the model is being unloaded: closing {len(self.table)} open sequences")
             self._close_all("unavailable", SHUTTING_DOWN)
 
-    # --- response thread ----------------------------------------------------------------------------------
-    def _response_main(self) -> None:
-        while (item := self.responses.get()) is not None:
+    # --- response threads ---------------------------------------------------------------------------------
+    def _response_main(self, responses: queue.Queue) -> None:
+        while (item := responses.get()) is not None:
             reply, response, final = item
             try:
                 R.send(reply.sender, response, final)

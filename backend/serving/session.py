@@ -29,8 +29,8 @@ DISCARD_AUDIO = ("aborted", "cancelled")  # the client asked to stop: buffered a
 
 
 class Reply:
-    """One request's response stream: data responses, then one FINAL. Responses are queued for the
-    response thread, the only caller of `sender.send`."""
+    """One request's response stream: data responses, then one FINAL. Responses are queued (`out`) for its
+    sequence's response thread, the only caller of `sender.send`."""
 
     def __init__(self, sender, out: queue.Queue, key: Any = None):
         self.sender, self.out, self.key = sender, out, key
