@@ -70,7 +70,8 @@ class Chunker:
         """Everything buffered as one chunk (None when the buffer is empty)."""
         if not self._pieces:
             return None
-        output, samples = encode(np.concatenate(self._pieces), self.audio_format)
+        pcm = self._pieces[0] if len(self._pieces) == 1 else np.concatenate(self._pieces)  # one piece: no copy
+        output, samples = encode(pcm, self.audio_format)
         chunk = Chunk(output, samples, self.frames_sent, self._buffered_frames)
         self.frames_sent += self._buffered_frames
         self.chunks_sent += 1
