@@ -145,7 +145,7 @@ def serve(engine: Engine, speaker: str, n: int, tag: str) -> dict[str, tuple[np.
 def assert_bit_equal_to_alone(engine: Engine, speaker: str, n: int) -> None:
     together = serve(engine, speaker, n, "t")
     (codes, pcm), = serve(engine, speaker, 1, "a").values()
-    assert codes.shape[0] >= 2 and pcm.size == codes.shape[0] * engine.runner.samples_per_frame
+    assert codes.shape[0] >= 1 and pcm.size == codes.shape[0] * engine.runner.samples_per_frame
     for sid, (c, p) in together.items():
         assert np.array_equal(c, codes), f"{sid}: codes differ from the request alone"
         assert np.array_equal(p, pcm), f"{sid}: pcm differs from the request alone"
