@@ -103,9 +103,6 @@ class CommandHandlers:
                 refuse(cmd.reply, "INVALID_ARG", f"sequence {cmd.key} has no open session"
                        + (f": {why}" if why else " (send START first)"), self.metrics)
             return
-        yield from self._take_text(s, cmd)
-
-    def _take_text(self, s: Session, cmd: Append) -> Task:
         s.last_request = cmd.at
         running, reply = self.table.is_running(s), cmd.reply
         try:
@@ -134,8 +131,8 @@ class CommandHandlers:
         refuse(cmd.reply, "INVALID_ARG", cmd.message, self.metrics)
         s = self.table.get(cmd.key)
         if s is not None and (cmd.start or cmd.end):
-            yield from self._close(s, "cancelled", "a new START request with invalid input replaced it" if cmd.start
-                        else f"its END request was invalid: {cmd.message}")
+            yield from self._close(s, "cancelled", "a new START request with invalid input replaced it"
+                                   if cmd.start else f"its END request was invalid: {cmd.message}")
         if cmd.start:  # Triton opened the sequence: later requests get a clear error, not "unknown"
             self.table.note(cmd.key, f"its START request was invalid: {cmd.message}")
         if cmd.end:  # ... and closed it again
