@@ -85,8 +85,9 @@ def candidates(n_tiles_per_block_n, k: int, device: torch.device, rows: int = BL
     n_tiles_per_block_n(bn) -> column tiles for weight-row tile bn (None when bn does not fit).
     Class 16 (one row block, the batch-invariant configs): BLOCK_M 16, weight-row tiles 32 / 16 /
     64 and the heuristic's tile with half the slices. Larger classes: BLOCK_M 64 and 32 (up to the
-    class) x tiles 32 / 64, wider tiles with more warps. The split count aims at about two programs
-    per SM over all row blocks of the class; split_k=False keeps one slice (no partials)."""
+    class) x tiles 32 / 64, wider tiles with more warps, or none when neither tile fits the weight
+    (the class then keeps the class-16 config). The split count aims at about two programs per SM
+    over all row blocks of the class; split_k=False keeps one slice (no partials)."""
     block_k = 128
     if rows <= BLOCK_M:
         tiles = [(BLOCK_M, bn) for bn in (32, 16, 64)]
@@ -102,7 +103,7 @@ def candidates(n_tiles_per_block_n, k: int, device: torch.device, rows: int = BL
         out.append(GemmConfig(bn, block_k, split, warps, stages, bm))
         if split > 1 and len(out) == 1:  # the heuristic's tile with half the slices
             out.append(out[0]._replace(split=split // 2))
-    assert out, "no block size fits the weight"
+    assert out or rows > BLOCK_M, "no block size fits the weight"
     return out
 
 

@@ -71,6 +71,16 @@ def test_candidates_per_row_class(rows):
     assert all(c.split == 1 for c in candidates(fits, 2048, torch.device("cpu"), rows, False))
 
 
+def test_a_weight_only_16_wide_tiles_fit_keeps_the_class_16_config():
+    """N = 48 (a tiny checkpoint's width): no 32 / 64 tile fits, so a larger class has no candidate of its
+    own and select_config keeps the class-16 config (it used to assert)."""
+    fits = lambda bn: 48 // bn if 48 % bn == 0 else None  # noqa: E731
+    assert candidates(fits, 256, torch.device("cpu"), 64) == []
+    assert {c.block_n for c in candidates(fits, 256, torch.device("cpu"), 16)} == {16}
+    with pytest.raises(AssertionError, match="no block size fits"):
+        candidates(lambda bn: None, 256, torch.device("cpu"), 16)
+
+
 def test_batch_invariant_switch_picks_one_config_for_every_batch(monkeypatch):
     """Row class 64 tuned (planted in the cache): off, 64 rows take it and 3 rows the class-16
     config; under the switch both take the class-16 config, and tuning_key no longer sees M."""
