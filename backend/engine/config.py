@@ -78,8 +78,9 @@ class EngineConfig:
     fp32_residual        keep the residual stream of the talker and code predictor in fp32 (the normed rows
                          that feed the GEMMs stay in `dtype`); the fused code predictor and talker are not
                          used with it. Off: the official model's arithmetic (the stream rounded to bf16),
-                         which fails issue 11's bf16 fidelity gates on random weights; on, a CPU run of the
-                         real-size model passed them (perf/results/RESULTS.md). Not yet measured on the GPU
+                         which fails issue 11's bf16 fidelity gates on random weights. On the H200 it lifts
+                         the logits cosine over its gate (0.999872 -> 0.999962) but not the c0 agreement
+                         (97.5 -> 98.5 %, gate 99 %) and costs 23 % at batch 1 (perf/results/RESULTS.md)
     batch_invariant      a row's codes and PCM do not depend on the batch it ran in (which decode bucket or
                          prefill token bucket, what the other rows hold): the engine turns on
                          `q3tts.kernels.set_batch_invariant` (process-wide, left on), every linear layer runs
@@ -87,9 +88,11 @@ class EngineConfig:
                          every bucket, the codec's convs run through the kernels (as with codec_kernels) and
                          its transposed / depthwise convs and attention through row-independent paths
                          (codec/layers.py), and the eager prefill attends each prompt alone. Off: cuBLAS /
-                         cuDNN / torch reductions pick their reduction order
-                         by shape (16 identical greedy bf16 requests served together: 29.7 dB from the same
-                         request alone). Its cost on the H200: perf/bench_engine.py --batch-invariant
+                         cuDNN / torch reductions pick their reduction order by shape (16 identical greedy
+                         bf16 requests served together: 29.7 dB from the same request alone). Off by
+                         default: on the H200 it costs 5 / 6 / 24 % per step at batch 1 / 16 / 64 and
+                         doubles first audio at 16 and 64 streams (the prefill's GEMMs without split-K or
+                         cuBLAS tiles), over the 10 % the issue allows (perf/results/RESULTS.md)
     voice_cache_bytes    device memory for the Base voices kept prepared (engine/voice_cache.py: x-vector,
                          reference codes, an ICL voice's primed codec stream; least recently used first
                          out). 256 MiB holds about 60 ICL voices of the released 1.7B in bfloat16 (a
