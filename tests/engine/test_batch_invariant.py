@@ -176,8 +176,9 @@ def test_identical_requests_together_equal_one_alone(tiny_ckpt_dir, speaker, swi
 # --- GPU ----------------------------------------------------------------------------------------
 
 def _gpu_engine(ckpt_dir, batch_invariant: bool) -> Engine:
+    """The two buckets the comparison needs (16 together, 1 alone): fewer graphs to capture."""
     cfg = EngineConfig(device="cuda", dtype="bfloat16", num_pages=512, max_slots=16, max_frames=48,
-                       max_prompt_tokens=256, max_text_tokens=128, graph_batch_sizes=(1, 2, 4, 8, 16),
+                       max_prompt_tokens=256, max_text_tokens=128, graph_batch_sizes=(1, 16),
                        batch_invariant=batch_invariant)
     return Engine(str(ckpt_dir), cfg)
 
