@@ -76,7 +76,7 @@ TIMING_STAGES = (
     "prefill_start",   # the engine step that prefilled it began (queue wait: from prompt_ready)
     "first_frame",     # that step's decode (talker, code predictor, codec) handed its first frame to the host
     "step_returned",   # the serving loop had that step's outputs (from the engine process)
-    "response_built",  # its first audio response was built and queued for the response thread
+    "response_built",  # its first audio response was built, on its response thread, just before the send
     "prefill_device",  # seconds: that step's prefill on the device (all the sequences it started)
     "decode_device",   # seconds: that step's batched decode on the device
 )

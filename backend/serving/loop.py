@@ -1,5 +1,6 @@
 """The serving threads: one engine thread owns the Engine and the SessionTable, RESPONSE_THREADS response threads
-own every `sender.send` (each sequence's on one of them). `submit()` (called by execute()) only parses and enqueues.
+build every response and own every `sender.send` (each sequence's on one of them, in order): the engine thread
+only queues what to build, so a step's 64 responses do not hold up its next step. `submit()` (called by execute()) only parses and enqueues.
 
 The engine thread applies the queued commands as one batch (serving/calls.py: their engine calls in one round
 trip per round, each sequence's in arrival order), steps the engine while it has work, routes each
@@ -283,13 +284,21 @@ class EngineLoop(CommandHandlers):
     # --- response threads ---------------------------------------------------------------------------------
     def _response_main(self, responses: queue.Queue) -> None:
         while (item := responses.get()) is not None:
-            reply, response, final = item
+            reply, build, final = item
             try:
-                R.send(reply.sender, response, final)
+                response = build() if build is not None else None
+            except Exception:  # a data response is left out; a FINAL still ends the request
+                self.log("error", f"building a response of sequence {reply.key} failed: {traceback.format_exc()}")
+                response = None if not final else R.error_response(
+                    "INTERNAL", f"sequence {reply.key}: its last response failed ({INTERNAL})",
+                    after_audio=reply.sent_data)
+            try:
+                if response is not None or final:
+                    R.send(reply.sender, response, final)
                 if not final and reply.check_cancelled(time.monotonic(), CANCEL_CHECK_S):
                     self.commands.put(Cancel(reply.key, reply))
             except Exception as e:  # a closed/cancelled stream: nothing more can reach the client
                 self.log("warn", f"send failed for sequence {reply.key}: {e}")
             # NOTE: drop the references now: a response sender kept alive holds its request's response
             # factory, and the model cannot unload while one is held.
-            del item, reply, response
+            del item, reply, build, response

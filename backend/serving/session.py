@@ -10,11 +10,12 @@ Every request gets exactly one FINAL, and only this module sends one (`Reply.end
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -29,8 +30,9 @@ DISCARD_AUDIO = ("aborted", "cancelled")  # the client asked to stop: buffered a
 
 
 class Reply:
-    """One request's response stream: data responses, then one FINAL. Responses are queued (`out`) for its
-    sequence's response thread, the only caller of `sender.send`."""
+    """One request's response stream: data responses, then one FINAL. Each response is queued (`out`) as the
+    function that builds it, for its sequence's response thread, which builds it and is the only caller of
+    `sender.send` (building 64 responses after a step no longer holds the engine thread)."""
 
     def __init__(self, sender, out: queue.Queue, key: Any = None):
         self.sender, self.out, self.key = sender, out, key
@@ -38,15 +40,17 @@ class Reply:
         self.sent_data = False
         self.last_cancel_check = time.monotonic()  # the last is_cancelled() query
 
-    def send(self, response) -> None:
+    def send(self, build: Callable[[], Any]) -> None:
+        """Queue a data response; `build()` makes it on the response thread."""
         assert not self.done, "response after FINAL"
         self.sent_data = True
-        self.out.put((self, response, False))
+        self.out.put((self, build, False))
 
-    def end(self, response=None) -> None:
+    def end(self, build: Callable[[], Any] | None = None) -> None:
+        """Queue the FINAL; `build()` makes its response on the response thread (None: a FINAL flag alone)."""
         assert not self.done, "second FINAL for one request"
         self.done = True
-        self.out.put((self, response, True))
+        self.out.put((self, build, True))
 
     def cancelled(self) -> bool:
         return self.sender.is_cancelled()
@@ -64,7 +68,7 @@ def refuse(reply: Reply, code: str, message: str, metrics=None) -> None:
     """End a request that opens no session with one error naming the problem."""
     if metrics is not None:
         metrics.failed(code)
-    reply.end(R.error_response(code, message, after_audio=reply.sent_data))
+    reply.end(functools.partial(R.error_response, code, message, after_audio=reply.sent_data))
 
 
 @dataclass
@@ -127,12 +131,12 @@ class Session:
         reply, self.reply, self.finished = self.reply, None, True
         if error is None:
             self._observe(chunk)
-            reply.end(R.audio_response(chunk, finish_reason=reason, timing=self._timing(chunk)))
+            reply.end(self._builder(chunk, finish_reason=reason))
         else:
             if chunk is not None:
                 self._send(chunk, reply)
-            reply.end(R.error_response(ERROR_CODES[reason], f"sequence {self.key}: {error}",
-                                       after_audio=reply.sent_data))
+            reply.end(functools.partial(R.error_response, ERROR_CODES[reason], f"sequence {self.key}: {error}",
+                                        after_audio=reply.sent_data))
             if self.metrics is not None:
                 self.metrics.failed(ERROR_CODES[reason])
         if self.metrics is not None:
@@ -140,14 +144,21 @@ class Session:
 
     def _send(self, chunk: Chunk, reply: Reply | None = None) -> None:
         self._observe(chunk)
-        (reply or self.reply).send(R.audio_response(chunk, timing=self._timing(chunk)))
+        (reply or self.reply).send(self._builder(chunk))
 
-    def _timing(self, chunk: Chunk | None) -> np.ndarray | None:
-        """TIMING (protocol.TIMING_STAGES) for the sequence's first audio response, else None: the arrival,
-        then each stamp as seconds since it (NaN where one is missing), then the device seconds."""
-        if chunk is None or chunk.first_frame != 0:
+    def _builder(self, chunk: Chunk | None, finish_reason: str | None = None) -> Callable[[], Any]:
+        """The function that builds the audio response of `chunk` on the response thread (the stamps as they
+        are now: the first response's TIMING)."""
+        stamps = dict(self.stamps) if chunk is not None and chunk.first_frame == 0 else None
+        return lambda: R.audio_response(chunk, finish_reason=finish_reason, timing=self._timing(stamps))
+
+    def _timing(self, stamps: dict[str, float] | None) -> np.ndarray | None:
+        """TIMING (protocol.TIMING_STAGES) of the sequence's first audio response (`stamps`; None: not the
+        first): the arrival, then each stamp as seconds since it (NaN where one is missing; response_built =
+        now, on the response thread), then the device seconds."""
+        if stamps is None:
             return None
-        stamps = {**self.stamps, "response_built": time.monotonic()}
+        stamps = {**stamps, "response_built": time.monotonic()}
         values = [stamps.get(name, math.nan) - (0.0 if name.endswith("_device") else self.started_at)
                   for name in P.TIMING_STAGES[1:]]
         return np.array([self.started_at, *values], np.float64)
