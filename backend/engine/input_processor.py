@@ -16,7 +16,7 @@ import torch
 
 from q3tts.codec.voice import check_reference, needs_encoding, resolve_voice
 from q3tts.core import SamplingParams, VoiceSpec
-from q3tts.models.prompt import ROLE_TOKENS, TARGET_TAIL_TOKENS, PromptBuilder, icl_prefill_rows
+from q3tts.models.prompt import PromptBuilder, icl_prefill_rows, text_ids
 
 from .config import EngineConfig
 from .sequence import Sequence
@@ -95,7 +95,7 @@ class InputProcessor:
         prompt = self.builder.build(text, seq.voice, seq.voice_tensors, ids=ids)
         seq.prompt, seq.prompt_len = prompt.prefill, prompt.prefill.shape[0]
         if seq.feed.mode == "whole":
-            seq.feed.num_tokens = len(ids) - ROLE_TOKENS - TARGET_TAIL_TOKENS
+            seq.feed.num_tokens = len(text_ids(ids))
 
     def estimate_prompt_len(self, seq: Sequence) -> int:
         """L0 before the text allows the prompt: that of a one-token text (never-fits rejects early)."""

@@ -61,6 +61,11 @@ def target_string(text: str) -> str:
     return TARGET_HEAD + text + TARGET_TAIL
 
 
+def text_ids(target_ids: list[int]) -> list[int]:
+    """The text's own tokens among `PromptBuilder.target_ids` (the chat template's head and tail cut off)."""
+    return target_ids[ROLE_TOKENS:-TARGET_TAIL_TOKENS]
+
+
 def ref_string(text: str) -> str:
     return TARGET_HEAD + text + REF_TAIL
 
@@ -121,7 +126,7 @@ class PromptBuilder:
         return self._codec([self.tcfg.codec_pad_id]), pad + self._codec([self.tcfg.codec_bos_id])
 
     def target_ids(self, text: str) -> list[int]:
-        """Token ids of the full target string; [3:-5] are the text tokens."""
+        """Token ids of the full target string (`text_ids` picks the text's own)."""
         return self.tokenizer.encode(target_string(text))
 
     def ref_ids(self, ref_text: str) -> list[int]:
@@ -231,7 +236,8 @@ class PromptBuilder:
         self._check_voice(voice)
         mode = self.text_mode(voice)
         ids = self.target_ids(text) if ids is None else ids
-        if len(ids) <= ROLE_TOKENS + TARGET_TAIL_TOKENS:
+        body_ids = text_ids(ids)
+        if not body_ids:
             raise InvalidRequest("text is empty")
         _, eos, pad = self.special_embeds()
         tensors = tensors or self.voice_tensors(voice)
@@ -242,17 +248,16 @@ class PromptBuilder:
             instruct = None if self.config.drops_instruct else voice.instruct or None
             head, codec_last = self._heads(tuple(ids[:ROLE_TOKENS]), instruct, self._language_id(voice),
                                            voice.speaker and voice.speaker.lower())
-        text_ids = ids[ROLE_TOKENS:-TARGET_TAIL_TOKENS]
         if self.is_icl(voice):
-            body, trailing = self._icl_rows(text_ids, tensors, eos, pad, mode == "whole")
+            body, trailing = self._icl_rows(body_ids, tensors, eos, pad, mode == "whole")
         elif mode == "whole":
-            x = torch.cat((self.embed_text(text_ids), eos))  # [n + 1, H]
+            x = torch.cat((self.embed_text(body_ids), eos))  # [n + 1, H]
             codec_pad, last = self._whole_codec_rows
             body = torch.cat((x + codec_pad.expand(x.shape[0], -1), last))
             trailing = pad
         else:
-            body = self.embed_text(text_ids[:1]) + codec_last
-            trailing = torch.cat((self.embed_text(text_ids[1:]), eos))
+            body = self.embed_text(body_ids[:1]) + codec_last
+            trailing = torch.cat((self.embed_text(body_ids[1:]), eos))
         return Prompt(prefill=torch.cat((head, body)), trailing=trailing, pad=pad[0])
 
     def _make_head(self, role_ids: tuple[int, ...], instruct: str | None, lang_id: int | None,
@@ -293,9 +298,9 @@ class PromptBuilder:
         per_group = [table(codes[:, g]) for g, table in enumerate(tables)]  # 16 x [F, H]
         return torch.stack(per_group, dim=1).sum(1)
 
-    def _icl_rows(self, text_ids: list[int], tensors: VoiceTensors, eos: torch.Tensor, pad: torch.Tensor,
+    def _icl_rows(self, body_ids: list[int], tensors: VoiceTensors, eos: torch.Tensor, pad: torch.Tensor,
                   whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        track = tensors.ref_ids + text_ids
+        track = tensors.ref_ids + body_ids
         x = torch.cat((self.embed_text(track), eos))  # [n_r + n + 1, H]
         y = torch.cat((self._codec([self.tcfg.codec_bos_id]),
                        self.ref_code_embeds(tensors.ref_codes)))  # [F + 1, H]
