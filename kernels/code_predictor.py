@@ -12,7 +12,7 @@
 Every GEMM is a split-K skinny GEMM whose last program per unit runs the epilogue
 (code_predictor_gemm.py); the launch config is tuned per weight shape and row class (per weight
 shape only under `set_batch_invariant(True)`).
-Each kernel's torch reference is in code_predictor_reference.py (sampling: warp_and_draw).
+Each kernel's torch reference is in code_predictor_reference.py (sampling: models/sampling.warp_and_draw_reference).
 `counters` (int32 zeros, left zero by every launch) is the tickets' workspace: size it with
 `counters_needed(rows, units)`, units = the largest output width / MIN_BLOCK_N.
 """

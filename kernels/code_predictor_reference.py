@@ -1,8 +1,8 @@
 """Torch references of the code-predictor kernels (kernels/code_predictor_*.py): the eager layer's
 own ops (models/layers.py), built from the references in kernels/reference.py.
 
-The sampling kernel's reference is `q3tts.models.sampling.warp_and_draw` (kernels/ may not import
-models/: the tests compare the two directly).
+The sampling kernel's reference is `q3tts.models.sampling.warp_and_draw_reference` (kernels/ may not
+import models/: the tests compare the two directly).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""One draw per row from code-predictor logits, one program per row: the GREEDY and TOPK modes of
-`q3tts.models.sampling.warp_and_draw` (its torch reference) in one launch.
+"""One draw per row from fp32 logits (the code predictor's and the talker's), one program per row: the
+GREEDY and TOPK modes of `q3tts.models.sampling.warp_and_draw` in one launch (its torch reference:
+`warp_and_draw_reference`; `warp_and_draw` calls this kernel where the kernels serve the logits).
 
 GREEDY: argmax (first index of the maximum, as torch). TOPK: temperature (an exact division, so
 the same scaled values) -> keep scores >= the row's k-th largest (k clamped to [1, cap]; found by a

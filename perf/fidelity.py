@@ -63,7 +63,7 @@ from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.models.attention import DecodeContext, PagedKVCache
 from q3tts.models.prompt import Prompt, PromptBuilder
-from q3tts.models.sampling import FULL, NUM_UNIFORMS, SamplingTensors, SubtalkerSampler, uniforms
+from q3tts.models.sampling import NUM_UNIFORMS, SamplingTensors, SubtalkerSampler, uniforms
 from q3tts.models.step import prefill, talker_rules
 from q3tts.models.tts_model import Qwen3TTS
 
@@ -141,17 +141,17 @@ def unrounded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class ForcedCodes(SubtalkerSampler):
-    """Teacher forcing of the code predictor: its draws are the given c1..c15 `codes` [1, 15].
-    The FULL mode makes the fused passes call the sampler too (their GREEDY / TOPK draws run
-    inside the kernel)."""
+    """Teacher forcing of the code predictor: its draws are the given c1..c15 `codes` [1, 15]."""
 
     def __init__(self, codes: torch.Tensor):
-        params = SamplingTensors.subtalker([GREEDY], codes.device).with_mode(FULL)
+        params = SamplingTensors.subtalker([GREEDY], codes.device)
         super().__init__(params, torch.zeros(1, NUM_UNIFORMS, device=codes.device))
         self.codes = codes
 
-    def __call__(self, logits: torch.Tensor, group: int) -> torch.Tensor:
-        return self.codes[:, group - 1]
+    def __call__(self, logits: torch.Tensor, group: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        ids = self.codes[:, group - 1]
+        return ids if out is None else out.copy_(ids)
 
 
 def code_sampler(frame: torch.Tensor | None, device: torch.device) -> SubtalkerSampler:

@@ -4,8 +4,7 @@ Same contract and arithmetic as `CodePredictor.generate` (models/code_predictor.
 launches: per pass the input projection, 4 launches per layer, the final norm + head and the draw
 (23 for the 1.7B models; the 0.6B models have no projection: an embedding lookup instead). The
 K/V of a frame's 16 positions live in a small contiguous cache [layers, B, 16, KVH, D] (no pages).
-Sampling: the GREEDY and TOPK modes run in the sampling kernel; the FULL mode (top-p < 1 or top-k
-beyond the cap) calls the sampler itself (`warp_and_draw`).
+Sampling: the sampler's (`warp_and_draw`: the GREEDY and TOPK modes in the sampling kernel).
 Used by `CodePredictor.generate` after `use_fused(True)` when the kernels serve the inputs' device
 (CUDA, or the Triton interpreter with Q3TTS_TRITON_ON_CPU=1); otherwise the eager passes run.
 Buffers grow outside CUDA graph capture only: warm up with the largest batch first.
@@ -21,7 +20,7 @@ from torch.nn import functional as F
 
 from q3tts import kernels
 from q3tts.kernels import code_predictor as cpk
-from q3tts.models.sampling import FULL, TOPK, TOPK_CAP, SubtalkerSampler
+from q3tts.models.sampling import SubtalkerSampler
 
 if TYPE_CHECKING:
     from q3tts.models.code_predictor import CodePredictor
@@ -86,16 +85,6 @@ class FusedCodePredictor:
         act = cpk.norm_gate_up(h, norm.weight, mlp.fused_weight(), norm.eps, counters)  # [N, I]
         return cpk.linear_residual(act, mlp.down_proj.weight, h, counters)
 
-    def _draw(self, logits: torch.Tensor, sampler: SubtalkerSampler, group: int,
-              out: torch.Tensor) -> None:
-        """codes column `out` [B] <- the draw of group `group` from fp32 logits [B, V]."""
-        p = sampler.params
-        if p.mode == FULL:
-            out.copy_(sampler(logits, group))
-            return
-        cpk.sample(logits, p.temperature, p.top_k, p.greedy, sampler.u[:, group], p.mode == TOPK,
-                   TOPK_CAP, out=out, faults=sampler.faults)
-
     def generate(self, past_hidden: torch.Tensor, c0: torch.Tensor, sampler: SubtalkerSampler
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """past_hidden [B, H], c0 [B] -> codes [B, 15] int64 (c1..c15), next_input [B, H]: the
@@ -116,6 +105,6 @@ class FusedCodePredictor:
                 h = self._layer(layer, h, k_cache[i], v_cache[i], pos0, tokens, counters, rope)
             logits = cpk.norm_head(h, model.norm.weight, self.cp.lm_head[j].weight,
                                    model.norm.eps, counters, tokens)  # [B, V] fp32
-            self._draw(logits, sampler, j + 1, codes[:, j])
+            sampler(logits, j + 1, out=codes[:, j])
         embeds = [e0] + [model.codec_embedding[g](codes[:, g]) for g in range(groups - 1)]
         return codes, torch.stack(embeds, dim=1).sum(1)  # [B, 16, H] -> [B, H]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from q3tts import kernels
 from q3tts.core import SamplingParams
 
 NUM_UNIFORMS = 16  # column 0: talker c0; column g: code group g (1..15)
@@ -184,14 +185,29 @@ def guard_ids(ids: torch.Tensor, bad: torch.Tensor, faults: torch.Tensor | None)
 
 
 def warp_and_draw(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor,
-                  faults: torch.Tensor | None = None) -> torch.Tensor:
+                  faults: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """temperature -> top-k -> top-p -> draw (the shared tail of both samplers), by `params.mode`,
     then the finite guard (`guard_ids`): a row whose scores are not finite after temperature (NaN
-    activations, a non-finite or extreme parameter) draws id 0 and is flagged in `faults`.
+    activations, a non-finite or extreme parameter) draws id 0 and is flagged in `faults`. Returns
+    ids [B] int64, written into `out` [B] (a strided view may do) when given.
 
     TOPK equals FULL on its rows: with top_p >= 1 the nucleus step only masks ids whose probability
     is already 0, which the draw never picks. GREEDY equals FULL on its rows: temperature is 1,
-    top-k keeps every copy of the maximum and top-p (>= 1) keeps it too, so argmax is unchanged."""
+    top-k keeps every copy of the maximum and top-p (>= 1) keeps it too, so argmax is unchanged.
+    Where the kernels serve fp32 logits, GREEDY and TOPK are one launch of the sampling kernel
+    (kernels/code_predictor_sampling.py) instead of ~20 torch ops (`warp_and_draw_reference`)."""
+    if params.mode != FULL and logits.dtype == torch.float32 and kernels.use_triton(logits):
+        from q3tts.kernels.code_predictor_sampling import sample  # imports triton
+
+        return sample(logits, params.temperature, params.top_k, params.greedy, u, params.mode == TOPK,
+                      TOPK_CAP, out=out, faults=faults)
+    ids = warp_and_draw_reference(logits, params, u, faults)
+    return ids if out is None else out.copy_(ids)
+
+
+def warp_and_draw_reference(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor,
+                            faults: torch.Tensor | None = None) -> torch.Tensor:
+    """`warp_and_draw` in torch ops, on any device: the sampling kernel's reference."""
     if params.mode == GREEDY:
         return guard_ids(logits.argmax(dim=-1), nonfinite_rows(logits), faults)
     logits = apply_temperature(logits, params.temperature, params.greedy)
@@ -226,7 +242,8 @@ def sample_talker(logits: torch.Tensor, params: SamplingTensors, rules: TalkerRu
 
 
 class SubtalkerSampler:
-    """Code-predictor sampler: `sampler(logits [B, V], group) -> ids [B]` using `u[:, group]`.
+    """Code-predictor sampler: `sampler(logits [B, V], group, out=None) -> ids [B]` using `u[:, group]`
+    (written into `out` [B] when given).
 
     Rows whose scores were not finite draw id 0 and are or-ed into `faults` [B] bool when given."""
 
@@ -235,8 +252,9 @@ class SubtalkerSampler:
         self.u = u  # [B, NUM_UNIFORMS]
         self.faults = faults
 
-    def __call__(self, logits: torch.Tensor, group: int) -> torch.Tensor:
-        return warp_and_draw(logits.float(), self.params, self.u[:, group], faults=self.faults)
+    def __call__(self, logits: torch.Tensor, group: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        return warp_and_draw(logits.float(), self.params, self.u[:, group], faults=self.faults, out=out)
 
 
 # ---------------------------------------------------------------- counter-based uniforms

@@ -173,21 +173,22 @@ class AttentionFrame:
 class ForcedDraws(SubtalkerSampler):
     """Teacher forcing: draws the given codes [B, 15] (c1..c15) and keeps each group's logits.
 
-    Its FULL mode (top-p < 1) makes the fused passes call it too, so the eager and the fused passes
-    see the same inputs at every pass and their logits compare pass by pass (free-running greedy
-    codes do not: one flipped near-tie changes every later pass's input)."""
+    The eager and the fused passes call it at every pass, so they see the same inputs at every pass
+    and their logits compare pass by pass (free-running greedy codes do not: one flipped near-tie
+    changes every later pass's input)."""
 
     def __init__(self, codes: torch.Tensor):
         bsz = codes.shape[0]
-        params = SamplingTensors.subtalker([SamplingParams(subtalker_top_p=0.5)] * bsz,
-                                           codes.device)
+        params = SamplingTensors.subtalker([SamplingParams(greedy=True)] * bsz, codes.device)
         super().__init__(params, torch.zeros(bsz, NUM_UNIFORMS, device=codes.device))
         self.codes = codes
         self.logits: list[torch.Tensor] = []
 
-    def __call__(self, logits: torch.Tensor, group: int) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, group: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         self.logits.append(logits.float().clone())
-        return self.codes[:, group - 1]
+        ids = self.codes[:, group - 1]
+        return ids if out is None else out.copy_(ids)
 
 
 def forced_logits(generate, past_hidden: torch.Tensor, c0: torch.Tensor,

@@ -1,5 +1,5 @@
 """kernels/code_predictor_*.py vs their torch references (code_predictor_reference.py; the sampler:
-models/sampling.warp_and_draw), and the fused code predictor vs models/code_predictor.py.
+models/sampling.warp_and_draw_reference), and the fused code predictor vs models/code_predictor.py.
 
 Kernel checks at the tiny shapes (code_predictor_cases.py: poisoned outputs, counters left zero,
 tolerance from the dtype), with the interpreter's default config and explicit split-K configs.
@@ -21,8 +21,9 @@ from q3tts.config import ModelConfig
 from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
-from q3tts.models.sampling import (GREEDY, TOPK, TOPK_CAP, SamplingTensors, SubtalkerSampler,
-                                   apply_temperature, apply_top_k_capped, uniforms, warp_and_draw)
+from q3tts.models.sampling import (FULL, GREEDY, TOPK, TOPK_CAP, SamplingTensors, SubtalkerSampler,
+                                   apply_temperature, apply_top_k_capped, uniforms, warp_and_draw,
+                                   warp_and_draw_reference)
 from q3tts.models.talker import Talker
 
 cpk = kernel_module("code_predictor")  # skips the module without triton
@@ -105,7 +106,7 @@ def test_sample_greedy_mode_is_argmax_with_first_index_ties():
     u = torch.rand(33, 16, generator=inp.gen, device=DEVICE)[:, 2]
     got = _draw(logits, params, u)
     assert got[0] == 5
-    assert torch.equal(got, warp_and_draw(logits, params, u))
+    assert torch.equal(got, warp_and_draw_reference(logits, params, u))
 
 
 def test_sample_topk_mode_draws_what_warp_and_draw_draws():
@@ -120,7 +121,7 @@ def test_sample_topk_mode_draws_what_warp_and_draw_draws():
     logits[1, 7] = logits[1, 0]
     params = _sampling(rows, TOPK)
     u = torch.rand(len(rows), generator=inp.gen, device=DEVICE)
-    got, want = _draw(logits, params, u), warp_and_draw(logits, params, u)
+    got, want = _draw(logits, params, u), warp_and_draw_reference(logits, params, u)
     differ = got != want
     assert not (differ & ~_at_cdf_step(logits, params, u)).any(), \
         f"rows {differ.nonzero().flatten().tolist()} drew {got[differ]} not {want[differ]}"
@@ -142,9 +143,36 @@ def test_sample_finite_guard_matches_the_reference(mode):
     faults[6] = True
     want_faults = faults.clone()
     got = _draw(logits, params, u, faults)
-    want = warp_and_draw(logits, params, u, faults=want_faults)
+    want = warp_and_draw_reference(logits, params, u, faults=want_faults)
     assert torch.equal(got, want) and torch.equal(faults, want_faults)
     assert faults[:5 if mode == TOPK else 3].all() and got[:3].eq(0).all() and faults[6]
+
+
+def test_warp_and_draw_runs_the_kernel_where_the_kernels_serve(monkeypatch):
+    """warp_and_draw sends fp32 GREEDY / TOPK draws to the sampling kernel where the kernels serve the
+    logits (CUDA, or here the interpreter), writing `out` in place; FULL draws, bf16 logits and
+    Q3TTS_KERNELS=torch stay with the torch reference."""
+    cps = kernel_module("code_predictor_sampling")
+    calls: list[str] = []
+    kernel = cps.sample
+    monkeypatch.setattr(cps, "sample", lambda *a, **k: calls.append("kernel") or kernel(*a, **k))
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
+    inp = Inputs(DEVICE, 11)
+    logits = inp.randn(5, VOCAB, scale=3)
+    u = torch.rand(5, generator=inp.gen, device=DEVICE)
+    topk = _sampling([SamplingParams(subtalker_top_k=50)] * 5, TOPK)
+    out = torch.full((5, 15), -1, dtype=torch.int64, device=DEVICE)
+    got = warp_and_draw(logits, topk, u, out=out[:, 2])
+    assert calls == ["kernel"] and got.data_ptr() == out[:, 2].data_ptr()
+    assert torch.equal(out[:, 2], warp_and_draw_reference(logits, topk, u))
+    warp_and_draw(logits, _sampling([SamplingParams(greedy=True)] * 5, GREEDY), u)
+    assert calls == ["kernel"] * 2
+    full = _sampling([SamplingParams(subtalker_top_p=0.8)] * 5, FULL)
+    assert torch.equal(warp_and_draw(logits, full, u), warp_and_draw_reference(logits, full, u))
+    warp_and_draw(logits.bfloat16(), topk, u)
+    monkeypatch.setenv("Q3TTS_KERNELS", "torch")
+    warp_and_draw(logits, topk, u)
+    assert calls == ["kernel"] * 2
 
 
 # ------------------------------------------------------------------- the fused code predictor
