@@ -172,8 +172,9 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--fused-code-predictor", type=int, default=EngineConfig.fused_code_predictor,
                    metavar="MAX_BATCH", help="EngineConfig.fused_code_predictor: the largest bucket whose code "
                    "predictor runs its fused Triton kernels (0: never)")
-    p.add_argument("--fused-talker", action=argparse.BooleanOptionalAction, default=EngineConfig.fused_talker,
-                   help="EngineConfig.fused_talker (the talker's decode layers in 5 Triton launches each)")
+    p.add_argument("--fused-talker", type=int, default=EngineConfig.fused_talker,
+                   help="EngineConfig.fused_talker: the largest bucket whose talker decode layers run in 5 "
+                        "Triton launches each (0: none)")
     p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=EngineConfig.fp32_residual,
                    help="EngineConfig.fp32_residual (the residual stream in fp32)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,

@@ -72,9 +72,10 @@ class EngineConfig:
                          device); larger buckets run the eager passes; 0: never. 32: on the H200 (1.7B, bf16,
                          graphs) the fused passes made the step 1.4-2.1 ms faster at batch 1-16, 0.6 ms at 32
                          and 2.5 ms slower at 64 (perf/results/RESULTS.md)
-    fused_talker         run the talker's decode forward through its fused kernels (models/talker_fused.py, 5
-                         launches per layer) where the kernels serve the device; prefill stays eager. Off
-                         until measured on the H200 (perf/bench_engine.py --fused-talker)
+    fused_talker         the largest decode bucket whose talker decode forward runs through its fused kernels
+                         (models/talker_fused.py, 5 launches per layer; where the kernels serve the device);
+                         larger buckets and the prefill run the eager stack; 0: never (the default until
+                         the bound is measured on the H200: perf/bench_engine.py --fused-talker N)
     fp32_residual        keep the residual stream of the talker and code predictor in fp32 (the normed rows
                          that feed the GEMMs stay in `dtype`); the fused code predictor and talker are not
                          used with it. Off: the official model's arithmetic (the stream rounded to bf16),
@@ -122,7 +123,7 @@ class EngineConfig:
     prefill_graphs: bool = True
     codec_kernels: bool = True
     fused_code_predictor: int = 32
-    fused_talker: bool = False
+    fused_talker: int = 0
     fp32_residual: bool = False
     batch_invariant: bool = False
     voice_cache_bytes: int = 256 << 20
@@ -156,10 +157,10 @@ class EngineConfig:
         need(list(bs) == sorted(set(bs)), f"graph_batch_sizes must be strictly increasing, got {bs}")
         need(self.fault_injection_seed is None or os.environ.get(TEST_HOOKS_ENV) == "1",
              f"fault_injection_seed is a test hook: refused unless {TEST_HOOKS_ENV}=1")
-        need(type(self.fused_code_predictor) is int and self.fused_code_predictor >= 0,
-             f"fused_code_predictor must be an int >= 0 (a batch size), got {self.fused_code_predictor!r}")
-        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fused_talker", "fp32_residual",
-                     "batch_invariant"):
+        for name in ("fused_code_predictor", "fused_talker"):
+            need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
+                 f"{name} must be an int >= 0 (a batch size), got {getattr(self, name)!r}")
+        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # --- derived values ---------------------------------------------------------------------------
@@ -174,6 +175,13 @@ class EngineConfig:
         """The largest decode batch whose code predictor runs the fused kernels: every batch under
         `batch_invariant` (one path whatever the bucket), else `fused_code_predictor`."""
         return max(self.max_graph_batch, self.max_slots) if self.batch_invariant else self.fused_code_predictor
+
+    @property
+    def fused_talker_batch(self) -> int:
+        """The largest decode batch whose talker runs the fused kernels: none under `batch_invariant`
+        (the eager stack at every bucket: one path, the one the invariance tests verify), else
+        `fused_talker`."""
+        return 0 if self.batch_invariant else self.fused_talker
 
     def bucket_for(self, batch: int) -> int | None:
         """Smallest captured bucket holding `batch` rows, None if the batch is larger than all."""

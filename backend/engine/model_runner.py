@@ -105,7 +105,7 @@ class ModelRunner:
             kernels.set_batch_invariant(True)
         self.talker.keep_fp32_residual(config.fp32_residual)
         self.talker.code_predictor.use_fused(config.fused_code_predictor_batch)
-        self.talker.use_fused(config.fused_talker)
+        self.talker.use_fused(config.fused_talker_batch)
         tc = model.config.talker
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)

@@ -5,7 +5,7 @@ launches: per pass the input projection, 4 launches per layer, the final norm + 
 (23 for the 1.7B models; the 0.6B models have no projection: an embedding lookup instead). The
 K/V of a frame's 16 positions live in a small contiguous cache [layers, B, 16, KVH, D] (no pages).
 Sampling: the sampler's (`warp_and_draw`: the GREEDY and TOPK modes in the sampling kernel).
-Used by `CodePredictor.generate` after `use_fused(True)` when the kernels serve the inputs' device
+Used by `CodePredictor.generate` after `use_fused(max_batch)` when the kernels serve the inputs' device
 (CUDA, or the Triton interpreter with Q3TTS_TRITON_ON_CPU=1); otherwise the eager passes run.
 Buffers grow outside CUDA graph capture only: warm up with the largest batch first.
 """

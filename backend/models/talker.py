@@ -55,13 +55,14 @@ class Talker(nn.Module):
         self.codec_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.code_predictor = CodePredictor(cfg, self.embed_codec)
         self._fused: FusedTalker | None = None
+        self._fused_max_batch = 0
 
-    def use_fused(self, on: bool) -> None:
-        """Decode forwards (under a `DecodeContext`) through the fused kernels
-        (models/talker_fused.py) where they serve the inputs' device (EngineConfig.fused_talker);
-        off, without triton, or for prefill: the eager stack."""
-        self._fused = None
-        if on and kernels.HAS_TRITON:
+    def use_fused(self, max_batch: int) -> None:
+        """Decode forwards (under a `DecodeContext`) of at most `max_batch` rows through the fused
+        kernels (models/talker_fused.py) where they serve the inputs' device (EngineConfig.fused_talker);
+        larger batches, 0, without triton, or for prefill: the eager stack."""
+        self._fused, self._fused_max_batch = None, max_batch
+        if max_batch and kernels.HAS_TRITON:
             from q3tts.models.talker_fused import FusedTalker  # imports triton
 
             self._fused = FusedTalker(self.model)
@@ -101,7 +102,8 @@ class Talker(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionContext) -> torch.Tensor:
         """x [N, H] at positions [N] -> final-normed hidden [N, H]."""
-        if self._fused is not None and isinstance(attn, DecodeContext) and self._fused.serves(x):
+        if (self._fused is not None and isinstance(attn, DecodeContext) and x.shape[0] <= self._fused_max_batch
+                and self._fused.serves(x)):
             return self._fused.forward(x, positions, attn)
         return self.model(x, positions, attn)
 

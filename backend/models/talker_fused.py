@@ -14,7 +14,7 @@ kernels per layer besides the K/V store and paged attention's two, 28 x 14 + 1 =
 3-5 are the code predictor's skinny GEMMs (kernels/code_predictor_linear.py). The residual
 stream is carried whole (h = residual + product, rounded as the eager add), so the eager stack's
 (x, residual) pair never appears.
-Used by `Talker.forward` after `use_fused(True)` for a `DecodeContext` when the kernels serve the
+Used by `Talker.forward` after `use_fused(max_batch)` for a `DecodeContext` when the kernels serve the
 inputs' device (CUDA, or the Triton interpreter with Q3TTS_TRITON_ON_CPU=1); prefill stays eager.
 The tickets' workspace grows outside CUDA graph capture only: warm up with the largest batch first.
 """

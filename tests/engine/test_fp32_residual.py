@@ -20,7 +20,7 @@ TEXTS = ("Hello there.", "A second, somewhat longer sentence to speak.")
 def _run(ckpt_dir, speaker, fp32_residual: bool) -> tuple[Engine, dict[str, list[list[int]]]]:
     cfg = EngineConfig(device="cpu", dtype="float32", num_pages=64, max_slots=2, max_frames=6,
                        max_prompt_tokens=128, max_text_tokens=64, graph_batch_sizes=(2,),
-                       use_cuda_graphs=False, fused_talker=True, fp32_residual=fp32_residual)
+                       use_cuda_graphs=False, fused_talker=2, fp32_residual=fp32_residual)
     engine = Engine(str(ckpt_dir), cfg, with_codec=False)
     for i, text in enumerate(TEXTS):
         engine.add(f"s{i}", VoiceSpec(speaker=speaker), SamplingParams(greedy=i == 0, seed=i, max_frames=5),

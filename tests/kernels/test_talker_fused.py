@@ -209,9 +209,9 @@ def fused_calls(monkeypatch) -> list[int]:
 @torch.no_grad()
 def test_fused_talker_decode_equals_eager(fused_calls, monkeypatch):
     """fp32, the tiny 1.7B talker, 5 rows (one padding row) over caches with history: after
-    use_fused(True) a decode forward runs the fused kernels and gives the eager hidden and caches
-    (every slot: the padding row stores nothing); a prefill forward stays eager; use_fused(False)
-    turns it off."""
+    use_fused(5) a decode forward runs the fused kernels and gives the eager hidden and caches
+    (every slot: the padding row stores nothing); a prefill forward stays eager; use_fused(4) (a
+    bound below the 5 rows) and use_fused(0) keep the decode forward eager."""
     talker = Talker(TalkerConfig.from_dict(
         model_config_dict("custom_voice", "1.7b", "tiny", TEXT_IDS, 100)["talker_config"]))
     _init(talker)
@@ -223,15 +223,16 @@ def test_fused_talker_decode_equals_eager(fused_calls, monkeypatch):
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")  # the eager forward on the torch references
     want = talker(x, r.positions, r.context(eager, talker.attn_scale))
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
-    talker.use_fused(True)
+    talker.use_fused(5)
     got = talker(x, r.positions, r.context(r.cache, talker.attn_scale))
     assert fused_calls == [1]
     assert_close_3way(got, want, want, FP32, "hidden")
     assert_close_3way(r.cache.k, eager.k, eager.k, FP32, "k cache")
     assert_close_3way(r.cache.v, eager.v, eager.v, FP32, "v cache")
     talker(x, r.positions, PrefillContext(eager, r.slots, talker.attn_scale))
-    talker.use_fused(False)
-    talker(x, r.positions, r.context(eager, talker.attn_scale))
+    for bound in (4, 0):
+        talker.use_fused(bound)
+        talker(x, r.positions, r.context(eager, talker.attn_scale))
     assert fused_calls == [1]
 
 
@@ -260,19 +261,20 @@ def test_fused_talker_bf16_rounds_like_the_eager_forward(monkeypatch):
     check_bf16_forward(_stack(TINY, DEVICE), 9, 40, 4, Inputs(DEVICE, 5), monkeypatch)
 
 
-def test_engine_config_fused_talker_flag():
-    assert EngineConfig().fused_talker is False
-    assert EngineConfig(fused_talker=True).fused_talker is True
-    with pytest.raises(ValueError, match="fused_talker must be true or false"):
-        EngineConfig(fused_talker="yes")
+def test_engine_config_fused_talker_bound():
+    """A batch bound (an int >= 0); batch_invariant keeps every bucket on the eager stack."""
+    assert EngineConfig(fused_talker=16).fused_talker_batch == 16
+    assert EngineConfig(fused_talker=16, batch_invariant=True).fused_talker_batch == 0
+    for bad in ("yes", True, -1):
+        with pytest.raises(ValueError, match="fused_talker must be an int >= 0"):
+            EngineConfig(fused_talker=bad)
 
 
-def _engine_frames(ckpt_dir, fused: bool) -> dict[str, list[list[int]]]:
+def _engine_frames(ckpt_dir, fused: int) -> dict[str, list[list[int]]]:
     config = EngineConfig(device=DEVICE, dtype="float32", num_pages=32, max_slots=3, max_frames=8,
-                          max_prompt_tokens=128, max_text_tokens=64, graph_batch_sizes=(4,),
-                          use_cuda_graphs=False)
+                          max_prompt_tokens=128, max_text_tokens=64, graph_batch_sizes=(2, 4),
+                          use_cuda_graphs=False, fused_talker=fused)
     engine = Engine(str(ckpt_dir), config, with_codec=False)
-    engine.runner.talker.use_fused(fused)
     speaker = sorted(engine.checkpoint.config.talker.speaker_ids)[0]
     for i, text in enumerate(["Hello there.", "Another one, a little longer.", "Three."]):
         engine.add(f"s{i}", VoiceSpec(speaker=speaker),
@@ -286,15 +288,16 @@ def _engine_frames(ckpt_dir, fused: bool) -> dict[str, list[list[int]]]:
 
 def test_engine_decode_steps_through_the_fused_talker(tmp_path, fused_calls, monkeypatch):
     """The engine's decode step (its metadata columns, a padding row in the bucket of 4) with the
-    talker's decode forward fused: a greedy and two sampled sequences make the frames of the eager
-    forward (fp32, tiny 1.7B checkpoint)."""
+    talker's decode forward fused up to bucket 4: a greedy and two sampled sequences make the frames
+    of the eager forward (fp32, tiny 1.7B checkpoint); with the bound at 2 their bucket stays eager."""
     ckpt_dir = make_checkpoint(tmp_path / "cv", "custom_voice", "1.7b", "tiny", seed=0)
     # the rest of the engine on the torch references (fast on CPU), the fused talker's kernels
     # through the interpreter (or compiled on CUDA)
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")
     monkeypatch.setattr(FusedTalker, "serves", staticmethod(lambda x: True))
-    want = _engine_frames(ckpt_dir, fused=False)
-    got = _engine_frames(ckpt_dir, fused=True)
+    want = _engine_frames(ckpt_dir, fused=0)
+    assert _engine_frames(ckpt_dir, fused=2) == want and fused_calls == []  # 3 rows: bucket 4 > 2
+    got = _engine_frames(ckpt_dir, fused=4)
     assert len(fused_calls) >= 2 and sorted(got) == ["s0", "s1", "s2"]
     assert got == want
 
