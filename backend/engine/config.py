@@ -13,7 +13,10 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 KV_POLICIES = ("reserve", "on_demand")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -67,6 +70,10 @@ class EngineConfig:
                          against cuDNN per shape in the graph warm-up, fused SnakeBeta; on CPU their torch
                          references). On the H200 served at 64 streams: 247-249 audio-s/s against 198-199
                          off, first audio no later (two interleaved A/B rounds, perf/results/RESULTS.md)
+    codec_pipeline       decode each frame's audio one step behind, on the codec's own stream beside the
+                         next frame's work (engine/audio_pipeline.py), instead of inside the step beside its
+                         talker half. None (default): where the decode step is a CUDA graph; True: also
+                         eager and on the CPU (same bits; tests); False: never
     fused_code_predictor the largest decode bucket whose code predictor runs its 15 passes through the fused
                          kernels (kernels/code_predictor.py, 23 launches a pass; where the kernels serve the
                          device); larger buckets run the eager passes; 0: never. 32: on the H200 (1.7B, bf16,
@@ -122,6 +129,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     prefill_graphs: bool = True
     codec_kernels: bool = True
+    codec_pipeline: bool | None = None
     fused_code_predictor: int = 32
     fused_talker: int = 0
     fp32_residual: bool = False
@@ -157,6 +165,8 @@ class EngineConfig:
         need(list(bs) == sorted(set(bs)), f"graph_batch_sizes must be strictly increasing, got {bs}")
         need(self.fault_injection_seed is None or os.environ.get(TEST_HOOKS_ENV) == "1",
              f"fault_injection_seed is a test hook: refused unless {TEST_HOOKS_ENV}=1")
+        need(self.codec_pipeline is None or isinstance(self.codec_pipeline, bool),
+             f"codec_pipeline must be true, false or null, got {self.codec_pipeline!r}")
         for name in ("fused_code_predictor", "fused_talker"):
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
                  f"{name} must be an int >= 0 (a batch size), got {getattr(self, name)!r}")
@@ -175,6 +185,12 @@ class EngineConfig:
         """The largest decode batch whose code predictor runs the fused kernels: every batch under
         `batch_invariant` (one path whatever the bucket), else `fused_code_predictor`."""
         return max(self.max_graph_batch, self.max_slots) if self.batch_invariant else self.fused_code_predictor
+
+    def pipelines_codec(self, device: torch.device) -> bool:
+        """Whether the codec runs one step behind (`codec_pipeline`) on `device`."""
+        if self.codec_pipeline is None:
+            return device.type == "cuda" and self.use_cuda_graphs
+        return self.codec_pipeline
 
     @property
     def fused_talker_batch(self) -> int:

@@ -128,15 +128,17 @@ class GraphBuffers:
             getattr(self, name)[start:stop].copy_(self.host[name][start:stop], non_blocking=True)
         self._record()
 
-    def fetch(self, n: int) -> tuple[np.ndarray, ...]:
+    def fetch(self, n: int, pcm: bool = True) -> tuple[np.ndarray, ...]:
         """Rows [:n] of the step's `OUTPUTS` on the host, once the step has run (the one wait of a step):
-        views of the mirrors, valid until the next `fetch`."""
+        views of the mirrors, valid until the next `fetch`; without `pcm`, pcm is [n, 0] (not copied)."""
+        names = [name for name in OUTPUTS if pcm or name != "pcm"]
         if self.copied is not None:
-            for name in OUTPUTS:
+            for name in names:
                 self.host[name][:n].copy_(getattr(self, name)[:n], non_blocking=True)
             self._record()
             self._wait()
-        return tuple(self.arrays[name][:n] for name in OUTPUTS)
+        return tuple(self.arrays[name][:n] if name in names else np.zeros((n, 0), np.float32)
+                     for name in OUTPUTS)
 
     def _record(self) -> None:
         self.copied.record(torch.cuda.current_stream(self.meta.device))  # the stream the copies ran on

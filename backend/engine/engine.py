@@ -15,6 +15,7 @@ step's device work that leaves the device usable ends only the sequences that fa
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,11 +29,12 @@ from .cuda_graph import DecodeRow
 from .faults import check_token_ids, inject_device_fault, is_device_fault, nonfinite_error
 from .input_processor import InputProcessor
 from .isolation import isolated, step_error
-from .model_runner import ModelRunner, PrefillRow, make_codec, resolve_config
+from .model_runner import ModelRunner, PrefillRow
 from .preparer import Preparer
 from .requests import RequestIntake
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from .setup import make_codec, resolve_config
 from .timing import PhaseClock, StepTimes
 from .voice_cache import VoiceCache
 
@@ -65,6 +67,8 @@ class Engine(RequestIntake):
                                  lambda voice: self.inputs.prepare(voice, self.runner.prime_state))
         self.preparer = Preparer(self.inputs.encode, self.voices.get_or_prepare)
         self._outbox: list[StepOutput] = []  # finished outputs produced between steps (abort, errors)
+        self._flight: _Flight | None = None  # pipelined: the decode step launched and not landed yet
+        self._unheard: list[tuple[int, StepOutput]] | None = None  # landed outputs (row, output) without pcm
         self.num_steps = 0
         self.clock = PhaseClock(self.runner.device)
         self.times = StepTimes()
@@ -82,8 +86,9 @@ class Engine(RequestIntake):
     # --- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        self._admit_prepared(idle=not (self.scheduler.has_work() or self._outbox))
+        self._admit_prepared(idle=not (self.scheduler.has_work() or self._outbox or self._flight))
         outputs, self._outbox = self._outbox, []
+        outputs += self._land()  # pipelined: the frames of the step the last call launched (audio below)
         started, decode, victims = self.scheduler.schedule()
         outputs += [seq.final_output() for seq in victims]
         t_prefill = self.clock.stamp() if started else None
@@ -93,15 +98,12 @@ class Engine(RequestIntake):
             self._push_text(seq)
         decode = [s for s in decode if s.status is Status.RUNNING]  # not ended by a failure of its own
         t_decode = self.clock.stamp() if started or decode else None
-        decode_s = prefill_s = None
-        if decode:
-            outputs += self._decode(decode)
-            decode_s = self.clock.seconds(t_decode, self.clock.stamp())
-            self.times.decode_seconds += decode_s
-        if started:  # complete already when a decode followed (its host copy waited for it)
-            prefill_s = self.clock.seconds(t_prefill, t_decode)
-            self.times.add_prefill(prefill_s, sum(s.is_prefilled for s in started))
-        self.scheduler.observe(started, prefill_s, decode_s)
+        if not (decode and self.runner.audio is not None and self._launch(decode, started, t_prefill, t_decode)):
+            self._hear()  # the landed frames' audio first: the synchronous step below collects its own
+            if decode:
+                outputs += self._decode(decode)
+            self._observe(started, t_prefill, t_decode, self.clock.stamp() if decode else None)
+        self._hear()
         outputs += self._outbox
         self._outbox = []
         for out in outputs:
@@ -109,6 +111,18 @@ class Engine(RequestIntake):
                 self.scheduler.forget(out.seq_id)
         self.num_steps += 1
         return outputs
+
+    def _observe(self, started: list[Sequence], t_prefill, t_decode, t_end) -> None:
+        """A step's device times (stamps; `t_end` None: it had no decode) into the totals and the scheduler.
+        The prefill is complete once a decode followed (its host copy waited for it)."""
+        decode_s = prefill_s = None
+        if t_end is not None:
+            decode_s = self.clock.seconds(t_decode, t_end)
+            self.times.decode_seconds += decode_s
+        if started:
+            prefill_s = self.clock.seconds(t_prefill, t_decode)
+            self.times.add_prefill(prefill_s, sum(s.is_prefilled for s in started))
+        self.scheduler.observe(started, prefill_s, decode_s)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """One ragged prefill forward for this step's piece of each sequence's prompt (the whole prompt
@@ -142,15 +156,63 @@ class Engine(RequestIntake):
             self._finish(seq, "error", step_error("its text", seq.num_frames))
 
     def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
-        """One decode step; a row whose sampling went non-finite ends (reason 'error') without its frame."""
+        """One decode step, its audio included; a row that fails alone ends (reason 'error')."""
+        self._inject_fault(seqs)
+        results = isolated(self._decode_rows, self._rows(seqs), self.runner.device)
+        return [out for _, out in self._frame_outputs(seqs, results)]
+
+    def _launch(self, seqs: list[Sequence], started: list[Sequence], t_prefill, t_decode) -> bool:
+        """Pipelined (`EngineConfig.codec_pipeline`): start the decode step of `seqs` and return; its frames
+        land at the next step, their audio when the codec is done (`_land`, `_hear`). False when a row's
+        metadata failed (it is packed before anything runs): the step then runs synchronously, each row
+        isolated. The replays themselves fail only with device faults, which propagate."""
+        self._inject_fault(seqs)
+        try:
+            self.runner.launch(self._rows(seqs))
+        except Exception as exc:  # noqa: BLE001 - a row's error is isolated by the synchronous step
+            if is_device_fault(exc, self.runner.device):
+                raise
+            return False
+        self._flight = _Flight(seqs, started, t_prefill, t_decode, self.clock.stamp())
+        return True
+
+    def _land(self) -> list[StepOutput]:
+        """The outputs of the step in flight (none: []), their pcm attached by `_hear` before the step
+        returns; a sequence that ended meanwhile (aborted) drops its frame."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return []
+        out = self.runner.land(len(flight.seqs))
+        self._observe(flight.started, flight.t_prefill, flight.t_decode, flight.t_end)
+        results = list(zip(out.frames.copy(), out.c0_next.tolist(), out.pcm, out.faults.tolist()))
+        self._unheard = self._frame_outputs(flight.seqs, results)
+        return [out for _, out in self._unheard]
+
+    def _hear(self) -> None:
+        """Pipelined: the audio of the landed step into its outputs (waits for its codec)."""
+        if self._unheard is None:
+            return
+        pcm = self.runner.collect_audio()
+        for row, out in self._unheard:
+            out.pcm = pcm[row].copy()
+        self._unheard = None
+
+    def _inject_fault(self, seqs: list[Sequence]) -> None:
         injected = self.config.fault_injection_seed
         if injected is not None and any(s.sampling.seed == injected for s in seqs):
             inject_device_fault(self.runner.device)
-        rows = [DecodeRow(s.slot, s.prompt_len + s.num_frames, s.num_frames,
-                          self.scheduler.kv.pages(s.seq_id)) for s in seqs]
-        results = isolated(self._decode_rows, rows, self.runner.device)
+
+    def _rows(self, seqs: list[Sequence]) -> list[DecodeRow]:
+        return [DecodeRow(s.slot, s.prompt_len + s.num_frames, s.num_frames, self.scheduler.kv.pages(s.seq_id))
+                for s in seqs]
+
+    def _frame_outputs(self, seqs: list[Sequence], results: list) -> list[tuple[int, StepOutput]]:
+        """(row, StepOutput) of each row's frame; a row that failed alone or whose sampling went non-finite
+        ends its sequence (reason 'error') without its frame; EOS or the frame cap finish it."""
         outputs = []
-        for seq, result in zip(seqs, results):
+        for row, (seq, result) in enumerate(zip(seqs, results)):
+            if seq.status is not Status.RUNNING:  # pipelined: aborted while its frame was in flight
+                continue
             if isinstance(result, Exception):
                 self._finish(seq, "error", step_error("decode", seq.num_frames))
                 continue
@@ -166,7 +228,7 @@ class Engine(RequestIntake):
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 out.finished, out.reason = True, reason
-            outputs.append(out)
+            outputs.append((row, out))
         return outputs
 
     def _decode_rows(self, rows: list[DecodeRow]) -> list[tuple]:
@@ -176,7 +238,8 @@ class Engine(RequestIntake):
         return list(zip(out.frames.copy(), out.c0_next.tolist(), out.pcm.copy(), out.faults.tolist()))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._outbox) or bool(self.preparer)
+        return (self.scheduler.has_work() or bool(self._outbox) or bool(self.preparer)
+                or self._flight is not None)
 
     def stats(self) -> dict[str, Any]:
         sch = self.scheduler
@@ -188,6 +251,17 @@ class Engine(RequestIntake):
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+@dataclass
+class _Flight:
+    """A decode step launched by one `step()` call and landed by the next (pipelined codec)."""
+
+    seqs: list[Sequence]
+    started: list[Sequence]  # the sequences its step prefilled
+    t_prefill: Any           # PhaseClock stamps: prefill start, decode start, after the launch
+    t_decode: Any
+    t_end: Any
 
 
 __all__ = ["Engine", "EngineConfig"]

@@ -14,22 +14,21 @@ decode bucket like a decode step. One decode step (`decode_rows`), for rows [:bu
     faults  = slot_faults[slot] | (any of the 16 draws had non-finite scores)
     state[slot] <- (c0_next, hidden, rep_mask | c0_next)               last: a failed step leaves it
 
-The host's part of a step: its rows' metadata are packed into pinned memory and copied up without
-blocking, its outputs come back in the step's one wait (`GraphBuffers`).
+With `EngineConfig.codec_pipeline` the codec runs one step behind instead (engine/audio_pipeline.py).
+The host's part of a step: `launch` packs the rows' metadata into pinned memory, copies it up without
+blocking and replays; `land` brings the outputs back in one wait; pipelined, `collect_audio` the audio.
 
 A row whose sampling scores went non-finite (its prefill draw or any draw of a step) drew id 0 there (the
-finite guard of models/sampling.py, so nothing reads out of bounds) and is reported in `DecodeOutput.faults`
-of the step: the engine ends exactly that sequence.
-
-Padding rows (graph buckets, and on CPU too, so that a row's arithmetic never depends on how many
-real rows share the step) use the dummy slot `max_slots`, the dummy page `num_pages` and
-slot_mapping -1. `use_graphs(False)` runs the eager step body instead of the captured graphs.
-On CUDA a prefill whose prompts fit a token bucket is one graph replay instead (`PrefillGraphs`,
-`EngineConfig.prefill_graphs`); the eager `prefill_batch` serves the rest.
+finite guard of models/sampling.py) and is reported in `DecodeOutput.faults`: the engine ends that sequence.
+Padding rows (graph buckets, and on CPU too, so that a row's arithmetic never depends on how many real rows
+share the step) use the dummy slot `max_slots`, the dummy page `num_pages` and slot_mapping -1.
+`use_graphs(False)` runs the eager step body instead of the captured graphs. On CUDA a prefill whose
+prompts fit a token bucket is one graph replay (`PrefillGraphs`); the eager `prefill_batch` serves the rest.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,6 +41,7 @@ from q3tts.models.attention import PagedKVCache
 from q3tts.models.sampling import (FULL, TOPK, SamplingTensors, UniformSource, row_mode, sampling_mode,
                                   uniforms)
 
+from .audio_pipeline import AudioPipeline
 from .config import EngineConfig
 from .cuda_graph import DecodeMeta, DecodeRow, GraphBuffers, GraphRunner
 from .prefill_graph import PrefillGraphs, token_buckets
@@ -65,35 +65,8 @@ class DecodeOutput(NamedTuple):
 
     frames: np.ndarray   # [B, 16] int64
     c0_next: np.ndarray  # [B] int64 (EOS = finished)
-    pcm: np.ndarray      # [B, 1920] float32 ([B, 0] without a codec)
+    pcm: np.ndarray      # [B, 1920] float32 ([B, 0] without a codec, or pipelined: `collect_audio`)
     faults: np.ndarray   # [B] bool: the row's sampling scores were not finite (its frame is junk)
-
-
-def make_codec(ckpt, config: EngineConfig):
-    """The streaming codec decoder with one state slot per engine slot (+ the scratch slot)."""
-    from q3tts.codec.decoder import CodecDecoder
-    from q3tts.codec.streaming import StreamingDecoder
-
-    decoder = CodecDecoder.from_weights(ckpt.codec_config, ckpt.codec_weights)
-    return StreamingDecoder(decoder, config.max_slots, getattr(torch, config.dtype), config.device,
-                            use_kernels=config.codec_kernels or config.batch_invariant)
-
-
-def resolve_config(model, config: EngineConfig) -> EngineConfig:
-    """`config` checked against the model, with `num_pages` filled in: the KV memory fraction of the
-    device memory free now (so call it once the rest of the device state, e.g. the codec's, exists;
-    on CPU: see EngineConfig.resolve)."""
-    positions = model.talker.model.max_positions
-    if config.max_prompt_tokens + config.max_frames > positions:
-        # NOTE: the RoPE kernel reads its table without bounds checks: refuse configs that could overrun it
-        raise ValueError(f"max_prompt_tokens + max_frames = {config.max_prompt_tokens + config.max_frames} "
-                         f"exceeds the talker's {positions} positions")
-    lc = model.config.talker.layers
-    itemsize = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
-    bytes_per_page = 2 * lc.num_layers * lc.num_kv_heads * lc.head_dim * itemsize * config.page_size  # K, V
-    device = torch.device(config.device)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    return config.resolve(bytes_per_page, free)
 
 
 class ModelRunner:
@@ -111,9 +84,11 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         self.groups = tc.num_code_groups
         self.samples_per_frame = codec.samples_per_frame if codec is not None else 0
-        # the codec's own stream: a step decodes its frame's audio beside its talker half (`_decode_audio`)
+        # the codec's own stream: a step decodes its frame's audio beside its talker half (`_decode_audio`),
+        # or, pipelined, one step behind (`audio`: engine/audio_pipeline.py)
+        pipelined = codec is not None and config.pipelines_codec(self.device)
         self.codec_stream = (torch.cuda.Stream(self.device) if codec is not None and self.device.type == "cuda"
-                             else None)
+                             and not pipelined else None)
         lc = tc.layers
         self.kv = PagedKVCache(lc.num_layers, config.num_pages + 1, config.page_size, lc.num_kv_heads,
                                lc.head_dim, self.dtype, self.device)
@@ -129,6 +104,8 @@ class ModelRunner:
         self.max_batch = max(config.max_graph_batch, config.max_slots)
         self.buf = GraphBuffers.allocate(self.max_batch, max_pages, self.groups,
                                          max(self.samples_per_frame, 1), self.device)
+        self.audio = (AudioPipeline(codec, self.max_batch, self.groups, self.dummy_slot, self.device)
+                      if pipelined else None)
         # captured decode steps per sampling mode: TOPK (every row allows it) and FULL (the reference)
         self.graphs: dict[str, GraphRunner] = {}
         self._graphs_on = True
@@ -176,6 +153,8 @@ class ModelRunner:
                 graphs.capture()
                 pool = graphs.pool
                 self.graphs[mode] = graphs
+        if self.audio is not None:
+            self.audio.capture(self.buckets)
 
     def packed_prefill(self) -> PrefillGraphs:
         """The token-bucketed prefill over this runner's talker, KV and slots, for up to max_slots
@@ -209,7 +188,8 @@ class ModelRunner:
         st.rep_mask[sl] = False
         st.text_len[sl] = 0
         if self.codec is not None:
-            self._prime_codec(started)
+            with self.audio.ordered() if self.audio is not None else contextlib.nullcontext():
+                self._prime_codec(started)
         if len(started) == len(rows):
             c0, hidden, faults = self._prefill(rows, sl)
         else:  # the draws of pieces that do not end their prompt are dropped
@@ -295,17 +275,34 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, rows: list[DecodeRow]) -> DecodeOutput:
-        """One decode step for `rows`; its results on the host, valid until the next decode (no copy on
-        the CPU: views of the step's buffers)."""
+        """One decode step for `rows`, its audio included; its results on the host, valid until the next
+        decode (no copy on the CPU: views of the step's buffers)."""
+        self.launch(rows)
+        out = self.land(len(rows))
+        return out if self.audio is None else out._replace(pcm=self.audio.collect())
+
+    @torch.no_grad()
+    def launch(self, rows: list[DecodeRow]) -> None:
+        """Start one decode step for `rows` without waiting for it (`land` waits); pipelined, its audio
+        too, on the codec's stream (`collect_audio`). A row's metadata is packed before anything runs."""
         n = len(rows)
         bucket = self.config.bucket_for(n) if n <= self.max_batch else None
         bucket = bucket if bucket is not None and bucket <= self.max_batch else n
+        if self.audio is not None:
+            self.audio.before_step()
         self._load(0, bucket, rows)
         self.run_step(bucket, self.step_mode([r.slot for r in rows]))
         self.num_decode_steps += 1
-        frames, c0_next, pcm, faults = self.buf.fetch(n)
-        return DecodeOutput(frames, c0_next, pcm if self.codec is not None else np.zeros((n, 0), np.float32),
-                            faults)
+        if self.audio is not None:
+            self.audio.launch(bucket, n, DecodeMeta.columns(self.buf.meta).slot, self.buf.frames)
+
+    def land(self, n: int) -> DecodeOutput:
+        """The launched step's results for its `n` rows, once it has run."""
+        return DecodeOutput(*self.buf.fetch(n, pcm=self.codec is not None and self.audio is None))
+
+    def collect_audio(self) -> np.ndarray:
+        """Pipelined: pcm [n, samples] of the oldest launched step not collected yet (waits for it)."""
+        return self.audio.collect()
 
     def step_mode(self, slots: list[int]) -> str:
         """The sampling variant of a step over these slots: TOPK when every row allows it, else FULL."""
@@ -356,7 +353,10 @@ class ModelRunner:
         faults = self.slot_faults[sl]  # [B] a fault of the row's prefill draw is reported with this step
         buf.frames[:bs], next_input = step.predict_frame(self.talker, batch, self.sub_params(sl, mode),
                                                          self.uniform_source, faults)  # [B, 16], [B, H]
-        self._decode_audio(bs, sl)
+        if self.audio is not None:
+            self.audio.frames_made()  # its codec runs one step behind (engine/audio_pipeline.py)
+        else:
+            self._decode_audio(bs, sl)
         c0_next, hidden = step.advance(self.talker, self.kv, batch, next_input, self.talker_params(sl, mode),
                                        self.uniform_source, faults)  # [B], [B, H]
         buf.faults[:bs] = faults

@@ -1,0 +1,141 @@
+"""The codec one step behind the frames (`EngineConfig.codec_pipeline`): a frame's audio is decoded on the
+codec's own stream while the next frames are made.
+
+Without it a decode step forks the codec beside its talker half and joins it before the step ends, so
+the step lasts code predictor + max(codec, talker). With it the step's graph only marks the point where
+its frames exist (`frames_made`: an external event recorded inside the captured graph, right after the
+code predictor); the codec of those frames is a graph of its own per bucket, launched on the codec
+stream, waiting on that mark only. So the codec of frame t runs beside frame t's talker half and frame
+t+1's code predictor, the engine hands frame t's codes to the host when its talker half ends and its
+audio when the codec ends (`collect`), and the step lasts about code predictor + talker.
+
+Ordering (all on the GPU, no host wait):
+- the codec copies the step's slots and frames into its own inputs first (`launch`); the next step's
+  metadata upload and frames wait for that copy (`before_step`), so a slow codec throttles the steps
+  instead of reading overwritten frames;
+- the codec's state writes of a stream (reset / primed state of a new sequence) run on the codec stream
+  (`ordered`), after the audio of the slot's previous sequence and before the new one's first frame;
+- each launch's audio goes to its own pinned host buffer (two, alternating), so the host reads frame
+  t's audio while frame t+1's is being copied.
+On the CPU everything runs in line at `launch` (same order, same bits): the engine's pipelined flow is
+the same there, which is what the CPU tests check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+
+import numpy as np
+import torch
+
+
+class AudioPipeline:
+    """The codec's inputs, graphs (one per decode bucket), stream, events and host audio buffers."""
+
+    def __init__(self, codec, max_batch: int, groups: int, dummy_slot: int, device: torch.device) -> None:
+        self.codec, self.device = codec, device
+        self.cuda = device.type == "cuda"
+        self.slots = torch.full((max_batch,), dummy_slot, dtype=torch.int64, device=device)  # [Bmax]
+        self.frames = torch.zeros(max_batch, groups, dtype=torch.int64, device=device)  # [Bmax, 16]
+        self.pcm = torch.zeros(max_batch, codec.samples_per_frame, dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pending: deque[tuple[int, int, torch.cuda.Event | None]] = deque()  # (rows, host buffer, done)
+        self._next_host = 0
+        if not self.cuda:
+            self.stream = self.made = self.taken = None
+            self.host = [torch.zeros_like(self.pcm) for _ in range(2)]
+            return
+        self.stream = torch.cuda.Stream(device)
+        self.made = torch.cuda.Event(external=True)  # recorded inside the step graph: the frames exist
+        self.taken = torch.cuda.Event()  # the codec has copied the step's slots and frames
+        self.host = [torch.zeros(self.pcm.shape, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+
+    # --- inside the step (captured) ----------------------------------------------------------------
+
+    def frames_made(self) -> None:
+        """Mark the point in the step where its frames are written (the codec waits for this only)."""
+        if self.made is not None:
+            self.made.record(torch.cuda.current_stream(self.device))
+
+    # --- around the step ---------------------------------------------------------------------------
+
+    def before_step(self) -> None:
+        """The step about to be loaded waits (on the GPU) until the codec took the last step's inputs."""
+        if self.taken is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.taken)
+
+    def launch(self, bucket: int, rows: int, slots: torch.Tensor, frames: torch.Tensor) -> None:
+        """The audio of the step just launched: slots [>= bucket] and frames [>= bucket, 16] are the
+        step's buffers (read once its frames are made); `collect` returns rows [:rows] of it."""
+        if len(self.pending) == len(self.host):
+            raise RuntimeError("AudioPipeline: collect the audio of earlier launches first")
+        host = self._next_host
+        self._next_host = (host + 1) % len(self.host)
+        done = None
+        with self._on_stream():
+            if self.made is not None:
+                self.stream.wait_event(self.made)
+            self.slots[:bucket].copy_(slots[:bucket])
+            self.frames[:bucket].copy_(frames[:bucket])
+            if self.taken is not None:
+                self.taken.record(self.stream)
+            graph = self.graphs.get(bucket)
+            if graph is not None:
+                graph.replay()
+            else:
+                self.decode(bucket)
+            self.host[host][:rows].copy_(self.pcm[:rows], non_blocking=True)
+            if self.cuda:
+                done = torch.cuda.Event()
+                done.record(self.stream)
+        self.pending.append((rows, host, done))
+
+    def collect(self) -> np.ndarray:
+        """pcm [rows, samples] float32 of the oldest launch not yet collected (waits for its codec): a
+        view of a host buffer, valid until the launch after next."""
+        rows, host, done = self.pending.popleft()
+        if done is not None:
+            done.synchronize()
+        return self.host[host][:rows].numpy()
+
+    @contextlib.contextmanager
+    def ordered(self):
+        """Run codec-state writes (stream resets, primed states) on the codec stream: after the audio
+        already launched and the device work queued so far, before the next launch's audio."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    # --- the codec's graphs ------------------------------------------------------------------------
+
+    def decode(self, bucket: int) -> None:
+        """pcm[:bucket] <- the codec of frames[:bucket] into streams slots[:bucket] (the captured body)."""
+        self.pcm[:bucket].copy_(self.codec.decode_frame(self.slots[:bucket], self.frames[:bucket]))
+
+    def capture(self, buckets: tuple[int, ...]) -> None:
+        """One graph per bucket on the codec stream, in a memory pool of its own (the codec runs beside
+        the step's graphs, so it may share no memory with them). The inputs are padding rows (the
+        scratch slot) while capturing, so capture touches only the scratch stream."""
+        from q3tts import kernels
+
+        self.slots.fill_(self.codec.scratch_slot)
+        self.frames.zero_()
+        pool = None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for bs in sorted(buckets, reverse=True):
+            with torch.cuda.stream(self.stream), kernels.tuning():
+                self.decode(bs)  # warm-up: kernel tuning for this bucket, the allocator
+            self.stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                self.decode(bs)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

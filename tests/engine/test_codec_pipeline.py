@@ -1,0 +1,110 @@
+"""EngineConfig.codec_pipeline (engine/audio_pipeline.py): each frame's audio one step behind, on the codec's
+own stream. The engine's pipelined flow (launch, land at the next step, audio collected before it returns)
+runs on the CPU too, in line: every sequence's codes, pcm and end must be those of the synchronous step,
+through slot reuse, finishing rows, streamed text and an abort while a frame is in flight."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from q3tts.engine.config import EngineConfig
+from q3tts.engine.engine import Engine
+from test_engine import CFG, TEXT, baseline, req, run
+
+
+def _requests(speaker) -> list[dict]:
+    """9 sequences through 6 slots: staggered starts, greedy and sampled, EOS-free caps of 3..12 frames,
+    so slots are freed and reused while others play; one incremental-text sequence."""
+    reqs = [req(f"r{i}", speaker, start=2 * i, seed=i, greedy=i % 3 == 0, max_frames=3 + i,
+                text=TEXT[: 30 + 7 * i]) for i in range(8)]
+    return reqs + [req("inc", speaker, start=1, mode="incremental", seed=42, max_frames=10)]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_ckpt) -> dict[bool, Engine]:
+    return {on: Engine(tiny_ckpt, dataclasses.replace(CFG, codec_pipeline=on)) for on in (False, True)}
+
+
+def test_pipelined_engine_makes_the_synchronous_engines_codes_and_audio(engines, speaker):
+    assert engines[False].runner.audio is None and engines[True].runner.audio is not None
+    want = run(engines[False], _requests(speaker))
+    got = run(engines[True], _requests(speaker))
+    assert sorted(got) == sorted(want)
+    for rid, (codes, pcm, reason) in want.items():
+        assert np.array_equal(got[rid][0], codes), rid
+        assert got[rid][1].shape == pcm.shape and np.array_equal(got[rid][1], pcm), rid
+        assert got[rid][2] == reason, rid
+    baseline(engines[True])
+
+
+def test_frames_land_at_the_next_step_with_their_audio(engines, speaker):
+    engine = engines[True]
+    r = req("a", speaker, greedy=True, max_frames=2)
+    engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
+    assert engine.step() == []  # prefill + the first frame launched
+    assert engine.has_work()
+    first = engine.step()  # the first frame lands, its audio attached; the second is launched
+    assert [o.seq_id for o in first] == ["a"] and first[0].codes.shape == (1, 16)
+    assert first[0].pcm.shape == (engine.runner.samples_per_frame,) and np.abs(first[0].pcm).sum() > 0
+    assert not first[0].finished and engine.has_work()
+    last = engine.step()
+    assert [(o.seq_id, o.finished, o.reason) for o in last] == [("a", True, "max_frames")]
+    assert last[0].pcm.shape == (engine.runner.samples_per_frame,)
+    assert not engine.has_work()
+    baseline(engine)
+
+
+def test_abort_while_a_frame_is_in_flight(engines, speaker):
+    """The aborted sequence ends once ('aborted') and its frame in flight is dropped; the other sequence's
+    codes and audio are those of the synchronous engine; nothing leaks."""
+    reqs = [req("keep", speaker, seed=3, max_frames=6), req("drop", speaker, seed=4, max_frames=6)]
+    want = run(engines[False], [reqs[0]])["keep"]
+    engine = engines[True]
+    for r in reqs:
+        engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
+    outs = engine.step() + engine.step()  # the first frames land; the second ones are in flight
+    engine.abort("drop")
+    while engine.has_work():
+        outs += engine.step()
+    drop = [o for o in outs if o.seq_id == "drop"]
+    assert [o.codes.shape[0] for o in drop] == [1, 0] and (drop[-1].finished, drop[-1].reason) == (True, "aborted")
+    keep = [o for o in outs if o.seq_id == "keep"]
+    assert np.array_equal(np.concatenate([o.codes for o in keep]), want[0])
+    assert np.array_equal(np.concatenate([o.pcm for o in keep]), want[1])
+    baseline(engine)
+
+
+def test_codec_pipeline_setting():
+    assert not EngineConfig().pipelines_codec(torch.device("cpu"))  # default: where the step is a graph
+    assert EngineConfig().pipelines_codec(torch.device("cuda"))
+    assert not EngineConfig(use_cuda_graphs=False).pipelines_codec(torch.device("cuda"))
+    assert EngineConfig(codec_pipeline=True).pipelines_codec(torch.device("cpu"))
+    for bad in ("yes", 1):
+        with pytest.raises(ValueError, match="codec_pipeline must be true, false or null"):
+            EngineConfig(codec_pipeline=bad)
+
+
+@pytest.mark.gpu
+def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_dir, speaker):
+    """CUDA graphs, bf16: the codec graphs one step behind (the default) give the codes and the audio of
+    the codec inside the step, bit for bit (same kernels, same buckets; only the stream order differs)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True,
+                              graph_batch_sizes=(1, 2, 4, 8))
+    results = {}
+    for on in (False, None):
+        engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, codec_pipeline=on))
+        assert (engine.runner.audio is not None) == (on is None)
+        results[on] = run(engine, _requests(speaker))
+        assert engine.runner.num_graph_replays > 0
+        baseline(engine)
+        del engine
+    for rid, (codes, pcm, reason) in results[False].items():
+        got = results[None][rid]
+        assert np.array_equal(got[0], codes) and got[2] == reason, rid
+        assert np.array_equal(got[1], pcm), f"{rid}: audio differs, max {np.abs(got[1] - pcm).max()}"
