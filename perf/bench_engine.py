@@ -109,7 +109,8 @@ def kernels_per_step(engine: Engine, device: str) -> int | None:
 
 def first_step(engine: Engine, n: int, device: str, repeats: int = 3) -> dict:
     """TTFA anatomy on an idle engine: `n` sequences arrive at once; the step that prefills them and makes
-    their first frame, split into host time and the GPU time of its prefill and decode (engine stats).
+    their first frame (pipelined codec: until the next step() call returns that frame with its audio),
+    split into host time and the GPU time of its prefill and decode (engine stats).
     Medians over `repeats` arrivals."""
     spk = sorted(engine.checkpoint.config.talker.speaker_ids)[0]
     samples = []
@@ -122,6 +123,8 @@ def first_step(engine: Engine, n: int, device: str, repeats: int = 3) -> dict:
             engine.add(sid, VoiceSpec(speaker=spk), SamplingParams(seed=i, max_frames=4), TEXT, True)
         t1 = time.perf_counter()
         outs = engine.step()
+        if engine.runner.audio is not None:  # pipelined: the first frames land, with audio, at the next call
+            outs += engine.step()
         sync(device)
         t2 = time.perf_counter()
         s1 = engine.stats()
@@ -154,7 +157,7 @@ ENGINE_CSV_COLUMNS = ("batch", "ms_per_step", "audio_s_per_s", "kernels_per_step
 
 def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
-    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "fused_code_predictor", "fused_talker",
+    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_pipeline", "fused_code_predictor", "fused_talker",
                                                 "fp32_residual", "batch_invariant")
                if getattr(args, n) != getattr(EngineConfig, n)]
     return "+".join(n if v is True else f"no_{n}" if v is False else f"{n}={v}" for n, v in changed) or "default"
@@ -169,6 +172,8 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=batches)
     p.add_argument("--codec-kernels", action=argparse.BooleanOptionalAction, default=EngineConfig.codec_kernels,
                    help="EngineConfig.codec_kernels (Triton conv/SnakeBeta)")
+    p.add_argument("--codec-pipeline", action=argparse.BooleanOptionalAction, default=EngineConfig.codec_pipeline,
+                   help="EngineConfig.codec_pipeline (each frame's audio one step behind; default: with graphs)")
     p.add_argument("--fused-code-predictor", type=int, default=EngineConfig.fused_code_predictor,
                    metavar="MAX_BATCH", help="EngineConfig.fused_code_predictor: the largest bucket whose code "
                    "predictor runs its fused Triton kernels (0: never)")
@@ -194,6 +199,7 @@ def build_engine(args, frames: int) -> Engine:
                        kv_memory_fraction=0.5, graph_batch_sizes=buckets,
                        num_pages=None if args.device.startswith("cuda") else 2 * max_b * (frames + 300) // 16,
                        use_cuda_graphs=not args.no_cuda_graphs, codec_kernels=args.codec_kernels,
+                       codec_pipeline=args.codec_pipeline,
                        fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker,
                        fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant)
     model = make_model(args)
