@@ -89,13 +89,16 @@ def test_codec_pipeline_setting():
 
 
 @pytest.mark.gpu
-def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_dir, speaker):
-    """CUDA graphs, bf16: the codec graphs one step behind (the default) give the codes and the audio of
-    the codec inside the step, bit for bit (same kernels, same buckets; only the stream order differs)."""
+@pytest.mark.parametrize("invariant", [True, False], ids=["batch_invariant", "default"])
+def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_dir, speaker, invariant):
+    """CUDA graphs, bf16: the codec graphs one step behind (the default) give the codes of the codec inside
+    the step, and its audio: bit for bit under batch_invariant (the same kernels, no per-engine choice);
+    by default each engine times Triton against cuDNN per codec conv shape, so their audio may differ by
+    the rounding of another conv algorithm: at most 2 bf16 steps of a sample (|pcm| <= 1)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True,
-                              graph_batch_sizes=(1, 2, 4, 8))
+                              graph_batch_sizes=(1, 2, 4, 8), batch_invariant=invariant)
     results = {}
     for on in (False, None):
         engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, codec_pipeline=on))
@@ -104,7 +107,9 @@ def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_
         assert engine.runner.num_graph_replays > 0
         baseline(engine)
         del engine
+    bound = 0.0 if invariant else 2 * 2.0 ** -8  # bf16 has 8 significand bits: a step is <= 2^-8 below 1
     for rid, (codes, pcm, reason) in results[False].items():
         got = results[None][rid]
         assert np.array_equal(got[0], codes) and got[2] == reason, rid
-        assert np.array_equal(got[1], pcm), f"{rid}: audio differs, max {np.abs(got[1] - pcm).max()}"
+        worst = np.abs(got[1] - pcm).max()
+        assert got[1].shape == pcm.shape and worst <= bound, f"{rid}: audio differs by up to {worst}"
