@@ -113,3 +113,26 @@ def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_
         assert np.array_equal(got[0], codes) and got[2] == reason, rid
         worst = np.abs(got[1] - pcm).max()
         assert got[1].shape == pcm.shape and worst <= bound, f"{rid}: audio differs by up to {worst}"
+
+
+@pytest.mark.gpu
+def test_adding_a_request_does_not_wait_for_the_step_in_flight(tiny_ckpt_dir, speaker):
+    """Pipelined, a decode step is in flight between step() calls: adding a request (its text tokenized,
+    its prompt built on the device) must not synchronize the device, or every add waits for that step.
+    torch's sync debug mode raises on any synchronizing call."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(
+        CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True, graph_batch_sizes=(1, 2, 4, 8)))
+    first, second = req("a", speaker, seed=1, max_frames=6), req("b", speaker, seed=2, max_frames=6)
+    engine.add(first["id"], first["voice"], first["sampling"], first["text"], True)
+    engine.step()
+    engine.step()  # the first frame landed, the second is in flight
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.add(second["id"], second["voice"], second["sampling"], second["text"], True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    while engine.has_work():
+        engine.step()
+    baseline(engine)
