@@ -157,8 +157,8 @@ ENGINE_CSV_COLUMNS = ("batch", "ms_per_step", "audio_s_per_s", "kernels_per_step
 
 def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
-    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_pipeline", "fused_code_predictor", "fused_talker",
-                                                "fp32_residual", "batch_invariant")
+    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_pipeline", "fused_code_predictor",
+                                                "fused_talker", "fp32_residual", "batch_invariant")
                if getattr(args, n) != getattr(EngineConfig, n)]
     return "+".join(n if v is True else f"no_{n}" if v is False else f"{n}={v}" for n, v in changed) or "default"
 

@@ -35,14 +35,13 @@ class AudioPipeline:
 
     def __init__(self, codec, max_batch: int, groups: int, dummy_slot: int, device: torch.device) -> None:
         self.codec, self.device = codec, device
-        self.cuda = device.type == "cuda"
         self.slots = torch.full((max_batch,), dummy_slot, dtype=torch.int64, device=device)  # [Bmax]
         self.frames = torch.zeros(max_batch, groups, dtype=torch.int64, device=device)  # [Bmax, 16]
         self.pcm = torch.zeros(max_batch, codec.samples_per_frame, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pending: deque[tuple[int, int, torch.cuda.Event | None]] = deque()  # (rows, host buffer, done)
         self._next_host = 0
-        if not self.cuda:
+        if device.type != "cuda":  # everything in line (no stream, no events)
             self.stream = self.made = self.taken = None
             self.host = [torch.zeros_like(self.pcm) for _ in range(2)]
             return
@@ -86,7 +85,7 @@ class AudioPipeline:
             else:
                 self.decode(bucket)
             self.host[host][:rows].copy_(self.pcm[:rows], non_blocking=True)
-            if self.cuda:
+            if self.stream is not None:
                 done = torch.cuda.Event()
                 done.record(self.stream)
         self.pending.append((rows, host, done))

@@ -81,8 +81,10 @@ class EngineConfig:
                          and 2.5 ms slower at 64 (perf/results/RESULTS.md)
     fused_talker         the largest decode bucket whose talker decode forward runs through its fused kernels
                          (models/talker_fused.py, 5 launches per layer; where the kernels serve the device);
-                         larger buckets and the prefill run the eager stack; 0: never (the default until
-                         the bound is measured on the H200: perf/bench_engine.py --fused-talker N)
+                         larger buckets and the prefill run the eager stack; 0: never, the default: on the
+                         H200 the fused layers lose at every batch since the sampling kernel serves the eager
+                         paths too (--fused-talker 32: 7.19 / 11.03 / 13.61 ms at batch 1 / 16 / 32 against
+                         7.12 / 10.48 / 11.69, perf/results/RESULTS.md)
     fp32_residual        keep the residual stream of the talker and code predictor in fp32 (the normed rows
                          that feed the GEMMs stay in `dtype`); the fused code predictor and talker are not
                          used with it. Off: the official model's arithmetic (the stream rounded to bf16),

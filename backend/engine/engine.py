@@ -29,7 +29,7 @@ from .cuda_graph import DecodeRow
 from .faults import check_token_ids, inject_device_fault, is_device_fault, nonfinite_error
 from .input_processor import InputProcessor
 from .isolation import isolated, step_error
-from .model_runner import ModelRunner, PrefillRow
+from .model_runner import DecodeOutput, ModelRunner, PrefillRow
 from .preparer import Preparer
 from .requests import RequestIntake
 from .scheduler import Scheduler
@@ -184,8 +184,7 @@ class Engine(RequestIntake):
             return []
         out = self.runner.land(len(flight.seqs))
         self._observe(flight.started, flight.t_prefill, flight.t_decode, flight.t_end)
-        results = list(zip(out.frames.copy(), out.c0_next.tolist(), out.pcm, out.faults.tolist()))
-        self._unheard = self._frame_outputs(flight.seqs, results)
+        self._unheard = self._frame_outputs(flight.seqs, _row_results(out))
         return [out for _, out in self._unheard]
 
     def _hear(self) -> None:
@@ -232,10 +231,8 @@ class Engine(RequestIntake):
         return outputs
 
     def _decode_rows(self, rows: list[DecodeRow]) -> list[tuple]:
-        """One decode step -> per row (frame [16], next c0, pcm [1920], fault), copied (the runner's
-        arrays are views of its buffers, which the next decode, e.g. a bisection's, overwrites)."""
-        out = self.runner.decode(rows)
-        return list(zip(out.frames.copy(), out.c0_next.tolist(), out.pcm.copy(), out.faults.tolist()))
+        """One decode step -> per row (frame [16], next c0, pcm [1920], fault) (`_row_results`)."""
+        return _row_results(self.runner.decode(rows))
 
     def has_work(self) -> bool:
         return (self.scheduler.has_work() or bool(self._outbox) or bool(self.preparer)
@@ -251,6 +248,12 @@ class Engine(RequestIntake):
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _row_results(out: DecodeOutput) -> list[tuple]:
+    """A runner `DecodeOutput` -> per row (frame [16], next c0, pcm, fault), copied (the runner's arrays are
+    views of its buffers, which the next decode, e.g. a bisection's, overwrites)."""
+    return list(zip(out.frames.copy(), out.c0_next.tolist(), out.pcm.copy(), out.faults.tolist()))
 
 
 @dataclass
