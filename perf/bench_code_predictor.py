@@ -11,7 +11,8 @@ H200: python3 perf/bench_code_predictor.py   [--batches 1 16 64 256] [--iters 50
                    per pass = / 15
       kernels      launches per pass (torch.profiler over one eager call, / 15)
       per kernel   each fused launch of a middle pass alone in its own graph: us and achieved GB/s
-                   (compulsory bytes: weights once + activations, caches, logits)
+                   (compulsory bytes: weights once + activations, caches, logits); qkv_attention
+                   also at the --attention-passes (its attention reads positions 0..j+1)
     Every warm-up runs inside kernels.tuning(), as the engine's graph warm-up: batches of 17+ rows
     take the GEMM configs tuned for their row class (listed at the end); --batch-invariant runs
     with kernels.set_batch_invariant(True) (one config per weight shape) to measure its cost.
@@ -208,6 +209,11 @@ def bench_batch(cp: CodePredictor, bsz: int, args) -> list[str]:
         for name, nbytes, fn in pass_launches(cp, bsz):
             us = 1e3 * timer.graph(tuned_capture(fn).replay)
             lines.append(f"| {name} | {us:.1f} | {nbytes / 1e6:.2f} | {nbytes / us / 1e3:.0f} |")
+        for j in args.attention_passes:  # the attention's cost grows with the positions it reads
+            name, nbytes, fn = pass_launches(cp, bsz, j)[1]
+            us = 1e3 * timer.graph(tuned_capture(fn).replay)
+            lines.append(f"| {name}, pass {j + 1} (positions 0..{j + 1}) | {us:.1f} | "
+                         f"{nbytes / 1e6:.2f} | {nbytes / us / 1e3:.0f} |")
     return lines + [""]
 
 
@@ -218,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--greedy", action="store_true", help="time greedy draws (default: TOPK)")
+    p.add_argument("--attention-passes", type=int, nargs="*", default=[1, 14],
+                   help="passes j (1..14) whose qkv_attention launch is also timed alone")
     p.add_argument("--batch-invariant", action="store_true",
                    help="kernels.set_batch_invariant(True): one GEMM config per weight shape")
     args = p.parse_args(argv)
