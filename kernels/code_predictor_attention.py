@@ -29,6 +29,7 @@ from .code_predictor_gemm import (BLOCK_M, NORM, GemmConfig, arrive, interpret_c
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": the first update has no inf - inf
 _NORM = tl.constexpr(NORM)  # a jit function reads globals only as constexpr (the interpreter does not check)
+_CHUNK = tl.constexpr(4)  # cache positions the attention reads per step
 
 
 @triton.jit
@@ -56,24 +57,30 @@ def _norm_rope(part_ptr, rows, col, M_PAD, NP, nw_ptr, c1, c2, s1, s2, eps,
 @triton.jit
 def _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, cache_rows, pos, last_pos, head, scale,
             stride_out, stride_kp, stride_vp, BLOCK_M: tl.constexpr, D: tl.constexpr):
-    """Head `head` of each row over cache positions 0..pos (q read from, result written to out)."""
+    """Head `head` of each row over cache positions 0..pos (q read from, result written to out),
+    CHUNK positions per step: their k and v loads are issued together (one dependent L2 round trip
+    per chunk instead of per position); positions past a row's pos are neither read nor weighed."""
     d = tl.arange(0, D)
     o_offs = rows.to(tl.int64)[:, None] * stride_out + head * D + d[None, :]
     q = tl.load(out_ptr + o_offs, mask=row_mask[:, None], other=0.0).to(tl.float32)
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for p in range(0, last_pos + 1):
-        k = tl.load(k_ptr + (cache_rows + p * stride_kp)[:, None] + d[None, :],
-                    mask=row_mask[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + (cache_rows + p * stride_vp)[:, None] + d[None, :],
-                    mask=row_mask[:, None], other=0.0).to(tl.float32)
-        s = tl.where(p <= pos, tl.sum(q * k, 1) * scale, _NEG)
-        m_new = tl.maximum(m_i, s)
+    for p0 in range(0, last_pos + 1, _CHUNK):
+        p = p0 + tl.arange(0, _CHUNK)  # [CHUNK]
+        valid = p[None, :] <= pos[:, None]  # [BLOCK_M, CHUNK]
+        read = (row_mask[:, None] & valid)[:, :, None]  # rows past M weigh zeros (no 0 / 0)
+        at = cache_rows[:, None] + p.to(tl.int64)[None, :] * stride_kp  # [BLOCK_M, CHUNK]
+        k = tl.load(k_ptr + at[:, :, None] + d[None, None, :], mask=read,
+                    other=0.0).to(tl.float32)  # [BLOCK_M, CHUNK, D]
+        at = cache_rows[:, None] + p.to(tl.int64)[None, :] * stride_vp
+        v = tl.load(v_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0).to(tl.float32)
+        s = tl.where(valid, tl.sum(q[:, None, :] * k, 2) * scale, _NEG)  # [BLOCK_M, CHUNK]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
-        w = tl.where(p <= pos, tl.exp(s - m_new), 0.0)
-        l_i = l_i * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * v
+        w = tl.where(valid, tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v, 1)
         m_i = m_new
     tl.store(out_ptr + o_offs, cast(acc / l_i[:, None], out_ptr.dtype.element_ty),
              mask=row_mask[:, None])

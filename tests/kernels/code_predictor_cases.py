@@ -163,8 +163,9 @@ class AttentionFrame:
             assert got[:self.bsz, pos0 + tokens:].isnan().all() and got[self.bsz:].isnan().all()
         assert not counters.any(), "qkv_attention: counters left non-zero"
 
-    def run_frame(self, config, passes=((0, 2), (2, 1), (3, 1))) -> None:
-        """Pass 0 (2 tokens per row at positions 0, 1), then one-token passes."""
+    def run_frame(self, config, passes=((0, 2), (2, 1), (3, 1), (4, 1), (5, 1))) -> None:
+        """Pass 0 (2 tokens per row at positions 0, 1), then one-token passes (through position 5:
+        the attention reads the cache in chunks of 4 positions, so the last two passes span two)."""
         counters = self.inp.counters()
         for pos0, tokens in passes:
             self.run_pass(pos0, tokens, counters, config)

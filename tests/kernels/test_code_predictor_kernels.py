@@ -51,7 +51,7 @@ def test_gemm_kernels_match_their_references(dtype, rows, config):
 @pytest.mark.parametrize("bsz", [1, 9])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_qkv_attention_over_a_frame(dtype, bsz, config):
-    """Passes at positions (0, 1), 2, 3: outputs and every cache entry written match the references
+    """Passes at positions (0, 1), 2, 3, 4, 5: outputs and every cache entry written match the references
     (9 rows x 2 tokens span two row blocks)."""
     inp = Inputs(DEVICE, 5, bsz, dtype.itemsize, config is None)
     AttentionFrame(cpk, TINY, bsz, dtype, inp).run_frame(config)
