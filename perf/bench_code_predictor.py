@@ -111,10 +111,14 @@ def gemm_config_table() -> list[str]:
     lines = ["| GEMM | N | K | row class | BLOCK_M | BLOCK_N | BLOCK_K | split | warps | stages |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, c in sorted(tuned_configs().items(), key=str):
-        if key[0].startswith("cp_") or key[0] == "linear":
+        if key[0] == "cp_qkv_attention":  # (name, weight shape, kv heads, dtype): one config
+            name, (n, k), rows = key[0], key[1], "all"
+        elif key[0].startswith("cp_") or key[0] == "linear":
             name, n, k, _, rows = key[:5]
-            lines.append(f"| {name} | {n} | {k} | {rows} | {c.block_m} | {c.block_n} | "
-                         f"{c.block_k} | {c.split} | {c.num_warps} | {c.num_stages} |")
+        else:
+            continue
+        lines.append(f"| {name} | {n} | {k} | {rows} | {c.block_m} | {c.block_n} | "
+                     f"{c.block_k} | {c.split} | {c.num_warps} | {c.num_stages} |")
     return lines
 
 
