@@ -74,7 +74,7 @@ def _linear_kernel(
     x_off = row_offsets(x_ptr, ids_ptr, rows, row_mask, row_step, row_first, stride_xm, stride_ids,
                         PROLOGUE)
     if PROLOGUE == 2:
-        rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M, BLOCK_K)
+        rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M)
     else:
         rstd = tl.zeros([BLOCK_M], tl.float32)
     if EPILOGUE == 2:  # weight tile rows: gate j, up j, gate j+1, ...

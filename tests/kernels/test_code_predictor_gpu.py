@@ -125,7 +125,8 @@ def test_fused_graph_replay_equals_eager_and_nothing_compiles_after_warmup(fused
         assert torch.equal(out[0], want_codes) and torch.equal(out[1], want_next)
     compiled: list[str] = []
     old = triton.knobs.runtime.jit_cache_hook
-    triton.knobs.runtime.jit_cache_hook = lambda *, fn, **kw: compiled.append(fn.name) or False
+    triton.knobs.runtime.jit_cache_hook = \
+        lambda *, fn, **kw: compiled.append(f"{fn.name}: {kw.get('repr')}") or False
     try:
         for bsz in (1, 2, 3, 17, 64):
             _inputs(cp, bsz, greedy=bsz % 2 == 0).run(fused.generate)
