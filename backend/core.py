@@ -138,7 +138,8 @@ class StepOutput:
     `codes` [n, 16] int64 and `pcm` [n * 1920] float32 (24 kHz) are the frames made this step
     (n is 0 or 1 in steady state). `finished` is set exactly once per sequence, on its last output;
     `error` (with `finished`) says why a sequence ended abnormally. `reason` is one of
-    'eos', 'max_frames', 'aborted', 'error' when finished.
+    'eos', 'max_frames', 'aborted', 'error' when finished. `stats` is set on a sequence's first frame only
+    (its TTFA stamps, engine/sequence.py `first_frame`): the serving loop queues those frames' audio first.
     """
 
     seq_id: Any

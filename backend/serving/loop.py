@@ -174,7 +174,7 @@ class EngineLoop(CommandHandlers):
             self.log("error", f"engine step failed: {traceback.format_exc()}")
             self._close_all("error", f"the engine step failed ({INTERNAL})")
             return
-        for out in outputs:
+        for out in sorted(outputs, key=lambda o: not o.stats):  # first frames (stats) queue their audio first
             s = self.table.running(out.seq_id)
             if s is None:
                 continue  # closed (cancelled/idle/restarted): its outputs are ignored

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from tests.serving.conftest import FINAL, FakeRequest, TritonError
 from q3tts.serving import model as M  # noqa: E402  (after the fake pb_utils is installed)
 from q3tts.serving.loop import EngineLoop
 from q3tts.serving.metrics import ServingMetrics
+from q3tts.serving.session import Reply
 
 FRAME = 1920
 
@@ -417,3 +419,29 @@ def test_pieces_after_the_engine_finished_get_empty_finals(core_factory):
     submit(core, more, last)
     wait_finals([more, last])
     assert more.sender.sent == [(None, 1)] and last.sender.sent == [(None, 1)] and len(core.table) == 0
+
+
+
+def test_first_frames_audio_is_queued_before_the_other_streams_of_its_step(core_factory, monkeypatch):
+    """A step that makes a new stream's first frame beside playing streams' frames queues the first audio
+    response ahead of theirs (their listeners have buffered audio; the new stream's listener has none)."""
+    monkeypatch.setattr(P, "CHUNK_URGENT_S", 0.0)
+    queued = []  # "step" at each engine step, then the key of each data response queued
+
+    class FirstFrameStats(ScriptedEngine):  # the engine's contract: stats on a sequence's first frame only
+        def step(self):
+            queued.append("step")
+            first = lambda o: o.pcm[:1].tolist() == [1]  # noqa: E731 - frame n's PCM holds n
+            return [replace(o, stats={"first_frame": 1.0}) if first(o) else o for o in super().step()]
+
+    send = Reply.send
+    monkeypatch.setattr(Reply, "send", lambda reply, build: queued.append(reply.key) or send(reply, build))
+    core, _ = core_factory(FirstFrameStats(frames=60), schedule=(1, 1, 1))  # every frame sent at once
+    playing = [FakeRequest(i, "hello", start=True, end=True, SPEAKER="ryan") for i in (1, 2, 3)]
+    submit(core, *playing)
+    assert wait_until(lambda: queued.count(1) >= 2)
+    late = FakeRequest(9, "hello", start=True, end=True, SPEAKER="ryan")
+    submit(core, late)
+    wait_finals([*playing, late])
+    at = queued.index(9)
+    assert queued[at - 1] == "step" and sorted(queued[at + 1:at + 4]) == [1, 2, 3], queued[at - 5:at + 5]
