@@ -3,7 +3,8 @@
 # GPU measurement. Here: git archive HEAD | gzip -9 > .gpu/snap.tar.gz (SNAP= picks another archive); carry
 # [".gpu/snap.tar.gz", ".gpu/site", "perf/gpu_round.sh"] (+ ".gpu/pytriton_slim.tgz" and the slim numpy wheel for a
 # served run). Each argument is a step, e.g. "run bench 120 python3 perf/bench_engine.py --batches 1 64": name,
-# time limit (s), command; its log goes to $OUT/<name>.log and its tail (TAILN lines) to the output.
+# time limit (s), command; its log goes to $OUT/<name>.log and its tail (TAILN lines) to the output. More than 7 files
+# under $OUT at the end (the tool brings back 8) are packed into $OUT/round.tgz.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SRC="$PWD"; S=/tmp/s; rm -rf $S; mkdir -p $S; tar -xzf ${SNAP:-.gpu/snap.tar.gz} -C $S; mkdir -p $S/.gpu; cp -r .gpu/site $S/.gpu/site
@@ -14,3 +15,6 @@ T0=$SECONDS
 run() { local name=$1; local lim=$2; shift 2; echo "=== $name (+$((SECONDS-T0))s): $*"
   timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -${TAILN:-25} "$OUT/$name.log"; echo "=== $name rc=$rc (+$((SECONDS-T0))s)"; }
 for step in "$@"; do eval "$step"; done
+# the device tool brings back at most 8 files: past 7, everything under $OUT travels as one round.tgz
+if [ "$(find "$OUT" -type f | wc -l)" -gt 7 ]; then
+  tar -czf /tmp/round.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/round.tgz "$OUT/"; fi
