@@ -81,10 +81,10 @@ class EngineConfig:
                          and 2.5 ms slower at 64 (perf/results/RESULTS.md)
     fused_talker         the largest decode bucket whose talker decode forward runs through its fused kernels
                          (models/talker_fused.py, 5 launches per layer; where the kernels serve the device);
-                         larger buckets and the prefill run the eager stack; 0: never. 16: on the H200,
-                         since the GEMMs' RMSNorm prologue takes 4 round trips per 2048-wide row instead of
-                         16, served 16 streams' first audio came 2-4 ms sooner at p50 and 7-8 ms at p99 in
-                         two interleaved A/B rounds (64 streams: one round each way; perf/results/RESULTS.md)
+                         larger buckets and the prefill run the eager stack; 0: never. 16: on the H200
+                         (once the GEMMs' RMSNorm prologue read a 2048-wide row in 4 round trips, not 16),
+                         served 16 streams' first audio came 2-4 ms sooner at p50 and 7-8 ms at p99 in two
+                         interleaved A/B rounds (64 streams: one round each way; perf/results/RESULTS.md)
     fp32_residual        keep the residual stream of the talker and code predictor in fp32 (the normed rows
                          that feed the GEMMs stay in `dtype`); the fused code predictor and talker are not
                          used with it. Off: the official model's arithmetic (the stream rounded to bf16),
