@@ -436,7 +436,7 @@ def test_first_frames_audio_is_queued_before_the_other_streams_of_its_step(core_
 
     send = Reply.send
     monkeypatch.setattr(Reply, "send", lambda reply, build: queued.append(reply.key) or send(reply, build))
-    core, _ = core_factory(FirstFrameStats(frames=60), schedule=(1, 1, 1))  # every frame sent at once
+    core, _ = core_factory(FirstFrameStats(frames=200), schedule=(1, 1, 1))  # every frame sent at once
     playing = [FakeRequest(i, "hello", start=True, end=True, SPEAKER="ryan") for i in (1, 2, 3)]
     submit(core, *playing)
     assert wait_until(lambda: queued.count(1) >= 2)
