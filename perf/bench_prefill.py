@@ -9,6 +9,7 @@ H200 (the default): python3 perf/bench_prefill.py [--icl]
     (stats()['prefill_seconds']; it includes the codec priming of ICL voices), median of --repeats
     arrivals after one warm-up, graph and eager interleaved.
 CPU check:          python3 perf/bench_prefill.py --scale tiny --device cpu --repeats 2
+--max-slots N sizes the engine as bench_engine.py does (64), to compare the two benches' 16-arrival prefill.
 
 Appends `tokens,sequences,mode,device_ms,gpu,commit,date` rows to perf/results/prefill.csv (tokens =
 prompt rows of the step; commit: LOADTEST_COMMIT, else git) and copies that file to $OUT/prefill.csv
@@ -51,7 +52,7 @@ def make_engine(args) -> Engine:
         out = Path(tempfile.mkdtemp(prefix="q3tts_prefill_")) / f"{variant}_{args.scale}"
         path = make_checkpoint(out, variant, "1.7b", args.scale, seed=0)
         print(f"checkpoint {path} in {time.perf_counter() - t0:.1f} s", flush=True)
-    most = max(args.arrivals)
+    most = args.max_slots or max(args.arrivals)
     cuda = args.device.startswith("cuda")
     cfg = EngineConfig(device=args.device, dtype="bfloat16" if cuda else "float32", max_slots=most,
                        max_queue=most, max_frames=64, max_prompt_tokens=512, max_text_tokens=256,
@@ -118,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--icl", action="store_true", help="Base checkpoint, in-context-learning voices")
     p.add_argument("--arrivals", type=int, nargs="+", default=[1, 16])
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--max-slots", type=int, default=None,
+                   help="EngineConfig.max_slots (default: the most arrivals); the prefill's sampling head "
+                        "has this many rows, and bench_engine.py runs 64 (CSV mode gets _slots<N>)")
     args = p.parse_args(argv)
+    assert args.max_slots is None or args.max_slots >= max(args.arrivals), "--max-slots below --arrivals"
     engine = make_engine(args)
     builder = PromptBuilder(engine.model, engine.checkpoint.tokenizer)
     gpu = gpu_name() if args.device.startswith("cuda") else "cpu"
@@ -128,13 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         tokens = sum(builder.build(TEXT, v).prefill.shape[0] for v in batch)
         ms = measure(engine, batch, args.repeats)
         for mode, value in ms.items():
-            rows.append(dict(tokens=tokens, sequences=n, mode=mode + ("_icl" if args.icl else ""),
-                             device_ms=value))
+            rows.append(dict(tokens=tokens, sequences=n, device_ms=value,
+                             mode=mode + ("_icl" if args.icl else "")
+                             + (f"_slots{args.max_slots}" if args.max_slots else "")))
         graph = ms.get("graph", float("nan"))
         eager = ms["eager"]
         lines.append(f"| {n} | {tokens} | {graph:.2f} | {eager:.2f} | {eager / graph:.1f}x |")
     kind = "Base ICL" if args.icl else "CustomVoice"
-    emit(f"# Prefill device time ({args.scale} 1.7B {kind}, {engine.config.dtype}, {gpu}, {commit()}; "
+    emit(f"# Prefill device time ({args.scale} 1.7B {kind}, {engine.config.dtype}, {gpu}, {commit()}, "
+         f"max_slots {engine.config.max_slots}; "
          f"medians of {args.repeats})\n\n| arrivals | prompt rows | graph ms | eager ms | speed-up |\n"
          "|---:|---:|---:|---:|---:|\n" + "\n".join(lines) + "\n",
          "prefill_bench_icl.md" if args.icl else "prefill_bench.md")
