@@ -18,6 +18,11 @@ import torch
 
 from q3tts import kernels
 
+# while_waiting(timeout_s): work the host does while a step runs on the device (the engine process answers
+# the calls that came meanwhile); it returns within about timeout_s when there is none
+WhileWaiting = Callable[[float], None]
+WAIT_POLL_S = 2e-4  # the longest a step's end may go unnoticed while the host waits with while_waiting
+
 
 @dataclass
 class DecodeRow:
@@ -128,15 +133,21 @@ class GraphBuffers:
             getattr(self, name)[start:stop].copy_(self.host[name][start:stop], non_blocking=True)
         self._record()
 
-    def fetch(self, n: int, pcm: bool = True) -> tuple[np.ndarray, ...]:
+    def fetch(self, n: int, pcm: bool = True, while_waiting: WhileWaiting | None = None
+              ) -> tuple[np.ndarray, ...]:
         """Rows [:n] of the step's `OUTPUTS` on the host, once the step has run (the one wait of a step):
-        views of the mirrors, valid until the next `fetch`; without `pcm`, pcm is [n, 0] (not copied)."""
+        views of the mirrors, valid until the next `fetch`; without `pcm`, pcm is [n, 0] (not copied).
+        `while_waiting(timeout_s)` is called until the step is done (on CPU, where it is, once)."""
         names = [name for name in OUTPUTS if pcm or name != "pcm"]
         if self.copied is not None:
             for name in names:
                 self.host[name][:n].copy_(getattr(self, name)[:n], non_blocking=True)
             self._record()
+            while while_waiting is not None and not self.copied.query():
+                while_waiting(WAIT_POLL_S)
             self._wait()
+        elif while_waiting is not None:
+            while_waiting(0.0)
         return tuple(self.arrays[name][:n] if name in names else np.zeros((n, 0), np.float32)
                      for name in OUTPUTS)
 

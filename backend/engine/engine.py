@@ -25,7 +25,7 @@ from q3tts.core import SamplingParams, StepOutput
 from q3tts.models.sampling import UniformSource
 
 from .config import EngineConfig
-from .cuda_graph import DecodeRow
+from .cuda_graph import DecodeRow, WhileWaiting
 from .faults import check_token_ids, inject_device_fault, is_device_fault, nonfinite_error
 from .input_processor import InputProcessor
 from .isolation import isolated, step_error
@@ -85,10 +85,14 @@ class Engine(RequestIntake):
 
     # --- the step ---------------------------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
+    def step(self, while_waiting: WhileWaiting | None = None) -> list[StepOutput]:
+        """One engine step: the outputs of the sequences that made a frame or ended.
+
+        Pipelined, the step first waits for the step in flight to finish on the device; `while_waiting`
+        (timeout_s) is called meanwhile, and may add, feed, end and abort sequences (this step admits them)."""
         self._admit_prepared(idle=not (self.scheduler.has_work() or self._outbox or self._flight))
         outputs, self._outbox = self._outbox, []
-        outputs += self._land()  # pipelined: the frames of the step the last call launched (audio below)
+        outputs += self._land(while_waiting)  # pipelined: the frames of the step the last call launched
         started, decode, victims = self.scheduler.schedule()
         outputs += [seq.final_output() for seq in victims]
         t_prefill = self.clock.stamp() if started else None
@@ -176,13 +180,13 @@ class Engine(RequestIntake):
         self._flight = _Flight(seqs, started, t_prefill, t_decode, self.clock.stamp())
         return True
 
-    def _land(self) -> list[StepOutput]:
+    def _land(self, while_waiting: WhileWaiting | None) -> list[StepOutput]:
         """The outputs of the step in flight (none: []), their pcm attached by `_hear` before the step
-        returns; a sequence that ended meanwhile (aborted) drops its frame."""
+        returns; a sequence that ended meanwhile (aborted, also from `while_waiting`) drops its frame."""
         flight, self._flight = self._flight, None
         if flight is None:
             return []
-        out = self.runner.land(len(flight.seqs))
+        out = self.runner.land(len(flight.seqs), while_waiting)
         self._observe(flight.started, flight.t_prefill, flight.t_decode, flight.t_end)
         self._unheard = self._frame_outputs(flight.seqs, _row_results(out))
         return [out for _, out in self._unheard]

@@ -43,7 +43,7 @@ from q3tts.models.sampling import (FULL, TOPK, SamplingTensors, UniformSource, r
 
 from .audio_pipeline import AudioPipeline
 from .config import EngineConfig
-from .cuda_graph import DecodeMeta, DecodeRow, GraphBuffers, GraphRunner
+from .cuda_graph import DecodeMeta, DecodeRow, GraphBuffers, GraphRunner, WhileWaiting
 from .prefill_graph import PrefillGraphs, token_buckets
 from .slots import SlotState
 
@@ -296,9 +296,9 @@ class ModelRunner:
         if self.audio is not None:
             self.audio.launch(bucket, n, DecodeMeta.columns(self.buf.meta).slot, self.buf.frames)
 
-    def land(self, n: int) -> DecodeOutput:
-        """The launched step's results for its `n` rows, once it has run."""
-        return DecodeOutput(*self.buf.fetch(n, pcm=self.codec is not None and self.audio is None))
+    def land(self, n: int, while_waiting: WhileWaiting | None = None) -> DecodeOutput:
+        """The launched step's results for its `n` rows, once it has run (`while_waiting`: GraphBuffers.fetch)."""
+        return DecodeOutput(*self.buf.fetch(n, self.codec is not None and self.audio is None, while_waiting))
 
     def collect_audio(self) -> np.ndarray:
         """Pipelined: pcm [n, samples] of the oldest launched step not collected yet (waits for it)."""

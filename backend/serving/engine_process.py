@@ -10,6 +10,12 @@ and the serving loop talks to it through today's engine API (`add`, `append_text
 calls (`call_many`: a burst of 64 STARTs is one message, each call still gets its own result or error); each
 answer carries `has_work`, so asking it costs nothing.
 
+A step overlaps the calls made while it runs: `step(while_waiting)` runs `while_waiting` while the step's answer
+is not in, and the calls it makes go out at once (messages carry ids; an answer that comes first waits for its
+caller). The child answers them while its step waits for the device (`Engine.step`'s `while_waiting`) when
+every call of the message may run then (MID_STEP), so an arrival joins the admission of the step in flight
+instead of waiting for it to end; a message with another call, and every message after it, waits for the step.
+
 When a call fails with an error that poisons the device context (engine/faults.py), or the child dies, the
 call raises `DeviceFault` and the child is gone; the serving loop then ends every open request and starts a
 new `EngineProcess`.
@@ -23,15 +29,19 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from q3tts.core import EngineError
 
 STOP_TIMEOUT_S = 10.0
+POLL_S = 2e-4  # while a step's answer is not in: how long the parent waits for it between two while_waiting
+MID_STEP = frozenset({"add", "append_text", "end_text", "abort", "stats"})  # calls the child runs mid-step
 Call = tuple[str, tuple, dict]  # (engine method, args, kwargs)
 Result = tuple[bool, Any]  # (True, the call's result) | (False, its exception)
 
@@ -83,6 +93,8 @@ class EngineProcess:
         self._work = False
         self._ready = False
         self._conn = self._proc = None
+        self._sent = 0  # the id of the last message sent
+        self._answers: dict[int, list[Result]] = {}  # answers that came before their callers asked
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> EngineProcess:
@@ -134,7 +146,7 @@ class EngineProcess:
             self._proc.kill()
             self._proc.wait()
         self._conn.close()
-        self._proc = None
+        self._proc, self._work = None, False
 
     # --- the engine API -----------------------------------------------------------------------------------
     def add(self, *args, **kwargs) -> None:
@@ -149,8 +161,13 @@ class EngineProcess:
     def abort(self, seq_id) -> None:
         self._call("abort", (seq_id,))
 
-    def step(self) -> list:
-        return self._call("step")
+    def step(self, while_waiting: Callable[[float], None] | None = None) -> list:
+        """The engine's step; `while_waiting(0.0)` runs whenever its answer is not in after POLL_S (the calls
+        it makes may be answered mid-step: see the module's doc)."""
+        [(ok, value)] = self._answer(self._send([("step", (), {})]), while_waiting)
+        if not ok:
+            raise value
+        return value
 
     def has_work(self) -> bool:
         return self._ready and self._work
@@ -162,15 +179,35 @@ class EngineProcess:
         """Run `calls` (method, args, kwargs) in order in one round trip -> one (ok, value) per call: the
         call's result, or (False, its exception). Raises DeviceFault when a call poisoned the device context
         (the calls after it did not run) or the child died."""
+        return self._answer(self._send(calls))
+
+    def _send(self, calls: list[Call]) -> int:
+        """Send one message of calls; returns its id."""
+        if self._proc is None:
+            raise DeviceFault("the engine process was closed")
+        self._sent += 1
         try:
-            send(self._conn, list(calls))
+            send(self._conn, (self._sent, list(calls)))
         except (OSError, ValueError) as e:
             raise self._died(e) from None
-        kind, value, self._work = self._recv()
-        if kind == "fault":
-            self.close()
-            raise DeviceFault(value)
-        return value
+        return self._sent
+
+    def _answer(self, message: int, while_waiting: Callable[[float], None] | None = None) -> list[Result]:
+        """The answer to message `message`; answers to other messages that come first are kept for their
+        callers. With `while_waiting`, it runs whenever none came within POLL_S (it may send and await
+        messages of its own; a fault it met closed the process)."""
+        while message not in self._answers:
+            if self._proc is None:
+                raise DeviceFault("the engine process was closed while a call was waiting")
+            if while_waiting is not None and not self._conn.poll(POLL_S):
+                while_waiting(0.0)
+                continue
+            answered, kind, value, self._work = self._recv()
+            if kind == "fault":
+                self.close()
+                raise DeviceFault(value)
+            self._answers[answered] = value
+        return self._answers.pop(message)
 
     def _call(self, method: str, args: tuple = (), kwargs: dict | None = None):
         [(ok, value)] = self.call_many([(method, args, kwargs or {})])
@@ -205,11 +242,38 @@ def child_main(conn, checkpoint: str, engine_config: dict[str, Any]) -> None:
         send(conn, ("start_error", f"{type(e).__name__}: {e}"))
         return
     send(conn, ("ready", engine.default_sampling, engine.checkpoint.config))
-    while (calls := _next(conn)) is not None:
-        answer = _answer_all(engine, calls)
-        send(conn, answer)
-        if answer[0] == "fault":
-            os._exit(1)  # the context is poisoned: nothing of this process can be trusted
+    serve(conn, engine)
+
+
+def serve(conn, engine) -> None:
+    """Answer the messages (id, calls) in order, each with (id, kind, value, has_work) (`_answer_all`), until
+    told to stop (None) or the parent goes away. While a step waits for the device, a message that came
+    meanwhile is answered at once when all its calls are MID_STEP; else it, and every message after it, is
+    held until the step is answered."""
+    held: deque = deque()
+
+    def while_waiting(timeout_s: float) -> None:
+        if held:  # the rest waits for the step
+            time.sleep(timeout_s)
+            return
+        if not conn.poll(timeout_s):
+            return
+        message = _next(conn)
+        if message is not None and all(method in MID_STEP for method, _, _ in message[1]):
+            _reply(conn, engine, message)
+        else:
+            held.append(message)
+
+    while (message := held.popleft() if held else _next(conn)) is not None:
+        _reply(conn, engine, message, while_waiting)
+
+
+def _reply(conn, engine, message: tuple[int, list[Call]], while_waiting=None) -> None:
+    msg_id, calls = message
+    answer = _answer_all(engine, calls, while_waiting)
+    send(conn, (msg_id, *answer))
+    if answer[0] == "fault":
+        os._exit(1)  # the context is poisoned: nothing of this process can be trusted
 
 
 def _next(conn):
@@ -219,11 +283,11 @@ def _next(conn):
         return None
 
 
-def _answer_all(engine, calls: list[Call]) -> tuple:
+def _answer_all(engine, calls: list[Call], while_waiting=None) -> tuple:
     """Calls in order -> ("ok", [Result per call], has_work), or ("fault", text, False) at the first call that
-    poisoned the device context (the rest do not run)."""
+    poisoned the device context (the rest do not run). A step gets `while_waiting`."""
     try:
-        results = [_answer(engine, *call) for call in calls]
+        results = [_answer(engine, *call, while_waiting) for call in calls]
     except _Poisoned as e:
         return "fault", str(e), False
     return "ok", results, engine.has_work()
@@ -233,11 +297,13 @@ class _Poisoned(Exception):
     """A call left the device context unusable: the child answers with a fault and exits."""
 
 
-def _answer(engine, method: str, args: tuple, kwargs: dict) -> Result:
+def _answer(engine, method: str, args: tuple, kwargs: dict, while_waiting=None) -> Result:
     """One call -> (True, result) | (False, exception); raises _Poisoned."""
     from q3tts.engine.faults import context_usable, is_device_fault
 
     device = engine.runner.device
+    if method == "step" and while_waiting is not None:
+        kwargs = {**kwargs, "while_waiting": while_waiting}
     try:
         result = getattr(engine, method)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - every error goes back to the caller

@@ -3,8 +3,9 @@ build every response and own every `sender.send` (each sequence's on one of them
 only queues what to build, so a step's 64 responses do not hold up its next step. `submit()` (called by execute()) only parses and enqueues.
 
 The engine thread applies the queued commands as one batch (serving/calls.py: their engine calls in one round
-trip per round, each sequence's in arrival order), steps the engine while it has work, routes each
-output's PCM to its session, and every TICK_S does the housekeeping: idle sequences, cancellations while
+trip per round, each sequence's in arrival order), steps the engine while it has work (commands that come while
+a step runs are applied meanwhile: `_between`, the step's `while_waiting`), routes each output's PCM to its
+session, and every TICK_S does the housekeeping: idle sequences, cancellations while
 no audio flows, metrics, and the unload check (once Triton unloads the model, every open sequence ends within
 UNLOAD_CONFIRM_S with "the model is being unloaded (...)", new ones are refused: unloading never waits on a client).
 
@@ -76,6 +77,7 @@ class EngineLoop(CommandHandlers):
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._last_tick = 0.0
+        self._held: list[Command] = []  # commands from a Shutdown on, met during a step (`_between`)
         self.engine_thread = threading.Thread(target=self._engine_main, name="q3tts-engine", daemon=True)
         self.response_threads = [threading.Thread(target=self._response_main, args=(q,), daemon=True,
                                                   name=f"q3tts-responses-{i}") for i, q in enumerate(self.responses)]
@@ -140,11 +142,17 @@ class EngineLoop(CommandHandlers):
         self.log("info", "engine thread stopped")
 
     def _next_commands(self) -> list[Command]:
-        """Everything queued; waits up to TICK_S for the first one when the engine is idle."""
+        """Those held back during the last step, then everything queued; waits up to TICK_S for the first one
+        when there is none and the engine is idle."""
+        held, self._held = self._held, []
+        return held + self._queued(TICK_S if not (held or self.engine.has_work()) else 0.0)
+
+    def _queued(self, timeout_s: float) -> list[Command]:
+        """Everything queued; waits up to timeout_s for the first one when none is."""
         cmds = []
-        if not self.engine.has_work():
+        if timeout_s > 0:
             try:
-                cmds.append(self.commands.get(timeout=TICK_S))
+                cmds.append(self.commands.get(timeout=timeout_s))
             except queue.Empty:
                 pass
         while True:
@@ -152,6 +160,18 @@ class EngineLoop(CommandHandlers):
                 cmds.append(self.commands.get_nowait())
             except queue.Empty:
                 return cmds
+
+    def _between(self, timeout_s: float) -> None:
+        """The engine step's `while_waiting`: the commands that came while the step runs (waits up to timeout_s
+        for one), applied at once, so that an arrival joins this step's admission. From a Shutdown on, they
+        are held for the loop."""
+        if self._held:
+            return
+        cmds = self._queued(timeout_s)
+        stop = next((i for i, cmd in enumerate(cmds) if isinstance(cmd, Shutdown)), len(cmds))
+        self._held = cmds[stop:]
+        if stop:
+            self._run((cmd.key, self._command(cmd)) for cmd in cmds[:stop])
 
     def _apply_all(self, cmds: list[Command]) -> bool:
         """Apply the commands (those before a Shutdown) as one batch; False on Shutdown."""
@@ -164,11 +184,13 @@ class EngineLoop(CommandHandlers):
         return True
 
     def _step(self) -> None:
+        faults = self.health["device_faults"]
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(self._between)
             returned = time.monotonic()
         except DeviceFault as e:
-            self._device_fault(e)
+            if self.health["device_faults"] == faults:  # else a command run during the step healed it
+                self._device_fault(e)
             return
         except Exception as e:  # an engine bug: fail every live session, keep serving
             self.log("error", f"engine step failed: {traceback.format_exc()}")

@@ -78,6 +78,40 @@ def test_abort_while_a_frame_is_in_flight(engines, speaker):
     baseline(engine)
 
 
+def test_calls_made_while_a_step_waits_for_its_flight_join_that_step(engines, speaker):
+    """`step(while_waiting)`: the hook runs while the step waits for the frames in flight, before admission; a
+    sequence added there is prefilled by that step, one aborted there drops its frame in flight, and every
+    other output is what the synchronous engine makes."""
+    reqs = [req("playing", speaker, seed=3, max_frames=5), req("new", speaker, seed=5, max_frames=3),
+            req("gone", speaker, seed=4, max_frames=5)]
+    want = {rid: v for r in reqs[:2] for rid, v in run(engines[False], [r]).items()}
+    engine = engines[True]
+    for r in (reqs[0], reqs[2]):
+        engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
+    outs = engine.step()  # prefilled, their first frames in flight
+    calls = []
+
+    def while_waiting(timeout_s):
+        calls.append(timeout_s)
+        if len(calls) == 1:
+            engine.add(reqs[1]["id"], reqs[1]["voice"], reqs[1]["sampling"], reqs[1]["text"], True)
+            engine.abort("gone")
+
+    outs += engine.step(while_waiting)
+    landed = engine.step()
+    assert calls and "new" in [o.seq_id for o in landed]  # started by the step that ran the hook
+    outs += landed
+    while engine.has_work():
+        outs += engine.step()
+    gone = [o for o in outs if o.seq_id == "gone"]
+    assert [(o.codes.shape[0], o.finished, o.reason) for o in gone] == [(0, True, "aborted")]
+    for rid in ("playing", "new"):
+        mine = [o for o in outs if o.seq_id == rid]
+        assert np.array_equal(np.concatenate([o.codes for o in mine]), want[rid][0]), rid
+        assert np.array_equal(np.concatenate([o.pcm for o in mine]), want[rid][1]), rid
+    baseline(engine)
+
+
 def test_codec_pipeline_setting():
     assert not EngineConfig().pipelines_codec(torch.device("cpu"))  # default: where the step is a graph
     assert EngineConfig().pipelines_codec(torch.device("cuda"))

@@ -1,16 +1,23 @@
 """EngineProcess: the real Engine in a child process on a tiny checkpoint (CPU). Request errors come back as
-themselves, a step streams audio, a child that dies is a DeviceFault, and a child that cannot start says why."""
+themselves, a step streams audio, calls made while a step runs are answered, a child that dies is a DeviceFault,
+and a child that cannot start says why; the child's protocol (`serve`) with a scripted engine: mid-step
+answers and held messages in order."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
+import threading
+from multiprocessing.connection import Connection
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from q3tts.core import InvalidRequest, SamplingParams, VoiceSpec
-from q3tts.serving.engine_process import DeviceFault, EngineProcess
+from q3tts.serving.engine_process import DeviceFault, EngineProcess, receive, send, serve
 from tests.server.conftest import tiny_checkpoint  # noqa: F401 (fixture)
 
 CONFIG = {"device": "cpu", "dtype": "float32", "max_slots": 2}
@@ -40,6 +47,28 @@ def test_calls_round_trip_and_request_errors_come_back_as_themselves(proc, tiny_
     assert proc.stats()["slots_used"] == 0
 
 
+def test_a_call_made_while_a_step_runs_is_answered_and_the_step_still_is(proc):
+    """The parent side: calls made from `step(while_waiting)` go out while the step's answer is not in; each
+    caller gets its own answer whichever comes first, and the sequence added there runs."""
+    speaker = sorted(proc.checkpoint.config.talker.speaker_ids)[0]
+    proc.add("first", VoiceSpec(speaker=speaker), SamplingParams(greedy=True, max_frames=4), text="Hi.",
+             text_done=True)
+    added = []
+
+    def while_waiting(timeout_s):
+        if not added:
+            added.append(proc.call_many([("add", ("second", VoiceSpec(speaker=speaker),
+                                                  SamplingParams(greedy=True, max_frames=2)),
+                                          {"text": "Yo.", "text_done": True})]))
+
+    outputs = proc.step(while_waiting)
+    assert added == [[(True, None)]] and [o.seq_id for o in outputs] == ["first"]
+    while proc.has_work():
+        outputs += proc.step()
+    ends = {o.seq_id: o.reason for o in outputs if o.finished}
+    assert ends == {"first": "max_frames", "second": "max_frames"}
+
+
 def test_a_dead_child_is_a_device_fault(proc):
     os.kill(proc.pid, signal.SIGKILL)
     with pytest.raises(DeviceFault, match="the engine process exited"):
@@ -52,3 +81,41 @@ def test_a_child_that_cannot_start_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="the engine process could not start: .*missing"):
         engine.wait_ready()
     assert not engine.alive()
+
+
+class WaitingEngine:
+    """A child's engine whose step waits for the device for `polls` calls of while_waiting; it logs calls."""
+
+    runner = SimpleNamespace(device=torch.device("cpu"))
+
+    def __init__(self, polls: int = 4):
+        self.polls, self.log = polls, []
+
+    def add(self, seq_id, *args, **kwargs):
+        self.log.append(("add", seq_id))
+
+    def step(self, while_waiting=None):
+        self.log.append("step begins")
+        for _ in range(self.polls):
+            while_waiting(0.05)
+        self.log.append("step ends")
+        return []
+
+    def has_work(self):
+        return False
+
+
+def test_the_child_answers_mid_step_calls_at_once_and_holds_the_rest_in_order():
+    """The child side (`serve`): during a step's wait, a message of MID_STEP calls is answered at once; a
+    message with another call waits for the step, and so does every message after it."""
+    parent, child = (Connection(s.detach()) for s in socket.socketpair())
+    engine = WaitingEngine()
+    thread = threading.Thread(target=serve, args=(child, engine))
+    thread.start()
+    step = [("step", (), {})]
+    for message in [(1, step), (2, [("add", (7,), {})]), (3, step), (4, [("add", (8,), {})]), None]:
+        send(parent, message)
+    answers = [receive(parent) for _ in range(4)]
+    thread.join(10)
+    assert [a[0] for a in answers] == [2, 1, 4, 3] and all(a[1] == "ok" for a in answers)
+    assert engine.log == ["step begins", ("add", 7), "step ends", "step begins", ("add", 8), "step ends"]

@@ -50,9 +50,11 @@ class ScriptedEngine:
     def has_work(self):
         return any(s["done"] or s["abort"] for s in self.seqs.values())
 
-    def step(self):
+    def step(self, while_waiting=None):
         if self.fail_step:
             raise RuntimeError("boom")
+        if while_waiting is not None:  # as the engine's pipelined step, before it admits
+            while_waiting(0.0)
         outs = []
         for sid, s in list(self.seqs.items()):
             if s["abort"]:
@@ -429,10 +431,11 @@ def test_first_frames_audio_is_queued_before_the_other_streams_of_its_step(core_
     queued = []  # "step" at each engine step, then the key of each data response queued
 
     class FirstFrameStats(ScriptedEngine):  # the engine's contract: stats on a sequence's first frame only
-        def step(self):
+        def step(self, while_waiting=None):
             queued.append("step")
             first = lambda o: o.pcm[:1].tolist() == [1]  # noqa: E731 - frame n's PCM holds n
-            return [replace(o, stats={"first_frame": 1.0}) if first(o) else o for o in super().step()]
+            return [replace(o, stats={"first_frame": 1.0}) if first(o) else o
+                    for o in super().step(while_waiting)]
 
     send = Reply.send
     monkeypatch.setattr(Reply, "send", lambda reply, build: queued.append(reply.key) or send(reply, build))

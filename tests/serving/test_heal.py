@@ -29,10 +29,10 @@ class ProcessLikeEngine(ScriptedEngine):
     def wait_ready(self):
         assert self.built
 
-    def step(self):
+    def step(self, while_waiting=None):
         if self.fault:
             raise DeviceFault("CUDA error: device-side assert triggered")
-        return super().step()
+        return super().step(while_waiting)
 
     def close(self):
         self.closed = True
