@@ -40,7 +40,9 @@ from typing import Any, Callable
 from q3tts.core import EngineError
 
 STOP_TIMEOUT_S = 10.0
-POLL_S = 2e-4  # while a step's answer is not in: how long the parent waits for it between two while_waiting
+# while a step's answer is not in, the parent looks for new commands this often (the answer itself is taken
+# the moment it comes); each look takes the GIL from the response threads for a moment
+POLL_S = 1e-3
 MID_STEP = frozenset({"add", "append_text", "end_text", "abort", "stats"})  # calls the child runs mid-step
 Call = tuple[str, tuple, dict]  # (engine method, args, kwargs)
 Result = tuple[bool, Any]  # (True, the call's result) | (False, its exception)
