@@ -13,8 +13,9 @@ answer carries `has_work`, so asking it costs nothing.
 A step overlaps the calls made while it runs: `step(while_waiting)` runs `while_waiting` while the step's answer
 is not in, and the calls it makes go out at once (messages carry ids; an answer that comes first waits for its
 caller). The child answers them while its step waits for the device (`Engine.step`'s `while_waiting`) when
-every call of the message may run then (MID_STEP), so an arrival joins the admission of the step in flight
-instead of waiting for it to end; a message with another call, and every message after it, waits for the step.
+every call of the message may run then (MID_STEP: a new sequence's add), so an arrival joins the admission of
+the step in flight instead of waiting for it to end; a message with another call, and every message after it,
+waits for the step.
 
 When a call fails with an error that poisons the device context (engine/faults.py), or the child dies, the
 call raises `DeviceFault` and the child is gone; the serving loop then ends every open request and starts a
@@ -43,7 +44,8 @@ STOP_TIMEOUT_S = 10.0
 # while a step's answer is not in, the parent looks for new commands this often (the answer itself is taken
 # the moment it comes); each look takes the GIL from the response threads for a moment
 POLL_S = 1e-3
-MID_STEP = frozenset({"add", "append_text", "end_text", "abort", "stats"})  # calls the child runs mid-step
+# calls the child runs mid-step: the serving loop sends new sequences' adds during a step (EngineLoop._between)
+MID_STEP = frozenset({"add"})
 Call = tuple[str, tuple, dict]  # (engine method, args, kwargs)
 Result = tuple[bool, Any]  # (True, the call's result) | (False, its exception)
 

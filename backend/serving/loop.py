@@ -28,7 +28,7 @@ from typing import Callable
 
 from q3tts.core import StepOutput
 from q3tts.serving import request as R
-from q3tts.serving.commands import Cancel, Command, Refuse, Shutdown
+from q3tts.serving.commands import Cancel, Command, Refuse, Shutdown, Start
 from q3tts.serving.engine_process import DeviceFault
 from q3tts.serving.handlers import INTERNAL, SHUTTING_DOWN, CommandHandlers
 from q3tts.serving.session import Reply, Session, SessionTable
@@ -77,7 +77,7 @@ class EngineLoop(CommandHandlers):
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._last_tick = 0.0
-        self._held: list[Command] = []  # commands from a Shutdown on, met during a step (`_between`)
+        self._held: list[Command] = []  # commands met during a step and left for the loop (`_between`)
         self.engine_thread = threading.Thread(target=self._engine_main, name="q3tts-engine", daemon=True)
         self.response_threads = [threading.Thread(target=self._response_main, args=(q,), daemon=True,
                                                   name=f"q3tts-responses-{i}") for i, q in enumerate(self.responses)]
@@ -163,12 +163,14 @@ class EngineLoop(CommandHandlers):
 
     def _between(self, timeout_s: float) -> None:
         """The engine step's `while_waiting`: the commands that came while the step runs (waits up to timeout_s
-        for one), applied at once, so that an arrival joins this step's admission. From a Shutdown on, they
-        are held for the loop."""
+        for one). The STARTs of new sequences are applied at once, so that they join this step's admission;
+        from the first other command on (it may concern a sequence this step ends, whose output is not routed
+        yet), they are held for the loop, in order."""
         if self._held:
             return
         cmds = self._queued(timeout_s)
-        stop = next((i for i, cmd in enumerate(cmds) if isinstance(cmd, Shutdown)), len(cmds))
+        stop = next((i for i, cmd in enumerate(cmds)
+                     if not (isinstance(cmd, Start) and self.table.get(cmd.key) is None)), len(cmds))
         self._held = cmds[stop:]
         if stop:
             self._run((cmd.key, self._command(cmd)) for cmd in cmds[:stop])

@@ -138,6 +138,29 @@ def test_multi_request_sequence_supersedes_in_order(core_factory):
     assert np.concatenate(reqs[2].sender.audio)[::FRAME].tolist() == [1, 2, 3, 4, 5]
 
 
+def test_a_request_that_comes_while_its_sequence_ends_is_answered_after_that_step(core_factory):
+    """A sequence's next request that comes during the step that ends it waits for that step's outputs (the
+    engine process answers it after the step, when the engine has forgotten the sequence): one final, no
+    error, all the audio. Only new sequences' STARTs join a step in flight."""
+    core = None
+
+    class EndsWhileNextComes(ScriptedEngine):  # the END request arrives while the last frame's step runs
+        def step(self, while_waiting=None):
+            outs = super().step()
+            if any(o.finished for o in outs):
+                submit(core, last)
+                assert wait_until(lambda: not core.commands.empty())
+                while_waiting(0.0)  # as the engine process, which answers it after this step
+            return outs
+
+    core, _ = core_factory(EndsWhileNextComes(frames=3, eager=True))
+    first, last = FakeRequest(5, "a ", start=True), FakeRequest(5, "b", end=True)
+    submit(core, first)
+    wait_finals([first, last])
+    assert last.sender.error is None and first.sender.error is None
+    assert np.concatenate(first.sender.audio + last.sender.audio)[::FRAME].tolist() == [1, 2, 3]
+
+
 def _unreadable_parameters(req: FakeRequest) -> FakeRequest:
     req._params = "{not json"  # anything the parser trips over, not only its own BadRequest
     return req
