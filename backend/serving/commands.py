@@ -1,4 +1,5 @@
-"""What `execute()` and the response thread hand to the engine thread: one typed command per event.
+"""What `execute()` and the response thread hand to the engine thread: one typed command per event, through a
+`CommandQueue`.
 
 The engine thread applies them in arrival order, which keeps each sequence's requests ordered. No pb_utils
 here.
@@ -6,6 +7,8 @@ here.
 
 from __future__ import annotations
 
+import queue
+import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -89,3 +92,53 @@ class Shutdown:
 
 
 Command = Start | Append | Abort | Refuse | Cancel | Shutdown
+
+
+class CommandQueue:
+    """The engine thread's commands in arrival order, and a file (`fileno`) that is readable while some wait, so
+    that the engine thread can sleep on it and on the engine process's answer at once instead of polling."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._readable, self._signal = socket.socketpair()
+        for end in (self._readable, self._signal):
+            end.setblocking(False)
+
+    def put(self, cmd: Command) -> None:
+        self._queue.put(cmd)
+        try:
+            self._signal.send(b"\0")
+        except BlockingIOError:  # full of signals already: readable anyway
+            pass
+
+    def take(self, timeout_s: float = 0.0) -> list[Command]:
+        """Everything queued; waits up to timeout_s for the first one when none is."""
+        self._clear()  # first: a command put while this drains signals again
+        cmds = []
+        if timeout_s > 0:
+            try:
+                cmds.append(self._queue.get(timeout=timeout_s))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                cmds.append(self._queue.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    def fileno(self) -> int:
+        return self._readable.fileno()
+
+    def close(self) -> None:
+        self._readable.close()
+        self._signal.close()
+
+    def _clear(self) -> None:
+        try:
+            while self._readable.recv(4096):
+                pass
+        except BlockingIOError:
+            pass

@@ -34,16 +34,14 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable
 
 from q3tts.core import EngineError
 
 STOP_TIMEOUT_S = 10.0
-# while a step's answer is not in, the parent looks for new commands this often (the answer itself is taken
-# the moment it comes); each look takes the GIL from the response threads for a moment
-POLL_S = 1e-3
+POLL_S = 1e-3  # while a step's answer is not in, a plain while_waiting runs this often (WhileStepping: when due)
 # calls the child runs mid-step: the serving loop sends new sequences' adds during a step (EngineLoop._between)
 MID_STEP = frozenset({"add"})
 Call = tuple[str, tuple, dict]  # (engine method, args, kwargs)
@@ -81,6 +79,21 @@ def _python() -> str:
     if exe.name.startswith("python"):
         return str(exe)
     return str(Path(sys.prefix) / "bin" / "python3")
+
+
+@dataclass(frozen=True)
+class WhileStepping:
+    """A step's `while_waiting` with a file to sleep on: `wake` (has `fileno()`) is readable while there is work
+    for `between`, and `EngineProcess.step` sleeps on it and on the step's answer at once (no polling)."""
+
+    between: Callable[[float], None]
+    wake: Any
+
+    def __call__(self, timeout_s: float) -> None:
+        self.between(timeout_s)
+
+    def fileno(self) -> int:
+        return self.wake.fileno()
 
 
 class EngineProcess:
@@ -166,8 +179,9 @@ class EngineProcess:
         self._call("abort", (seq_id,))
 
     def step(self, while_waiting: Callable[[float], None] | None = None) -> list:
-        """The engine's step; `while_waiting(0.0)` runs whenever its answer is not in after POLL_S (the calls
-        it makes may be answered mid-step: see the module's doc)."""
+        """The engine's step; while its answer is not in, `while_waiting(0.0)` runs whenever a `WhileStepping`'s
+        file is readable, or every POLL_S for a plain callable (the calls it makes may be answered mid-step: see
+        the module's doc)."""
         [(ok, value)] = self._answer(self._send([("step", (), {})]), while_waiting)
         if not ok:
             raise value
@@ -198,12 +212,13 @@ class EngineProcess:
 
     def _answer(self, message: int, while_waiting: Callable[[float], None] | None = None) -> list[Result]:
         """The answer to message `message`; answers to other messages that come first are kept for their
-        callers. With `while_waiting`, it runs whenever none came within POLL_S (it may send and await
-        messages of its own; a fault it met closed the process)."""
+        callers. With `while_waiting`, it runs as `step` says (it may send and await messages of its own; a
+        fault it met closed the process)."""
+        wake = [while_waiting] if isinstance(while_waiting, WhileStepping) else []
         while message not in self._answers:
             if self._proc is None:
                 raise DeviceFault("the engine process was closed while a call was waiting")
-            if while_waiting is not None and not self._conn.poll(POLL_S):
+            if while_waiting is not None and self._conn not in wait([self._conn, *wake], None if wake else POLL_S):
                 while_waiting(0.0)
                 continue
             answered, kind, value, self._work = self._recv()

@@ -28,8 +28,8 @@ from typing import Callable
 
 from q3tts.core import StepOutput
 from q3tts.serving import request as R
-from q3tts.serving.commands import Cancel, Command, Refuse, Shutdown, Start
-from q3tts.serving.engine_process import DeviceFault
+from q3tts.serving.commands import Cancel, Command, CommandQueue, Refuse, Shutdown, Start
+from q3tts.serving.engine_process import DeviceFault, WhileStepping
 from q3tts.serving.handlers import INTERNAL, SHUTTING_DOWN, CommandHandlers
 from q3tts.serving.session import Reply, Session, SessionTable
 
@@ -58,7 +58,7 @@ class EngineLoop(CommandHandlers):
     def __init__(self, make_engine: Callable, default_schedule: tuple[int, ...], idle_s: float, metrics=None,
                  log: Callable[[str, str], None] = _no_log, model_ready: Callable[[], bool] = lambda: True,
                  make_voices: Callable | None = None):
-        self.commands: queue.Queue = queue.Queue()
+        self.commands = CommandQueue()
         self.responses = [queue.Queue() for _ in range(RESPONSE_THREADS)]  # one per response thread
         self.default_schedule, self.idle_s, self.metrics, self.log = default_schedule, idle_s, metrics, log
         self.table = SessionTable()
@@ -97,6 +97,7 @@ class EngineLoop(CommandHandlers):
         self.commands.put(Shutdown())
         self.engine_thread.join()
         self._stop_responses()
+        self.commands.close()
 
     def _stop_responses(self) -> None:
         for q in self.responses:
@@ -145,33 +146,18 @@ class EngineLoop(CommandHandlers):
         """Those held back during the last step, then everything queued; waits up to TICK_S for the first one
         when there is none and the engine is idle."""
         held, self._held = self._held, []
-        return held + self._queued(TICK_S if not (held or self.engine.has_work()) else 0.0)
-
-    def _queued(self, timeout_s: float) -> list[Command]:
-        """Everything queued; waits up to timeout_s for the first one when none is."""
-        cmds = []
-        if timeout_s > 0:
-            try:
-                cmds.append(self.commands.get(timeout=timeout_s))
-            except queue.Empty:
-                pass
-        while True:
-            try:
-                cmds.append(self.commands.get_nowait())
-            except queue.Empty:
-                return cmds
+        return held + self.commands.take(TICK_S if not (held or self.engine.has_work()) else 0.0)
 
     def _between(self, timeout_s: float) -> None:
         """The engine step's `while_waiting`: the commands that came while the step runs (waits up to timeout_s
         for one). The STARTs of new sequences are applied at once, so that they join this step's admission;
         from the first other command on (it may concern a sequence this step ends, whose output is not routed
         yet), they are held for the loop, in order."""
-        if self._held:
-            return
-        cmds = self._queued(timeout_s)
-        stop = next((i for i, cmd in enumerate(cmds)
-                     if not (isinstance(cmd, Start) and self.table.get(cmd.key) is None)), len(cmds))
-        self._held = cmds[stop:]
+        cmds = self.commands.take(timeout_s)
+        stop = 0 if self._held else next(
+            (i for i, cmd in enumerate(cmds) if not (isinstance(cmd, Start) and self.table.get(cmd.key) is None)),
+            len(cmds))
+        self._held += cmds[stop:]
         if stop:
             self._run((cmd.key, self._command(cmd)) for cmd in cmds[:stop])
 
@@ -188,7 +174,7 @@ class EngineLoop(CommandHandlers):
     def _step(self) -> None:
         faults = self.health["device_faults"]
         try:
-            outputs = self.engine.step(self._between)
+            outputs = self.engine.step(WhileStepping(self._between, self.commands))
             returned = time.monotonic()
         except DeviceFault as e:
             if self.health["device_faults"] == faults:  # else a command run during the step healed it

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from q3tts.core import InvalidRequest, SamplingParams, VoiceSpec
-from q3tts.serving.engine_process import DeviceFault, EngineProcess, receive, send, serve
+from q3tts.serving.commands import CommandQueue, Shutdown
+from q3tts.serving.engine_process import DeviceFault, EngineProcess, WhileStepping, receive, send, serve
 from tests.server.conftest import tiny_checkpoint  # noqa: F401 (fixture)
 
 CONFIG = {"device": "cpu", "dtype": "float32", "max_slots": 2}
@@ -68,6 +69,23 @@ def test_a_call_made_while_a_step_runs_is_answered_and_the_step_still_is(proc):
     ends = {o.seq_id: o.reason for o in outputs if o.finished}
     assert ends == {"first": "max_frames", "second": "max_frames"}
 
+
+def test_a_step_sleeps_until_its_answer_or_work_for_while_waiting(proc):
+    """With a `WhileStepping`, the parent runs while_waiting only while its file is readable (a command
+    queued), once per batch of commands; no polling otherwise."""
+    speaker = sorted(proc.checkpoint.config.talker.speaker_ids)[0]
+    proc.add("third", VoiceSpec(speaker=speaker), SamplingParams(greedy=True, max_frames=3), text="Hey.",
+             text_done=True)
+    commands, taken = CommandQueue(), []
+    waiting = WhileStepping(lambda timeout_s: taken.append(commands.take(timeout_s)), commands)
+    proc.step(waiting)
+    assert taken == []
+    commands.put(Shutdown())
+    proc.step(waiting)
+    assert taken == [[Shutdown()]]
+    while proc.has_work():
+        proc.step()
+    commands.close()
 
 def test_a_dead_child_is_a_device_fault(proc):
     os.kill(proc.pid, signal.SIGKILL)
