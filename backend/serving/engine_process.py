@@ -10,9 +10,9 @@ and the serving loop talks to it through today's engine API (`add`, `append_text
 calls (`call_many`: a burst of 64 STARTs is one message, each call still gets its own result or error); each
 answer carries `has_work`, so asking it costs nothing.
 
-A step overlaps the calls made while it runs: `step(while_waiting)` runs `while_waiting` while the step's answer
-is not in, and the calls it makes go out at once (messages carry ids; an answer that comes first waits for its
-caller). The child answers them while its step waits for the device (`Engine.step`'s `while_waiting`) when
+A step overlaps the calls made while it runs: `step(while_waiting)` runs `while_waiting` (a `WhileStepping`)
+whenever its file is readable while the step's answer is not in, and the calls it makes go out at once
+(messages carry ids; an answer that comes first waits for its caller). The child answers them while its step waits for the device (`Engine.step`'s `while_waiting`) when
 every call of the message may run then (MID_STEP: a new sequence's add), so an arrival joins the admission of
 the step in flight instead of waiting for it to end; a message with another call, and every message after it,
 waits for the step.
@@ -41,7 +41,6 @@ from typing import Any, Callable
 from q3tts.core import EngineError
 
 STOP_TIMEOUT_S = 10.0
-POLL_S = 1e-3  # while a step's answer is not in, a plain while_waiting runs this often (WhileStepping: when due)
 # calls the child runs mid-step: the serving loop sends new sequences' adds during a step (EngineLoop._between)
 MID_STEP = frozenset({"add"})
 Call = tuple[str, tuple, dict]  # (engine method, args, kwargs)
@@ -178,10 +177,9 @@ class EngineProcess:
     def abort(self, seq_id) -> None:
         self._call("abort", (seq_id,))
 
-    def step(self, while_waiting: Callable[[float], None] | None = None) -> list:
-        """The engine's step; while its answer is not in, `while_waiting(0.0)` runs whenever a `WhileStepping`'s
-        file is readable, or every POLL_S for a plain callable (the calls it makes may be answered mid-step: see
-        the module's doc)."""
+    def step(self, while_waiting: WhileStepping | None = None) -> list:
+        """The engine's step; while its answer is not in, `while_waiting(0.0)` runs whenever its file is
+        readable (the calls it makes may be answered mid-step: see the module's doc)."""
         [(ok, value)] = self._answer(self._send([("step", (), {})]), while_waiting)
         if not ok:
             raise value
@@ -210,15 +208,14 @@ class EngineProcess:
             raise self._died(e) from None
         return self._sent
 
-    def _answer(self, message: int, while_waiting: Callable[[float], None] | None = None) -> list[Result]:
+    def _answer(self, message: int, while_waiting: WhileStepping | None = None) -> list[Result]:
         """The answer to message `message`; answers to other messages that come first are kept for their
         callers. With `while_waiting`, it runs as `step` says (it may send and await messages of its own; a
         fault it met closed the process)."""
-        wake = [while_waiting] if isinstance(while_waiting, WhileStepping) else []
         while message not in self._answers:
             if self._proc is None:
                 raise DeviceFault("the engine process was closed while a call was waiting")
-            if while_waiting is not None and self._conn not in wait([self._conn, *wake], None if wake else POLL_S):
+            if while_waiting is not None and self._conn not in wait([self._conn, while_waiting]):
                 while_waiting(0.0)
                 continue
             answered, kind, value, self._work = self._recv()

@@ -54,20 +54,22 @@ def test_a_call_made_while_a_step_runs_is_answered_and_the_step_still_is(proc):
     speaker = sorted(proc.checkpoint.config.talker.speaker_ids)[0]
     proc.add("first", VoiceSpec(speaker=speaker), SamplingParams(greedy=True, max_frames=4), text="Hi.",
              text_done=True)
-    added = []
+    commands, added = CommandQueue(), []
 
-    def while_waiting(timeout_s):
-        if not added:
-            added.append(proc.call_many([("add", ("second", VoiceSpec(speaker=speaker),
-                                                  SamplingParams(greedy=True, max_frames=2)),
-                                          {"text": "Yo.", "text_done": True})]))
+    def between(timeout_s):
+        commands.take(timeout_s)
+        added.append(proc.call_many([("add", ("second", VoiceSpec(speaker=speaker),
+                                              SamplingParams(greedy=True, max_frames=2)),
+                                      {"text": "Yo.", "text_done": True})]))
 
-    outputs = proc.step(while_waiting)
+    commands.put(Shutdown())  # something to do: its file is readable
+    outputs = proc.step(WhileStepping(between, commands))
     assert added == [[(True, None)]] and [o.seq_id for o in outputs] == ["first"]
     while proc.has_work():
         outputs += proc.step()
     ends = {o.seq_id: o.reason for o in outputs if o.finished}
     assert ends == {"first": "max_frames", "second": "max_frames"}
+    commands.close()
 
 
 def test_a_step_sleeps_until_its_answer_or_work_for_while_waiting(proc):
