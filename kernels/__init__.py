@@ -20,6 +20,9 @@ depends neither on how many rows share a launch nor on what they hold. Per kerne
                    decode attention: batch 1's split count of each row's context (off, it shrinks
                    as the batch grows); causal_conv1d: always the Triton kernel (tiles set by
                    channels and length, one batch row per program), never cuDNN
+
+Programmatic dependent launch (`set_programmatic_launch(True)`, process-wide; off by default): the code
+predictor's and the fused talker's kernels start while the kernel before them runs (kernels/_launch.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
+from ._launch import set_programmatic_launch
 from .autotune import batch_invariant, set_batch_invariant
 from .reference import PagedPrefix
 
@@ -52,7 +56,7 @@ except ImportError:  # CPU-only install without triton: the references serve eve
 
 __all__ = ["HAS_TRITON", "PagedPrefix", "apply_rotary", "batch_invariant", "causal_conv1d",
            "linear", "paged_decode_attention", "prefill_attention", "rms_norm", "conv_kernel_weight",
-           "set_batch_invariant", "snake_beta", "store_kv", "tuning", "use_triton", "warmup"]
+           "set_batch_invariant", "set_programmatic_launch", "snake_beta", "store_kv", "tuning", "use_triton", "warmup"]
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -1,10 +1,23 @@
-"""Launch utilities every kernel wrapper shares: the device a launch goes to and the SM count."""
+"""Launch utilities every kernel wrapper shares: the device a launch goes to, the SM count, and programmatic
+dependent launch.
+
+Programmatic dependent launch (PDL, Hopper and later; `set_programmatic_launch(True)`, process-wide, off by
+default): a kernel launched with it may start while the kernel before it in the stream still runs. Its programs
+first prefetch their own weight slice into L2 (weights never depend on an earlier kernel), then wait at
+`griddepcontrol.wait` until the previous kernel has finished and its writes are visible, then let the next kernel
+launch (`griddepcontrol.launch_dependents`). So a chain of small launches (the code predictor's 23 a pass) overlaps
+each launch's start-up and weight fetch with the kernel before it, inside CUDA graphs too. A kernel without PDL
+code before or after one with it is ordered as usual: its successor only starts once it completes.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+
+_PDL = [False]
 
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -17,3 +30,31 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # interpreter on CPU: keep split counts (and test time) small
+
+
+def set_programmatic_launch(on: bool) -> None:
+    """Process-wide: the kernels that support it launch with PDL on devices that have it (see the module
+    docstring). Set it before the kernels are warmed up and graphs captured: it selects other compiled variants."""
+    _PDL[0] = bool(on)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def prefetchable(weight: torch.Tensor) -> bool:
+    """Whether every row of `weight` [N, K] (and so every BLOCK_K-aligned slice of one) starts 16-byte aligned
+    and spans a multiple of 16 bytes: what the bulk L2 prefetch of a PDL launch needs (it faults otherwise)."""
+    size = weight.element_size()
+    return (weight.data_ptr() % 16 == 0 and weight.stride(-1) == 1 and (weight.stride(0) * size) % 16 == 0
+            and (weight.shape[-1] * size) % 16 == 0)
+
+
+def programmatic_launch(t: torch.Tensor, prefetched: torch.Tensor | None = None) -> bool:
+    """Whether a launch on `t`'s device uses PDL: switched on, a CUDA device of compute capability >= 9, and
+    `prefetched` (the weight whose row slices the programs prefetch, if any) `prefetchable`; a weight that is not
+    launches without PDL."""
+    return (_PDL[0] and t.is_cuda and _has_pdl(t.device.index if t.device.index is not None
+                                                else torch.cuda.current_device())
+            and (prefetched is None or prefetchable(prefetched)))

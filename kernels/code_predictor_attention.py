@@ -21,11 +21,12 @@ import triton
 import triton.language as tl
 
 from ._cast import cast
-from ._launch import device_guard
+from ._launch import device_guard, programmatic_launch
 from .autotune import pick
 from .code_predictor_gemm import (BLOCK_M, NORM, GemmConfig, arrive, interpret_config,
-                                  candidates, counters_needed, dot_precision, load_sum,
-                                  mainloop, row_blocks, row_offsets, row_rstd, store_partial)
+                                  candidates, counters_needed, dot_precision, k_slice, load_sum,
+                                  mainloop, row_blocks, row_offsets, row_rstd, store_partial,
+                                  wait_for_inputs)
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": the first update has no inf - inf
 _NORM = tl.constexpr(NORM)  # a jit function reads globals only as constexpr (the interpreter does not check)
@@ -133,20 +134,23 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
 def qkv_group_partials(x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm,
                        stride_w, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """This program's share of RMSNorm(X) @ W_qkv^T (grid: row blocks, column tiles, K slices),
     stored as an fp32 partial [SPLIT, M_PAD, (NH + 2 KVH) D], then a ticket on its (row block, kv
-    head g) group: q heads g*GROUP.., k head g, v head g.
+    head g) group: q heads g*GROUP.., k head g, v head g. PDL: see `wait_for_inputs`.
     Returns rows, row_mask [BLOCK_M], g, and whether this is the group's last program (which runs
     the group's epilogue)."""
     m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_off = cols.to(tl.int64) * stride_w
+    k_lo, k_hi = k_slice(split, K, SPLIT, BLOCK_K)
+    wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, 1, 0, stride_xm, 0, _NORM)
     rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, cols.to(tl.int64) * stride_w, split, K, nw_ptr,
-                   rstd, _NORM, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION)
+    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, _NORM, BLOCK_M,
+                   BLOCK_N, BLOCK_K, DOT_PRECISION)
     store_partial(part_ptr, acc, split, rows, cols, M_PAD, (NUM_HEADS + 2 * NUM_KV) * D)
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     col0 = tile * BLOCK_N
@@ -169,11 +173,11 @@ def _qkv_attention_kernel(
     # meta
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     rows, row_mask, g, last = qkv_group_partials(
         x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_w, NUM_HEADS,
-        NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION)
+        NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL)
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
         _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
@@ -188,6 +192,7 @@ def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_c
     rows, num_heads, d = x.shape[0], out.shape[1] // k_cache.shape[3], k_cache.shape[3]
     m_pad = row_blocks(rows) * BLOCK_M
     part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
+    pdl = programmatic_launch(x, prefetched=qkv_w)
     _qkv_attention_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
         x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, out, part, counters,
         rows, x.shape[1], pos0, eps, scale, m_pad,
@@ -196,8 +201,8 @@ def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_c
         NUM_HEADS=num_heads, NUM_KV=k_cache.shape[2], D=d, T=tokens,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
-        DOT_PRECISION=dot_precision(qkv_w.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, launch_pdl=pdl,
     )
 
 

@@ -141,17 +141,41 @@ def row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, split, K, nw_ptr, rstd,
+def k_slice(split, K, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns [k_lo, k_hi) of K slice `split` of SPLIT (BLOCK_K-aligned; trailing ones may be empty)."""
+    per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+    k_lo = split * per
+    return k_lo, tl.minimum(k_lo + per, K)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, nbytes):
+    """Bulk-prefetch nbytes [N] (a multiple of 16) from each 16-byte aligned address ptrs [N] into L2."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0", "=r,l,r",
+                              [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL: tl.constexpr):
+    """With PDL (kernels/_launch.py): prefetch this program's weight slice (rows w_off [N], columns
+    k_lo..k_hi) into L2, wait for the previous kernel, then let the next one launch. Without: nothing.
+    Call it before the first read of anything an earlier kernel writes."""
+    if PDL:
+        if k_hi > k_lo:
+            ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+            _prefetch_l2(w_ptr + w_off + k_lo, tl.zeros_like(w_off).to(tl.int32) + (k_hi - k_lo) * ELEM)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd,
              PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] fp32 = X[rows, ks] @ W[w rows, ks]^T over K slice `split` of SPLIT
-    (BLOCK_K-aligned slices; trailing ones may be empty).
+             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 = X[rows, ks] @ W[w rows, ks]^T over columns k_lo..k_hi (`k_slice`).
 
     x_off [BLOCK_M], w_off [BLOCK_N]: element offsets of the rows. NORM: X is normalised on the fly
     exactly as rms_norm_ref rounds it: cast(x * rstd) then cast(that * weight)."""
-    per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
-    k_lo = split * per
-    k_hi = tl.minimum(k_lo + per, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)

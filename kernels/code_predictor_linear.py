@@ -22,12 +22,12 @@ import triton
 import triton.language as tl
 
 from ._cast import cast
-from ._launch import device_guard
+from ._launch import device_guard, programmatic_launch
 from .autotune import batch_invariant, choose, pick
 from .code_predictor_gemm import (BLOCK_M, GATHER, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
-                                  interpret_config, arrive, candidates, counters_needed, dot_precision, load_sum,
-                                  mainloop, row_blocks, row_class, row_offsets, row_rstd,
-                                  store_partial)
+                                  interpret_config, arrive, candidates, counters_needed, dot_precision, k_slice,
+                                  load_sum, mainloop, row_blocks, row_class, row_offsets, row_rstd,
+                                  store_partial, wait_for_inputs)
 
 BIAS, RESIDUAL, SWIGLU, ROUND = 0, 1, 2, 3  # epilogues (ROUND: the product in the weight dtype)
 
@@ -66,9 +66,19 @@ def _linear_kernel(
     # meta
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if EPILOGUE == 2:  # weight tile rows: gate j, up j, gate j+1, ...
+        W_TILE: tl.constexpr = 2 * BLOCK_N
+        j = tl.arange(0, W_TILE)
+        w_rows = tile * BLOCK_N + j // 2 + (j % 2) * N
+    else:
+        W_TILE: tl.constexpr = BLOCK_N
+        w_rows = tile * BLOCK_N + tl.arange(0, W_TILE)
+    w_off = w_rows.to(tl.int64) * stride_w
+    k_lo, k_hi = k_slice(split, K, SPLIT, BLOCK_K)
+    wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     x_off = row_offsets(x_ptr, ids_ptr, rows, row_mask, row_step, row_first, stride_xm, stride_ids,
@@ -77,15 +87,8 @@ def _linear_kernel(
         rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M)
     else:
         rstd = tl.zeros([BLOCK_M], tl.float32)
-    if EPILOGUE == 2:  # weight tile rows: gate j, up j, gate j+1, ...
-        W_TILE: tl.constexpr = 2 * BLOCK_N
-        j = tl.arange(0, W_TILE)
-        w_rows = tile * BLOCK_N + j // 2 + (j % 2) * N
-    else:
-        W_TILE: tl.constexpr = BLOCK_N
-        w_rows = tile * BLOCK_N + tl.arange(0, W_TILE)
-    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_rows.to(tl.int64) * stride_w, split, K,
-                   nw_ptr, rstd, PROLOGUE, BLOCK_M, W_TILE, BLOCK_K, SPLIT, DOT_PRECISION)
+    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, PROLOGUE, BLOCK_M,
+                   W_TILE, BLOCK_K, DOT_PRECISION)
     DT: tl.constexpr = w_ptr.dtype.element_ty
     if SPLIT > 1:
         cols = tile * W_TILE + tl.arange(0, W_TILE)
@@ -112,6 +115,7 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
             "counters must be int32 zeros for a split-K config"
         assert counters.numel() >= counters_needed(rows, tiles, cfg.block_m), "counters too small"
     cnt = counters if counters is not None else out  # never read with one K slice
+    pdl = programmatic_launch(w, prefetched=w)
     _linear_kernel[(row_blocks(rows, cfg.block_m), tiles, cfg.split)](
         x, ids if ids is not None else cnt, norm_w if norm_w is not None else w, w,
         bias if bias is not None else w, residual if residual is not None else out, out, part,
@@ -120,8 +124,8 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
         x.stride(0), ids.stride(0) if ids is not None else 0, w.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
         PROLOGUE=prologue, EPILOGUE=epilogue, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype), PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
 
 

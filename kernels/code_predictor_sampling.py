@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import device_guard
+from ._launch import device_guard, programmatic_launch
 
 
 @triton.jit
@@ -57,7 +57,11 @@ def _sample_kernel(
     stride_l, stride_t, stride_k, stride_g, stride_u, stride_o, stride_f,
     # meta
     V: tl.constexpr, BLOCK_V: tl.constexpr, TOPK: tl.constexpr, HAS_FAULTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # kernels/_launch.py: every input may come from the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, BLOCK_V)
     valid = idx < V
@@ -110,13 +114,14 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if bsz == 0:
         return out
     block_v = triton.next_power_of_2(vocab)
+    pdl = programmatic_launch(logits)
     with device_guard(logits):
         _sample_kernel[(bsz,)](
             logits, temperature, top_k, greedy, u, out, faults if faults is not None else greedy,
             cap,
             logits.stride(0), temperature.stride(0), top_k.stride(0), greedy.stride(0),
             u.stride(0), out.stride(0), faults.stride(0) if faults is not None else 0,
-            V=vocab, BLOCK_V=block_v, TOPK=topk, HAS_FAULTS=faults is not None,
-            num_warps=8 if block_v >= 4096 else 4,
+            V=vocab, BLOCK_V=block_v, TOPK=topk, HAS_FAULTS=faults is not None, PDL=pdl,
+            num_warps=8 if block_v >= 4096 else 4, launch_pdl=pdl,
         )
     return out

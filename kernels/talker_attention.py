@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ._cast import cast
-from ._launch import device_guard
+from ._launch import device_guard, programmatic_launch
 from .autotune import pick
 from .code_predictor_gemm import arrive
 from .paged_attention import (_CANDIDATES, _INTERPRET_CONFIG, DecodeConfig, _decode_split_kernel,
@@ -38,8 +38,11 @@ def _attention_kernel(
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # kernels/_launch.py: q comes from the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                          part_acc_ptr, part_max_ptr, part_sum_ptr, num_splits, scale_log2,
                          stride_ctx, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh,
@@ -61,8 +64,9 @@ def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, 
             out) -> None:
     grid, _, args, meta = split_launch(cfg, q, k_cache, v_cache, block_tables, context_lens,
                                        scale)
+    pdl = programmatic_launch(q)
     _attention_kernel[grid](*args, out, counters, out.stride(0), out.stride(1), BLOCK_S=_BLOCK_S,
-                            **meta)
+                            PDL=pdl, launch_pdl=pdl, **meta)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

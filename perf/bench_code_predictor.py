@@ -242,14 +242,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="passes j (1..14) whose qkv_attention launch is also timed alone")
     p.add_argument("--batch-invariant", action="store_true",
                    help="kernels.set_batch_invariant(True): one GEMM config per weight shape")
+    p.add_argument("--programmatic-launch", action="store_true",
+                   help="kernels.set_programmatic_launch(True): the fused kernels launch with PDL")
     args = p.parse_args(argv)
     kernels.set_batch_invariant(args.batch_invariant)
+    kernels.set_programmatic_launch(args.programmatic_launch)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     cp = random_code_predictor(args.scale, dtype, args.device)
     head = [f"# code predictor: fused kernels vs eager passes ({args.scale}, {dtype}, "
             f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
             f"{'greedy' if args.greedy else 'topk'} sampling"
-            f"{', batch-invariant' if args.batch_invariant else ''})", ""]
+            f"{', batch-invariant' if args.batch_invariant else ''}"
+            f"{', programmatic launch' if args.programmatic_launch else ''})", ""]
     lines = head + [line for bsz in args.batches for line in bench_batch(cp, bsz, args)]
     lines += ["### tuned GEMM configs", "", *gemm_config_table(), ""]
     emit("\n".join(lines), "code_predictor_bench.md")

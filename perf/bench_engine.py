@@ -158,7 +158,8 @@ ENGINE_CSV_COLUMNS = ("batch", "ms_per_step", "audio_s_per_s", "kernels_per_step
 def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
     changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_pipeline", "fused_code_predictor",
-                                                "fused_talker", "fp32_residual", "batch_invariant")
+                                                "fused_talker", "fp32_residual", "batch_invariant",
+                                                "programmatic_launch")
                if getattr(args, n) != getattr(EngineConfig, n)]
     return "+".join(n if v is True else f"no_{n}" if v is False else f"{n}={v}" for n, v in changed) or "default"
 
@@ -185,6 +186,9 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.batch_invariant,
                    help="EngineConfig.batch_invariant (a row's bits independent of the batch)")
+    p.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.programmatic_launch,
+                   help="EngineConfig.programmatic_launch (the fused kernels start while the one before runs)")
 
 
 def build_engine(args, frames: int) -> Engine:
@@ -201,7 +205,8 @@ def build_engine(args, frames: int) -> Engine:
                        use_cuda_graphs=not args.no_cuda_graphs, codec_kernels=args.codec_kernels,
                        codec_pipeline=args.codec_pipeline,
                        fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker,
-                       fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant)
+                       fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant,
+                       programmatic_launch=args.programmatic_launch)
     model = make_model(args)
     t0 = time.perf_counter()
     engine = Engine(model, cfg)

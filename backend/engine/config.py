@@ -103,6 +103,11 @@ class EngineConfig:
                          default: on the H200 it costs 5 / 6 / 24 % per step at batch 1 / 16 / 64 and
                          doubles first audio at 16 and 64 streams (the prefill's GEMMs without split-K or
                          cuBLAS tiles), over the 10 % the issue allows (perf/results/RESULTS.md)
+    programmatic_launch  launch the fused kernels (code predictor, fused talker, their sampling) with programmatic
+                         dependent launch where the device has it (Hopper+): each kernel prefetches its weight
+                         slice into L2 and waits for the one before while that one still runs
+                         (`q3tts.kernels.set_programmatic_launch`, process-wide, left as set; kernels/_launch.py).
+                         Same bits either way
     voice_cache_bytes    device memory for the Base voices kept prepared (engine/voice_cache.py: x-vector,
                          reference codes, an ICL voice's primed codec stream; least recently used first
                          out). 256 MiB holds about 60 ICL voices of the released 1.7B in bfloat16 (a
@@ -136,6 +141,7 @@ class EngineConfig:
     fused_talker: int = 16
     fp32_residual: bool = False
     batch_invariant: bool = False
+    programmatic_launch: bool = False
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
 
@@ -172,7 +178,8 @@ class EngineConfig:
         for name in ("fused_code_predictor", "fused_talker"):
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
                  f"{name} must be an int >= 0 (a batch size), got {getattr(self, name)!r}")
-        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant"):
+        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
+                     "programmatic_launch"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # --- derived values ---------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class ModelRunner:
         self.model, self.talker, self.codec, self.config = model, model.talker, codec, config
         if config.batch_invariant:  # process-wide, left on: EngineConfig.batch_invariant
             kernels.set_batch_invariant(True)
+        kernels.set_programmatic_launch(config.programmatic_launch)  # process-wide, as batch_invariant
         self.talker.keep_fp32_residual(config.fp32_residual)
         self.talker.code_predictor.use_fused(config.fused_code_predictor_batch)
         self.talker.use_fused(config.fused_talker_batch)

@@ -160,3 +160,31 @@ def test_a_rows_codes_do_not_depend_on_the_batch(fused_bf16):
             assert torch.equal(alone_codes[0], codes[row]) and torch.equal(alone_next[0], nxt[row])
     finally:
         kernels.set_batch_invariant(False)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability >= 9")
+@pytest.mark.parametrize("bsz", [1, 16])
+def test_programmatic_launch_gives_the_plain_launches_bits(fused_bf16, bsz):
+    """kernels.set_programmatic_launch: the 15 passes captured in a graph with PDL (each kernel starts while
+    the one before runs, prefetching its weights) give the plain launches' codes and next input bit for bit,
+    over replays with new inputs (a kernel reading its input before the previous one finished would differ)."""
+    from q3tts import kernels
+
+    cp, fused = fused_bf16
+    _inputs(cp, 64, greedy=False).run(fused.generate)  # buffers for the largest batch first
+    kernels.set_programmatic_launch(True)
+    try:
+        inputs = _inputs(cp, bsz, greedy=False)
+        inputs.run(fused.generate)  # compile and tune the PDL variants outside the capture
+        graph, out = _bench().capture_with_outputs(lambda: inputs.run(fused.generate))
+    finally:
+        kernels.set_programmatic_launch(False)
+    for seed in range(1, 9):
+        fresh = _inputs(cp, bsz, greedy=False, seed=seed)
+        inputs.past_hidden.copy_(fresh.past_hidden)
+        inputs.c0.copy_(fresh.c0)
+        graph.replay()
+        want_codes, want_next = fresh.run(fused.generate)
+        assert torch.equal(out[0], want_codes) and torch.equal(out[1], want_next), f"seed {seed}"
