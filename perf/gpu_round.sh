@@ -4,12 +4,14 @@
 # [".gpu/snap.tar.gz", ".gpu/site", "perf/gpu_round.sh"] (+ ".gpu/pytriton_slim.tgz" and the slim numpy wheel for a
 # served run). Each argument is a step, e.g. "run bench 120 python3 perf/bench_engine.py --batches 1 64": name,
 # time limit (s), command; its log goes to $OUT/<name>.log and its tail (TAILN lines) to the output. More than 7 files
-# under $OUT at the end (the tool brings back 8) are packed into $OUT/round.tgz.
+# under $OUT at the end (the tool brings back 8) are packed into $OUT/round.tgz. COMMIT=<sha> names the snapshot's
+# commit in the CSV rows the benches append (LOADTEST_COMMIT): the snapshot has no .git (one in the archive, e.g. a
+# tar of the device's copy of the tree, is removed: it may be stale).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SRC="$PWD"; S=/tmp/s; rm -rf $S; mkdir -p $S; tar -xzf ${SNAP:-.gpu/snap.tar.gz} -C $S; mkdir -p $S/.gpu; cp -r .gpu/site $S/.gpu/site
 for f in .gpu/pytriton_slim.tgz; do [ -f $f ] && ln -s $SRC/$f $S/.gpu/; done; [ -d .whl ] && ln -s $SRC/.whl $S/.whl
-cd $S; export PYTHONPATH="$S/.gpu/site"
+rm -rf $S/.git; cd $S; export PYTHONPATH="$S/.gpu/site" LOADTEST_COMMIT="${COMMIT:-unknown}"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
 T0=$SECONDS
 run() { local name=$1; local lim=$2; shift 2; echo "=== $name (+$((SECONDS-T0))s): $*"

@@ -107,7 +107,9 @@ class EngineConfig:
                          dependent launch where the device has it (Hopper+): each kernel prefetches its weight
                          slice into L2 and waits for the one before while that one still runs
                          (`q3tts.kernels.set_programmatic_launch`, process-wide, left as set; kernels/_launch.py).
-                         Same bits either way
+                         Same bits either way. Off by default: on the H200 it made the bench step 3-6 % faster
+                         (6.92 / 8.33 / 11.58 -> 6.70 / 7.92 / 10.94 ms at batch 1 / 16 / 64) but served 16 and 64
+                         streams no better in two interleaved A/B rounds (perf/results/RESULTS.md)
     voice_cache_bytes    device memory for the Base voices kept prepared (engine/voice_cache.py: x-vector,
                          reference codes, an ICL voice's primed codec stream; least recently used first
                          out). 256 MiB holds about 60 ICL voices of the released 1.7B in bfloat16 (a
