@@ -333,53 +333,24 @@ def _bench():
     return bench_code_predictor
 
 
-@pytest.mark.gpu
-@needs_cuda
-@torch.no_grad()
-def test_fused_graph_replay_equals_eager_and_launches_per_layer(real_stack):
-    """bf16, 16 rows (one padding): a graph replay with new inputs gives the eager fused call's
-    hidden and caches bit for bit; one forward launches LAUNCHES_PER_LAYER kernels per layer plus
-    the final norm."""
-    stack = copy.deepcopy(real_stack).to(BF16)
-    fused, inp = FusedTalker(stack), Inputs("cuda", 9)
-    r = Rows(REAL, 16, 600, 16, BF16, inp, padding=(5,))
-    ctx, x = r.context(r.cache, REAL.head_dim ** -0.5), inp.randn(16, REAL.hidden_size, dtype=BF16)
-    start = (r.cache.k.clone(), r.cache.v.clone())
-    graph, out = _bench().capture_with_outputs(lambda: fused.forward(x, r.positions, ctx))
-    x.copy_(inp.randn(16, REAL.hidden_size, dtype=BF16))
-    r.cache.k.copy_(start[0])
-    r.cache.v.copy_(start[1])
-    graph.replay()
-    got = (out.clone(), r.cache.k.clone(), r.cache.v.clone())
-    r.cache.k.copy_(start[0])
-    r.cache.v.copy_(start[1])
-    want = (fused.forward(x, r.positions, ctx), r.cache.k, r.cache.v)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
-    launched = _bench().kernels_launched(lambda: fused.forward(x, r.positions, ctx))
-    assert launched == LAUNCHES_PER_LAYER * REAL.num_layers + 1
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs compute capability >= 9")
-@torch.no_grad()
-def test_programmatic_launch_gives_the_plain_launches_bits(real_stack):
-    """kernels.set_programmatic_launch: the fused forward captured with PDL (each kernel starts while the one
-    before runs) gives the plain eager launches' hidden and caches bit for bit, over replays with new inputs."""
+def _check_replays(real_stack, seed: int, padding: tuple[int, ...], replays: int, pdl: bool = False):
+    """bf16, 16 rows: the fused forward captured in a graph (with programmatic dependent launch when pdl) and
+    replayed with new inputs gives the eager fused call's (plain launches) hidden and caches bit for bit.
+    Returns the fused forward and its inputs."""
     from q3tts import kernels
 
     stack = copy.deepcopy(real_stack).to(BF16)
-    fused, inp = FusedTalker(stack), Inputs("cuda", 10)
-    r = Rows(REAL, 16, 600, 16, BF16, inp, padding=(3,))
+    fused, inp = FusedTalker(stack), Inputs("cuda", seed)
+    r = Rows(REAL, 16, 600, 16, BF16, inp, padding=padding)
     ctx, x = r.context(r.cache, REAL.head_dim ** -0.5), inp.randn(16, REAL.hidden_size, dtype=BF16)
     start = (r.cache.k.clone(), r.cache.v.clone())
-    kernels.set_programmatic_launch(True)
+    kernels.set_programmatic_launch(pdl)
     try:
-        fused.forward(x, r.positions, ctx)  # compile and tune the PDL variants outside the capture
+        fused.forward(x, r.positions, ctx)  # compile and tune outside the capture
         graph, out = _bench().capture_with_outputs(lambda: fused.forward(x, r.positions, ctx))
     finally:
         kernels.set_programmatic_launch(False)
-    for _ in range(4):
+    for _ in range(replays):
         x.copy_(inp.randn(16, REAL.hidden_size, dtype=BF16))
         r.cache.k.copy_(start[0])
         r.cache.v.copy_(start[1])
@@ -389,3 +360,24 @@ def test_programmatic_launch_gives_the_plain_launches_bits(real_stack):
         r.cache.v.copy_(start[1])
         want = (fused.forward(x, r.positions, ctx), r.cache.k, r.cache.v)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+    return lambda: fused.forward(x, r.positions, ctx)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@torch.no_grad()
+def test_fused_graph_replay_equals_eager_and_launches_per_layer(real_stack):
+    """A graph replay equals the eager fused call (one padding row); one forward launches
+    LAUNCHES_PER_LAYER kernels per layer plus the final norm."""
+    forward = _check_replays(real_stack, seed=9, padding=(5,), replays=1)
+    assert _bench().kernels_launched(forward) == LAUNCHES_PER_LAYER * REAL.num_layers + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability >= 9")
+@torch.no_grad()
+def test_programmatic_launch_gives_the_plain_launches_bits(real_stack):
+    """kernels.set_programmatic_launch: the fused forward captured with PDL (each kernel starts while the one
+    before runs) gives the plain launches' hidden and caches bit for bit, over replays with new inputs."""
+    _check_replays(real_stack, seed=10, padding=(3,), replays=4, pdl=True)
