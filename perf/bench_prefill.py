@@ -10,6 +10,9 @@ H200 (the default): python3 perf/bench_prefill.py [--icl]
     arrivals after one warm-up, graph and eager interleaved.
 CPU check:          python3 perf/bench_prefill.py --scale tiny --device cpu --repeats 2
 --max-slots N sizes the engine as bench_engine.py does (64), to compare the two benches' 16-arrival prefill.
+--phases: then one more graph arrival of each n, its step's phases timed (`phase_table`): host ms and the
+stream's span (CUDA events at entry and exit: GPU work plus any wait for the host) of the prefill, its parts
+(sampling load, codec reset, the graph run) and of what follows it before the decode (each sequence's text).
 
 Appends `tokens,sequences,mode,device_ms,gpu,commit,date` rows to perf/results/prefill.csv (tokens =
 prompt rows of the step; commit: LOADTEST_COMMIT, else git) and copies that file to $OUT/prefill.csv
@@ -99,6 +102,64 @@ def prefill_ms(engine: Engine, batch: list[VoiceSpec], graph: bool, tag: str) ->
     return 1e3 * (after["prefill_seconds"] - before["prefill_seconds"])
 
 
+# (label, object path from the engine, method): the first step's phases, in the order the step runs them
+PHASES = (("prefill (engine._prefill)", "", "_prefill"),
+          ("  runner.start_batch", "runner", "start_batch"),
+          ("    load sampling params", "runner", "_load_sampling"),
+          ("    codec reset", "runner", "_prime_codec"),
+          ("    pack + graph (runner._prefill)", "runner", "_prefill"),
+          ("push text (each sequence)", "", "_push_text"),
+          ("decode launch", "runner", "launch"))
+
+
+class _Phase:
+    """Wraps one method on its instance: host seconds and (CUDA) event pairs of every call."""
+
+    def __init__(self, obj, name: str, cuda: bool):
+        self.obj, self.name, self.cuda, self.calls = obj, name, cuda, []
+        inner = getattr(obj, name)
+
+        def timed(*a, **kw):
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.cuda else None
+            t0 = time.perf_counter()
+            if ev:
+                ev[0].record()
+            try:
+                return inner(*a, **kw)
+            finally:
+                if ev:
+                    ev[1].record()
+                self.calls.append((time.perf_counter() - t0, ev))
+
+        setattr(obj, name, timed)
+
+    def restore(self) -> None:
+        delattr(self.obj, self.name)  # the class's method again
+
+    def row(self, label: str) -> str:
+        host = 1e3 * sum(h for h, _ in self.calls)
+        span = (sum(e[0].elapsed_time(e[1]) for _, e in self.calls) if self.cuda else float("nan"))
+        return f"| {label} | {len(self.calls)} | {host:.2f} | {span:.2f} |"
+
+
+def phase_table(engine: Engine, batch: list[VoiceSpec], tag: str) -> list[str]:
+    """The phases (`PHASES`) of the step that starts `batch` on an idle engine, graph prefill: one table row
+    each (calls, host ms, stream span ms) and the engine's own prefill stamp."""
+    cuda = engine.runner.device.type == "cuda"
+    phases = [(label, _Phase(engine if not path else getattr(engine, path), name, cuda))
+              for label, path, name in PHASES]
+    try:
+        ms = prefill_ms(engine, batch, True, tag)
+    finally:
+        for _, phase in reversed(phases):
+            phase.restore()
+    if cuda:
+        torch.cuda.synchronize()
+    return ["| phase | calls | host ms | stream span ms |", "|---|---:|---:|---:|",
+            *(phase.row(label) for label, phase in phases),
+            f"| engine prefill stamps (t_prefill -> t_decode) | 1 | | {ms:.2f} |"]
+
+
 def measure(engine: Engine, batch: list[VoiceSpec], repeats: int) -> dict[str, float]:
     """Median ms per mode (graph: only when captured) over `repeats` arrivals after one warm-up each,
     modes interleaved."""
@@ -124,12 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-slots", type=int, default=None,
                    help="EngineConfig.max_slots (default: the most arrivals); the prefill's sampling head "
                         "has this many rows, and bench_engine.py runs 64 (CSV mode gets _slots<N>)")
+    p.add_argument("--phases", action="store_true", help="also time the phases of one graph arrival per n")
     args = p.parse_args(argv)
     assert args.max_slots is None or args.max_slots >= max(args.arrivals), "--max-slots below --arrivals"
     engine = make_engine(args)
     builder = PromptBuilder(engine.model, engine.checkpoint.tokenizer)
     gpu = gpu_name() if args.device.startswith("cuda") else "cpu"
-    rows, lines = [], []
+    rows, lines, phases = [], [], []
     for n in args.arrivals:
         batch = voices(engine, n, args.icl)
         tokens = sum(builder.build(TEXT, v).prefill.shape[0] for v in batch)
@@ -141,11 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         graph = ms.get("graph", float("nan"))
         eager = ms["eager"]
         lines.append(f"| {n} | {tokens} | {graph:.2f} | {eager:.2f} | {eager / graph:.1f}x |")
+        if args.phases:
+            phases += ["", f"Phases of the step that starts {n} arrivals ({tokens} rows):", "",
+                       *phase_table(engine, batch, f"phases{n}")]
     kind = "Base ICL" if args.icl else "CustomVoice"
     emit(f"# Prefill device time ({args.scale} 1.7B {kind}, {engine.config.dtype}, {gpu}, {commit()}, "
          f"max_slots {engine.config.max_slots}; "
          f"medians of {args.repeats})\n\n| arrivals | prompt rows | graph ms | eager ms | speed-up |\n"
-         "|---:|---:|---:|---:|---:|\n" + "\n".join(lines) + "\n",
+         "|---:|---:|---:|---:|---:|\n" + "\n".join(lines + phases) + "\n",
          "prefill_bench_icl.md" if args.icl else "prefill_bench.md")
     append_csv(CSV, rows, gpu, columns=FIELDS)
     save(CSV.read_text(), "prefill.csv")
