@@ -39,7 +39,7 @@ from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 from q3tts.kernels.reference import paged_decode_attention_ref, rope_cos_sin
 from q3tts.kernels.talker_reference import qkv_rope_store_ref
-from q3tts.models.attention import DecodeContext, PagedKVCache, PrefillContext
+from q3tts.models.attention import DecodeContext, PackedPrefillContext, PagedKVCache, PrefillContext
 from q3tts.models.layers import DecoderStack
 
 tq = kernel_module("talker_qkv")  # skips the module without triton
@@ -104,8 +104,9 @@ def _f32(*ts):
 # ------------------------------------------------------------------------------------ kernels
 
 def check_qkv(cfg: DecoderLayerConfig, rows: int, dtype: torch.dtype, inp: Inputs, config,
-              page_size: int = 4, max_context: int = 40) -> None:
-    """Rotated q and the whole cache after the store vs the references; every third row pads."""
+              page_size: int = 4, max_context: int = 40, packed: bool = False) -> None:
+    """Rotated q and the whole cache after the store vs the references; every third row pads.
+    packed: every row's k and v also to kv_out, vs the reference's (padding rows included)."""
     r = Rows(cfg, rows, max_context, page_size, dtype, inp, padding=tuple(range(2, rows, 3)))
     h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     weights = (inp.norm_weight(h, dtype), inp.weight((nh + 2 * nkv) * d, h, dtype),
@@ -116,13 +117,24 @@ def check_qkv(cfg: DecoderLayerConfig, rows: int, dtype: torch.dtype, inp: Input
     caches = [r.cache.k[0], r.cache.v[0]]
     ref, ref32 = [c.clone() for c in caches], [c.to(FP32, copy=True) for c in caches]
     counters = inp.counters()
+    kv_out = tuple(inp.poisoned(rows, nkv, d, dtype=dtype) for _ in "kv") if packed else None
     out = tq.qkv_rope_store(x, *weights, *rope, *ids, *caches, EPS, counters, config=config,
-                            out=inp.poisoned(rows, nh * d, dtype=dtype))
+                            out=inp.poisoned(rows, nh * d, dtype=dtype), kv_out=kv_out)
     want = qkv_rope_store_ref(x, *weights, *rope, *ids, *ref, EPS)
     want32 = qkv_rope_store_ref(*_f32(x, *weights, *rope), *ids, *ref32, EPS)
     assert_close_3way(out, want, want32, dtype, f"q ({rows} rows)")
     for got, w, w32, name in zip(caches, ref, ref32, "kv"):
         assert_close_3way(got, w, w32, dtype, f"{name} cache ({rows} rows)")
+    if packed:
+        def per_row_kv(*args):  # the reference's k, v of every row: stored to a cache of one slot per row
+            every = torch.arange(rows, device=x.device)
+            kv = [torch.zeros(rows, 1, nkv, d, dtype=args[0].dtype, device=x.device) for _ in "kv"]
+            qkv_rope_store_ref(*args, ids[0], every, *kv, EPS)
+            return [c[:, 0] for c in kv]
+
+        want_kv, want_kv32 = per_row_kv(x, *weights, *rope), per_row_kv(*_f32(x, *weights, *rope))
+        for got, w, w32, name in zip(kv_out, want_kv, want_kv32, "kv"):
+            assert_close_3way(got, w, w32, dtype, f"packed {name} ({rows} rows)")
     assert not counters.any(), "qkv_rope_store: counters left non-zero"
 
 
@@ -151,6 +163,13 @@ def check_attention(cfg: DecoderLayerConfig, bsz: int, dtype: torch.dtype, inp: 
 def test_qkv_rope_store_matches_its_reference(dtype, rows, config):
     """19 rows span two row blocks; split2: the K slices' partials summed by the last program."""
     check_qkv(TINY, rows, dtype, Inputs(DEVICE, 1, rows, dtype.itemsize, config is None), config)
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+def test_qkv_rope_store_packed_kv_matches_the_reference(dtype):
+    """kv_out: 19 rows (two row blocks, padding rows among them) also give every row's k and v packed."""
+    check_qkv(TINY, 19, dtype, Inputs(DEVICE, 11, 19, dtype.itemsize, False), GemmConfig(16, 32, 2, 1, 1),
+              packed=True)
 
 
 @pytest.mark.parametrize("bsz", [1, 5])
@@ -259,6 +278,59 @@ def check_bf16_forward(stack32: DecoderStack, bsz: int, max_context: int, page_s
 def test_fused_talker_bf16_rounds_like_the_eager_forward(monkeypatch):
     """bf16, tiny widths, 9 rows: no further from the fp32 forward than the eager bf16 one."""
     check_bf16_forward(_stack(TINY, DEVICE), 9, 40, 4, Inputs(DEVICE, 5), monkeypatch)
+
+
+class Packed:
+    """A packed prefill of `lens` prompts (rows back to back, then `pad` padding rows: slot -1) over a paged
+    cache holding random history, each prompt in its own pages (not in order). prefix > 0: prompt 0 is a
+    piece after that many rows of its prompt already in its pages (chunked prefill)."""
+
+    def __init__(self, cfg: DecoderLayerConfig, lens: list[int], pad: int, prefix: int, dtype: torch.dtype,
+                 inp: Inputs, page_size: int = 4, pages_each: int = 6):
+        gen, dev = inp.gen, inp.device
+        num = len(lens) * pages_each
+        perm = torch.randperm(num, generator=gen).view(len(lens), pages_each)  # prompt i's pages
+        starts = [prefix] + [0] * (len(lens) - 1)
+        pos = [torch.arange(a, a + n) for a, n in zip(starts, lens)]
+        slots = [perm[i][p // page_size] * page_size + p % page_size for i, p in enumerate(pos)]
+        self.rows = sum(lens) + pad
+        self.positions = torch.cat(pos + [torch.zeros(pad, dtype=torch.int64)]).to(dev)
+        self.slot_mapping = torch.cat(slots + [torch.full((pad,), -1)]).to(dev)
+        self.cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev)
+        self.prefix = (perm[0].to(dev), torch.tensor([prefix], device=dev)) if prefix else (None, None)
+        self.cache = PagedKVCache(cfg.num_layers, num, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
+        self.cache.k.copy_(inp.randn(*self.cache.k.shape))
+        self.cache.v.copy_(inp.randn(*self.cache.v.shape))
+        self.valid = sum(lens)
+
+    def context(self, cache: PagedKVCache, scale: float) -> PackedPrefillContext:
+        return PackedPrefillContext(cache, self.slot_mapping, self.cu_seqlens, scale, *self.prefix)
+
+
+@pytest.mark.parametrize("prefix", [0, 6], ids=["whole", "piece"])
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+@torch.no_grad()
+def test_fused_packed_prefill_equals_the_eager_stack(dtype, prefix, monkeypatch):
+    """Three packed prompts (5, 7 and 3 rows, two row blocks) and 3 padding rows through the fused forward under
+    a PackedPrefillContext: the eager stack's hidden on every prompt row and its K/V in every page (padding rows
+    store nothing), fp32 within rounding, bf16 no further from the fp32 forward than the eager bf16 one; piece:
+    prompt 0 continues 6 rows already in its pages and attends to them."""
+    stack32 = _stack(TINY, DEVICE)
+    stack = copy.deepcopy(stack32).to(dtype)
+    inp = Inputs(DEVICE, 12, prefix)
+    r = Packed(TINY, [5, 7, 3], 3, prefix, dtype, inp)
+    x = inp.randn(r.rows, TINY.hidden_size, dtype=dtype)
+    scale = TINY.head_dim ** -0.5
+    eager, eager32 = _cache_copy(r.cache, dtype), _cache_copy(r.cache, FP32)
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")  # the eager forwards on the torch references
+    want = stack(x, r.positions, r.context(eager, scale))
+    want32 = stack32(x.float(), r.positions, r.context(eager32, scale))
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
+    got = FusedTalker(stack, r.rows).forward(x, r.positions, r.context(r.cache, scale))
+    n = r.valid
+    assert_close_3way(got[:n], want[:n], want32[:n], dtype, "hidden")
+    assert_close_3way(r.cache.k, eager.k, eager32.k, dtype, "k cache")
+    assert_close_3way(r.cache.v, eager.v, eager32.v, dtype, "v cache")
 
 
 def test_engine_config_fused_talker_bound():
