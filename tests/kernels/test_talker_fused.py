@@ -286,10 +286,11 @@ class Packed:
     piece after that many rows of its prompt already in its pages (chunked prefill)."""
 
     def __init__(self, cfg: DecoderLayerConfig, lens: list[int], pad: int, prefix: int, dtype: torch.dtype,
-                 inp: Inputs, page_size: int = 4, pages_each: int = 6):
+                 inp: Inputs, page_size: int):
         gen, dev = inp.gen, inp.device
+        pages_each = -(-(max(lens) + prefix) // page_size)
         num = len(lens) * pages_each
-        perm = torch.randperm(num, generator=gen).view(len(lens), pages_each)  # prompt i's pages
+X
         starts = [prefix] + [0] * (len(lens) - 1)
         pos = [torch.arange(a, a + n) for a, n in zip(starts, lens)]
         slots = [perm[i][p // page_size] * page_size + p % page_size for i, p in enumerate(pos)]
@@ -307,20 +308,16 @@ class Packed:
         return PackedPrefillContext(cache, self.slot_mapping, self.cu_seqlens, scale, *self.prefix)
 
 
-@pytest.mark.parametrize("prefix", [0, 6], ids=["whole", "piece"])
-@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
 @torch.no_grad()
-def test_fused_packed_prefill_equals_the_eager_stack(dtype, prefix, monkeypatch):
-    """Three packed prompts (5, 7 and 3 rows, two row blocks) and 3 padding rows through the fused forward under
-    a PackedPrefillContext: the eager stack's hidden on every prompt row and its K/V in every page (padding rows
-    store nothing), fp32 within rounding, bf16 no further from the fp32 forward than the eager bf16 one; piece:
-    prompt 0 continues 6 rows already in its pages and attends to them."""
-    stack32 = _stack(TINY, DEVICE)
+def check_packed_prefill(stack32: DecoderStack, lens: list[int], pad: int, prefix: int, dtype: torch.dtype,
+                         inp: Inputs, monkeypatch, page_size: int = 4) -> None:
+    """The fused forward under a PackedPrefillContext vs the eager stack at `dtype` and fp32 (3-way): hidden on
+    every prompt row, K/V in every page (padding rows store nothing)."""
+    cfg = stack32.cfg
     stack = copy.deepcopy(stack32).to(dtype)
-    inp = Inputs(DEVICE, 12, prefix)
-    r = Packed(TINY, [5, 7, 3], 3, prefix, dtype, inp)
-    x = inp.randn(r.rows, TINY.hidden_size, dtype=dtype)
-    scale = TINY.head_dim ** -0.5
+    r = Packed(cfg, lens, pad, prefix, dtype, inp, page_size)
+    x = inp.randn(r.rows, cfg.hidden_size, dtype=dtype)
+    scale = cfg.head_dim ** -0.5
     eager, eager32 = _cache_copy(r.cache, dtype), _cache_copy(r.cache, FP32)
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")  # the eager forwards on the torch references
     want = stack(x, r.positions, r.context(eager, scale))
@@ -328,25 +325,40 @@ def test_fused_packed_prefill_equals_the_eager_stack(dtype, prefix, monkeypatch)
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
     got = FusedTalker(stack, r.rows).forward(x, r.positions, r.context(r.cache, scale))
     n = r.valid
-    assert_close_3way(got[:n], want[:n], want32[:n], dtype, "hidden")
+    assert_close_3way(got[:n], want[:n], want32[:n], dtype, f"hidden ({lens}, prefix {prefix})")
     assert_close_3way(r.cache.k, eager.k, eager32.k, dtype, "k cache")
     assert_close_3way(r.cache.v, eager.v, eager32.v, dtype, "v cache")
 
 
-def test_engine_config_fused_talker_bound():
-    """A batch bound (an int >= 0); batch_invariant keeps every bucket on the eager stack."""
-    assert EngineConfig(fused_talker=16).fused_talker_batch == 16
-    assert EngineConfig(fused_talker=16, batch_invariant=True).fused_talker_batch == 0
+@pytest.mark.parametrize("prefix", [0, 6], ids=["whole", "piece"])
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+def test_fused_packed_prefill_equals_the_eager_stack(dtype, prefix, monkeypatch):
+    """Three packed prompts (5, 7 and 3 rows, two row blocks) and 3 padding rows; fp32 within rounding, bf16 no
+    further from the fp32 forward than the eager bf16 one; piece: prompt 0 continues 6 rows already in its
+    pages and attends to them."""
+    check_packed_prefill(_stack(TINY, DEVICE), [5, 7, 3], 3, prefix, dtype, Inputs(DEVICE, 12, prefix),
+                         monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["fused_talker", "fused_prefill"])
+def test_engine_config_fused_talker_bounds(name):
+    """A batch / token bucket bound (an int >= 0); batch_invariant keeps every bucket on the eager stack."""
+    bound = {"fused_talker": "fused_talker_batch", "fused_prefill": "fused_prefill_rows"}[name]
+    assert getattr(EngineConfig(**{name: 16}), bound) == 16
+    assert getattr(EngineConfig(**{name: 16}, batch_invariant=True), bound) == 0
     for bad in ("yes", True, -1):
-        with pytest.raises(ValueError, match="fused_talker must be an int >= 0"):
-            EngineConfig(fused_talker=bad)
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 0"):
+            EngineConfig(**{name: bad})
 
 
-def _engine_frames(ckpt_dir, fused: int) -> dict[str, list[list[int]]]:
+def _engine_frames(ckpt_dir, fused: int, fused_prefill: int = 0) -> dict[str, list[list[int]]]:
+    """Each sequence's frames on a CPU engine whose runner prefills through the packed prefill (eagerly, as
+    on CUDA before capture)."""
     config = EngineConfig(device=DEVICE, dtype="float32", num_pages=32, max_slots=3, max_frames=8,
                           max_prompt_tokens=128, max_text_tokens=64, graph_batch_sizes=(2, 4),
-                          use_cuda_graphs=False, fused_talker=fused)
+                          use_cuda_graphs=False, fused_talker=fused, fused_prefill=fused_prefill)
     engine = Engine(str(ckpt_dir), config, with_codec=False)
+    engine.runner.prefill_graphs = engine.runner.packed_prefill()
     speaker = sorted(engine.checkpoint.config.talker.speaker_ids)[0]
     for i, text in enumerate(["Hello there.", "Another one, a little longer.", "Three."]):
         engine.add(f"s{i}", VoiceSpec(speaker=speaker),
@@ -374,6 +386,29 @@ def test_engine_decode_steps_through_the_fused_talker(tmp_path, fused_calls, mon
     assert got == want
 
 
+def test_engine_prefills_through_the_fused_talker(tmp_path, monkeypatch):
+    """EngineConfig.fused_prefill: the three arrivals' packed prefill (one token bucket of 64 rows) runs the
+    fused forward and the sequences make the eager prefill's frames; with the bound below the bucket (32) or
+    under batch_invariant it stays eager."""
+    ckpt_dir = make_checkpoint(tmp_path / "cv", "custom_voice", "1.7b", "tiny", seed=0)
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")
+    monkeypatch.setattr(FusedTalker, "serves", staticmethod(lambda x: True))
+    prefills: list[int] = []  # rows of each fused forward under a PackedPrefillContext
+    forward = FusedTalker.forward
+
+    def spy(self, x, positions, ctx):
+        if isinstance(ctx, PackedPrefillContext):
+            prefills.append(x.shape[0])
+        return forward(self, x, positions, ctx)
+
+    monkeypatch.setattr(FusedTalker, "forward", spy)
+    want = _engine_frames(ckpt_dir, fused=0)
+    assert _engine_frames(ckpt_dir, fused=0, fused_prefill=32) == want and prefills == []
+    assert EngineConfig(fused_prefill=64, batch_invariant=True).fused_prefill_rows == 0
+    got = _engine_frames(ckpt_dir, fused=0, fused_prefill=64)
+    assert prefills == [64] and got == want
+
+
 # ------------------------------------------------------------------------- GPU, real 1.7B widths
 
 @pytest.mark.gpu
@@ -395,6 +430,15 @@ def real_stack():
 @pytest.mark.parametrize("bsz", [1, 64])
 def test_fused_talker_bf16_at_real_shapes(real_stack, bsz, monkeypatch):
     check_bf16_forward(real_stack, bsz, 600, 16, Inputs("cuda", 8, bsz), monkeypatch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("lens, pad, prefix", [([61], 3, 0), ([40, 30, 20, 9], 29, 0), ([50, 12], 2, 64)],
+                         ids=["one-prompt", "four-prompts", "piece"])
+def test_fused_packed_prefill_bf16_at_real_shapes(real_stack, lens, pad, prefix, monkeypatch):
+    """The token buckets of 64 and 128 rows: one ~60-row prompt, four prompts, a piece after 64 rows."""
+    check_packed_prefill(real_stack, lens, pad, prefix, BF16, Inputs("cuda", 13, len(lens)), monkeypatch, 16)
 
 
 def _bench():
