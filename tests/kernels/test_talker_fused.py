@@ -290,7 +290,7 @@ class Packed:
         gen, dev = inp.gen, inp.device
         pages_each = -(-(max(lens) + prefix) // page_size)
         num = len(lens) * pages_each
-X
+        perm = torch.randperm(num, generator=gen, device=dev).cpu().view(len(lens), pages_each)  # prompt i's pages
         starts = [prefix] + [0] * (len(lens) - 1)
         pos = [torch.arange(a, a + n) for a, n in zip(starts, lens)]
         slots = [perm[i][p // page_size] * page_size + p % page_size for i, p in enumerate(pos)]
