@@ -1,5 +1,6 @@
 """The first launch of a talker decode layer: RMSNorm -> QKV GEMM -> QK-norm -> RoPE -> K/V store
-into the paged cache, in one kernel (the attention runs next, kernels/talker_attention.py).
+into the paged cache, in one kernel (the attention runs next, kernels/talker_attention.py; for a packed
+prefill, `kv_out` also takes every row's k and v for kernels/prefill_attention.py).
 
 Grid (row blocks, QKV column tiles, K slices) runs the split-K skinny GEMM of
 code_predictor_gemm.py into fp32 partials (`qkv_group_partials`, shared with the code predictor's
