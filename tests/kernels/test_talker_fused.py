@@ -256,23 +256,31 @@ def test_fused_talker_decode_equals_eager(fused_calls, monkeypatch):
 
 
 @torch.no_grad()
-def check_bf16_forward(stack32: DecoderStack, bsz: int, max_context: int, page_size: int,
-                       inp: Inputs, monkeypatch) -> None:
-    """The fused bf16 forward's hidden and caches vs the eager bf16 and fp32 forwards (3-way)."""
-    cfg = stack32.cfg
-    stack16 = copy.deepcopy(stack32).to(BF16)
-    r = Rows(cfg, bsz, max_context, page_size, BF16, inp, padding=(bsz // 2,))
-    x = inp.randn(bsz, cfg.hidden_size, dtype=BF16)
+def check_fused_forward(stack32: DecoderStack, r, dtype: torch.dtype, inp: Inputs, monkeypatch, what: str,
+                        valid: int | None = None) -> None:
+    """The fused forward over r's rows (`Rows`: decode, `Packed`: a packed prefill) vs the eager stack at
+    `dtype` and in fp32 (3-way): the hidden of the first `valid` rows (None: all), K/V in every page."""
+    cfg, rows = stack32.cfg, r.positions.shape[0]
+    stack = copy.deepcopy(stack32).to(dtype)
+    x = inp.randn(rows, cfg.hidden_size, dtype=dtype)
     scale = cfg.head_dim ** -0.5
-    eager16, eager32 = _cache_copy(r.cache, BF16), _cache_copy(r.cache, FP32)
+    eager, eager32 = _cache_copy(r.cache, dtype), _cache_copy(r.cache, FP32)
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")  # the eager forwards on the torch references
-    want = stack16(x, r.positions, r.context(eager16, scale))
+    want = stack(x, r.positions, r.context(eager, scale))
     want32 = stack32(x.float(), r.positions, r.context(eager32, scale))
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
-    got = FusedTalker(stack16).forward(x, r.positions, r.context(r.cache, scale))
-    assert_close_3way(got, want, want32, BF16, f"hidden ({bsz} rows)")
-    assert_close_3way(r.cache.k, eager16.k, eager32.k, BF16, "k cache")
-    assert_close_3way(r.cache.v, eager16.v, eager32.v, BF16, "v cache")
+    got = FusedTalker(stack, rows).forward(x, r.positions, r.context(r.cache, scale))
+    n = valid or rows
+    assert_close_3way(got[:n], want[:n], want32[:n], dtype, f"hidden ({what})")
+    assert_close_3way(r.cache.k, eager.k, eager32.k, dtype, f"k cache ({what})")
+    assert_close_3way(r.cache.v, eager.v, eager32.v, dtype, f"v cache ({what})")
+
+
+def check_bf16_forward(stack32: DecoderStack, bsz: int, max_context: int, page_size: int,
+                       inp: Inputs, monkeypatch) -> None:
+    """The fused bf16 decode forward (one padding row) vs the eager bf16 and fp32 forwards."""
+    r = Rows(stack32.cfg, bsz, max_context, page_size, BF16, inp, padding=(bsz // 2,))
+    check_fused_forward(stack32, r, BF16, inp, monkeypatch, f"{bsz} rows")
 
 
 def test_fused_talker_bf16_rounds_like_the_eager_forward(monkeypatch):
@@ -308,26 +316,12 @@ class Packed:
         return PackedPrefillContext(cache, self.slot_mapping, self.cu_seqlens, scale, *self.prefix)
 
 
-@torch.no_grad()
 def check_packed_prefill(stack32: DecoderStack, lens: list[int], pad: int, prefix: int, dtype: torch.dtype,
                          inp: Inputs, monkeypatch, page_size: int = 4) -> None:
-    """The fused forward under a PackedPrefillContext vs the eager stack at `dtype` and fp32 (3-way): hidden on
-    every prompt row, K/V in every page (padding rows store nothing)."""
-    cfg = stack32.cfg
-    stack = copy.deepcopy(stack32).to(dtype)
-    r = Packed(cfg, lens, pad, prefix, dtype, inp, page_size)
-    x = inp.randn(r.rows, cfg.hidden_size, dtype=dtype)
-    scale = cfg.head_dim ** -0.5
-    eager, eager32 = _cache_copy(r.cache, dtype), _cache_copy(r.cache, FP32)
-    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")  # the eager forwards on the torch references
-    want = stack(x, r.positions, r.context(eager, scale))
-    want32 = stack32(x.float(), r.positions, r.context(eager32, scale))
-    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
-    got = FusedTalker(stack, r.rows).forward(x, r.positions, r.context(r.cache, scale))
-    n = r.valid
-    assert_close_3way(got[:n], want[:n], want32[:n], dtype, f"hidden ({lens}, prefix {prefix})")
-    assert_close_3way(r.cache.k, eager.k, eager32.k, dtype, "k cache")
-    assert_close_3way(r.cache.v, eager.v, eager32.v, dtype, "v cache")
+    """The fused forward under a PackedPrefillContext vs the eager stack: hidden on every prompt row, K/V in
+    every page (padding rows store nothing)."""
+    r = Packed(stack32.cfg, lens, pad, prefix, dtype, inp, page_size)
+    check_fused_forward(stack32, r, dtype, inp, monkeypatch, f"{lens}, prefix {prefix}", valid=r.valid)
 
 
 @pytest.mark.parametrize("prefix", [0, 6], ids=["whole", "piece"])
