@@ -184,7 +184,7 @@ class EngineConfig:
              f"codec_pipeline must be true, false or null, got {self.codec_pipeline!r}")
         for name in ("fused_code_predictor", "fused_talker", "fused_prefill"):
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
-                 f"{name} must be an int >= 0 (a batch size), got {getattr(self, name)!r}")
+                 f"{name} must be an int >= 0 (a bound on rows), got {getattr(self, name)!r}")
         for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
                      "programmatic_launch"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
