@@ -28,6 +28,9 @@ from q3tts.models.talker import Talker
 
 cpk = kernel_module("code_predictor")  # skips the module without triton
 from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402 (imports triton)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from q3tts.kernels.code_predictor_sampling import _kth_largest  # noqa: E402
 GemmConfig = cpk.GemmConfig
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -96,6 +99,37 @@ def _at_cdf_step(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor)
     cdf = kept.softmax(-1).cumsum(-1)  # [B, V]
     target = u.double()[:, None] * cdf[:, -1:]
     return (cdf - target).abs().min(-1).values <= 1e-5
+
+
+@triton.jit
+def _kth_kernel(x_ptr, valid_ptr, k_ptr, out_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
+    """out[r] = _kth_largest of row r's valid entries (the sampling kernel's threshold search alone)."""
+    r = tl.program_id(0)
+    idx = tl.arange(0, BLOCK_V)
+    inside = idx < V
+    x = tl.load(x_ptr + r * V + idx, mask=inside, other=float("-inf"))
+    valid = (tl.load(valid_ptr + r * V + idx, mask=inside, other=0) != 0) & inside
+    tl.store(out_ptr + r, _kth_largest(x, valid, tl.load(k_ptr + r)))
+
+
+def test_kth_largest_is_torch_topks_kth_value():
+    """The radix select's threshold over the valid entries of a row, k = 1 / 2 / 7 / 64 / all of them:
+    negatives, a run of ties across the k-th place, -inf entries, +-0 and a row with one valid entry."""
+    inp = Inputs(DEVICE, 21)
+    x = inp.randn(12, VOCAB, scale=4)
+    valid = torch.rand(12, VOCAB, generator=inp.gen, device=DEVICE) < 0.7
+    x[1, 100:110] = 2.5  # ties straddle the 7th place
+    x[1, :100] = -1.0
+    x[2, ::3] = float("-inf")
+    x[3, :50], x[3, 50:100] = 0.0, -0.0
+    valid[4] = False
+    valid[4, 17] = True  # one valid entry
+    valid[5] = True
+    ks = torch.tensor([1, 7, 7, 64, 1, VOCAB, 2, 64, 7, 1, 2, 64], device=DEVICE)
+    out = torch.empty(12, device=DEVICE)
+    _kth_kernel[(12,)](x, valid.to(torch.int8), ks, out, V=VOCAB, BLOCK_V=triton.next_power_of_2(VOCAB))
+    want = torch.stack([row[ok].topk(int(k)).values[-1] for row, ok, k in zip(x, valid, ks)])
+    assert torch.equal(out, want), (out, want)
 
 
 def test_sample_greedy_mode_is_argmax_with_first_index_ties():
