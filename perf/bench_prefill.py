@@ -12,7 +12,8 @@ CPU check:          python3 perf/bench_prefill.py --scale tiny --device cpu --re
 --max-slots N sizes the engine as bench_engine.py does (64), to compare the two benches' 16-arrival prefill.
 --phases: then one more graph arrival of each n, its step's phases timed (`phase_table`): host ms and the
 stream's span (CUDA events at entry and exit: GPU work plus any wait for the host) of the prefill, its parts
-(sampling load, codec reset, the graph run) and of what follows it before the decode (each sequence's text).
+(sampling load, codec reset, the graph run) and of what follows it before the decode (each sequence's text);
+and the kernels of one run of its token bucket's graph under torch.profiler, top 15 by time.
 
 Appends `tokens,sequences,mode,device_ms,gpu,commit,date` rows to perf/results/prefill.csv (tokens =
 prompt rows of the step; commit: LOADTEST_COMMIT, else git) and copies that file to $OUT/prefill.csv
@@ -29,8 +30,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench_engine import drain
+from profile_step import kernel_table
 from report import append_csv, commit, emit, gpu_name, save
 from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.engine.config import EngineConfig
@@ -143,9 +146,10 @@ class _Phase:
         return f"| {label} | {len(self.calls)} | {host:.2f} | {span:.2f} |"
 
 
-def phase_table(engine: Engine, batch: list[VoiceSpec], tag: str) -> list[str]:
-    """The phases (`PHASES`) of the step that starts `batch` on an idle engine, graph prefill: one table row
-    each (calls, host ms, stream span ms) and the engine's own prefill stamp."""
+def phase_table(engine: Engine, batch: list[VoiceSpec], tokens: int, tag: str) -> list[str]:
+    """The phases (`PHASES`) of the step that starts `batch` (`tokens` prompt rows) on an idle engine, graph
+    prefill: one table row each (calls, host ms, stream span ms), the engine's own prefill stamp, and the
+    kernels of the token bucket that holds them (`bucket_kernels`)."""
     cuda = engine.runner.device.type == "cuda"
     phases = [(label, _Phase(engine if not path else getattr(engine, path), name, cuda))
               for label, path, name in PHASES]
@@ -158,7 +162,25 @@ def phase_table(engine: Engine, batch: list[VoiceSpec], tag: str) -> list[str]:
         torch.cuda.synchronize()
     return ["| phase | calls | host ms | stream span ms |", "|---|---:|---:|---:|",
             *(phase.row(label) for label, phase in phases),
-            f"| engine prefill stamps (t_prefill -> t_decode) | 1 | | {ms:.2f} |"]
+            f"| engine prefill stamps (t_prefill -> t_decode) | 1 | | {ms:.2f} |", *bucket_kernels(engine, tokens)]
+
+
+def bucket_kernels(engine: Engine, tokens: int) -> list[str]:
+    """torch.profiler over one run of the prefill bucket that holds `tokens` rows (`PrefillGraphs.run_filler`:
+    its graph replay once captured): its kernels by name (on CPU: its ops), top 15 by time; [] without the
+    prefill graphs."""
+    graphs = engine.runner.prefill_graphs
+    bucket = graphs.bucket_for(tokens, 1) if graphs is not None else None
+    if bucket is None:
+        return []
+    cuda = engine.runner.device.type == "cuda"
+    graphs.run_filler(bucket)  # warm
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        graphs.run_filler(bucket)
+        if cuda:
+            torch.cuda.synchronize()
+    lines, summary = kernel_table(prof, cuda, f"in one run of the {bucket}-row bucket", top=15)
+    return ["", f"torch.profiler: {summary}", "", *lines]
 
 
 def measure(engine: Engine, batch: list[VoiceSpec], repeats: int) -> dict[str, float]:
@@ -209,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {n} | {tokens} | {graph:.2f} | {eager:.2f} | {eager / graph:.1f}x |")
         if args.phases:
             phases += ["", f"Phases of the step that starts {n} arrivals ({tokens} rows):", "",
-                       *phase_table(engine, batch, f"phases{n}")]
+                       *phase_table(engine, batch, tokens, f"phases{n}")]
     kind = "Base ICL" if args.icl else "CustomVoice"
     emit(f"# Prefill device time ({args.scale} 1.7B {kind}, {engine.config.dtype}, {gpu}, {commit()}, "
          f"max_slots {engine.config.max_slots}, fused_prefill {engine.config.fused_prefill}; "

@@ -326,6 +326,12 @@ def trace_step(engine: Engine, bs: int, top: int = 25) -> tuple[list[str], str]:
         with profile(activities=acts) as prof:
             runner.decode_rows(bs, mode)
             sync(str(runner.device))
+    return kernel_table(prof, cuda, "in one eager step", top)
+
+
+def kernel_table(prof, cuda: bool, where: str, top: int = 25) -> tuple[list[str], str]:
+    """A finished torch.profiler run's kernels (CUDA) or ops (CPU) by name, the top `top` by time: table
+    lines and a summary (launches, total time `where`, aten op calls)."""
     kernels, ops = [], []
     for e in prof.key_averages():
         dev_t = _first_attr(e, ("self_device_time_total", "self_cuda_time_total"))
@@ -349,7 +355,7 @@ def trace_step(engine: Engine, bs: int, top: int = 25) -> tuple[list[str], str]:
         short = short.replace("|", "/")
         lines.append(f"| `{short}` | {n} | {t:.0f} | {t / max(n, 1):.1f} | {100 * t / total_t:.1f} |")
     summary = (f"{'kernels' if unit == 'CUDA' else 'ops'}: {total_n} launches, {total_t / 1e3:.2f} ms "
-               f"{unit} time in one eager step; aten op calls {aten_launches}")
+               f"{unit} time {where}; aten op calls {aten_launches}")
     return lines, summary
 
 

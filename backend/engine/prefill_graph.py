@@ -143,6 +143,16 @@ class PrefillGraphs:
             self._body(bucket)
         return self.c0[:len(lens)], self.hidden[:len(lens)]
 
+    def run_filler(self, bucket: int) -> None:
+        """Bucket `bucket`'s prefill (its graph when captured) on the capture's input: one sequence filling the
+        bucket whose K/V go nowhere and whose head row is the dummy slot's, so nothing but the dummy slot's
+        state is written (the bucket's work alone, e.g. to profile it)."""
+        self._fill_capture(0, bucket)
+        if self.graphs is not None and bucket in self.graphs.graphs:
+            self.graphs.replay(bucket)
+        else:
+            self._body(bucket)
+
     def capture(self) -> None:
         """Capture every bucket (CUDA), largest first into one pool, each after a warm-up run."""
         self.graphs = GraphRunner(self._body, self._fill_capture, self.buckets, "the prefill",

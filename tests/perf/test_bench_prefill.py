@@ -19,14 +19,18 @@ def test_phase_table_times_the_first_steps_phases_and_restores_the_methods(tmp_p
     args = argparse.Namespace(model=str(ckpt), scale="tiny", device="cpu", icl=False, arrivals=[3],
                               max_slots=None, fused_prefill=0)
     engine = bench_prefill.make_engine(args)
-    table = bench_prefill.phase_table(engine, bench_prefill.voices(engine, 3, False), "t")
-    cells = {row.split("|")[1].strip(): [c.strip() for c in row.split("|")[2:-1]] for row in table[2:]}
+    engine.runner.prefill_graphs = engine.runner.packed_prefill()  # run eagerly, as on CUDA before capture
+    table = bench_prefill.phase_table(engine, bench_prefill.voices(engine, 3, False), 150, "t")
+    cells = {row.split("|")[1].strip(): [c.strip() for c in row.split("|")[2:-1]] for row in table[2:]
+             if row.startswith("|")}
     assert cells["prefill (engine._prefill)"][0] == "1" and cells["push text (each sequence)"][0] == "3"
     assert float(cells["pack + graph (runner._prefill)"][1]) > 0
     # the parts fit inside the whole: host ms of the graph run <= that of start_batch <= that of _prefill
     host = [float(cells[k][1]) for k in ("pack + graph (runner._prefill)", "runner.start_batch",
                                          "prefill (engine._prefill)")]
     assert host == sorted(host)
+    assert any("torch.profiler" in row and "256-row bucket" in row for row in table)  # 150 rows: bucket 256
+    assert "`aten::mm`" in cells  # the bucket's talker forward, on CPU as ops
     for obj, name in ((engine, "_prefill"), (engine, "_push_text"), (engine.runner, "_prefill"),
                       (engine.runner, "launch")):
         assert name not in vars(obj), f"{name} still wrapped"
