@@ -156,16 +156,24 @@ def _prefetch_l2(ptrs, nbytes):
 
 
 @triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """With PDL (kernels/_launch.py): wait until the previous kernel has finished and its writes are visible,
+    then let the next one launch. Without: nothing. Call it before the first read of anything an earlier kernel
+    writes."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL: tl.constexpr):
-    """With PDL (kernels/_launch.py): prefetch this program's weight slice (rows w_off [N], columns
-    k_lo..k_hi) into L2, wait for the previous kernel, then let the next one launch. Without: nothing.
-    Call it before the first read of anything an earlier kernel writes."""
+    """`wait_for_previous`, with PDL first prefetching this program's weight slice (rows w_off [N], columns
+    k_lo..k_hi) into L2 (weights never depend on an earlier kernel)."""
     if PDL:
         if k_hi > k_lo:
             ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
             _prefetch_l2(w_ptr + w_off + k_lo, tl.zeros_like(w_off).to(tl.int32) + (k_hi - k_lo) * ELEM)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous(PDL)
 
 
 @triton.jit

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ._launch import device_guard, programmatic_launch
+from .code_predictor_gemm import wait_for_previous
 
 
 @triton.jit
@@ -59,9 +60,7 @@ def _sample_kernel(
     V: tl.constexpr, BLOCK_V: tl.constexpr, TOPK: tl.constexpr, HAS_FAULTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # kernels/_launch.py: every input may come from the kernel before
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous(PDL)  # every input may come from the kernel before
     r = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, BLOCK_V)
     valid = idx < V

@@ -18,7 +18,7 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import pick
-from .code_predictor_gemm import arrive
+from .code_predictor_gemm import arrive, wait_for_previous
 from .paged_attention import (_CANDIDATES, _INTERPRET_CONFIG, DecodeConfig, _decode_split_kernel,
                               check_inputs, merge_splits, split_launch)
 
@@ -40,9 +40,7 @@ def _attention_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # kernels/_launch.py: q comes from the kernel before
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous(PDL)  # q comes from the kernel before
     _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                          part_acc_ptr, part_max_ptr, part_sum_ptr, num_splits, scale_log2,
                          stride_ctx, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh,
