@@ -98,6 +98,19 @@ def test_fused_bf16_is_as_close_to_fp32_as_the_eager_bf16_passes(code_predictor_
     assert_as_faithful(fused, eager, ref)
 
 
+def _check_replays(fused, inputs, graph, out, seeds) -> None:
+    """Replays of `graph` (the fused passes captured on `inputs`, outputs `out`) with the past hidden and c0 of
+    fresh sampled inputs per seed give the eager fused call's codes and next input bit for bit."""
+    cp, bsz = fused.cp, inputs.c0.shape[0]
+    for seed in seeds:
+        fresh = _inputs(cp, bsz, greedy=False, seed=seed)
+        inputs.past_hidden.copy_(fresh.past_hidden)
+        inputs.c0.copy_(fresh.c0)
+        graph.replay()
+        want_codes, want_next = fresh.run(fused.generate)
+        assert torch.equal(out[0], want_codes) and torch.equal(out[1], want_next), f"seed {seed}"
+
+
 @pytest.fixture(scope="module")
 def fused_bf16(code_predictor_fp32):
     import copy
@@ -121,13 +134,7 @@ def test_fused_graph_replay_equals_eager_and_nothing_compiles_after_warmup(fused
         _inputs(cp, 64, greedy=True).run(fused.generate)  # the GREEDY draw's variant compiled too
         inputs = _inputs(cp, 64, greedy=False)  # the largest batch first: buffers never grow later
         graph, out = _bench().capture_with_outputs(lambda: inputs.run(fused.generate))
-        for seed in (1, 2):
-            fresh = _inputs(cp, 64, greedy=False, seed=seed)
-            inputs.past_hidden.copy_(fresh.past_hidden)
-            inputs.c0.copy_(fresh.c0)
-            graph.replay()
-            want_codes, want_next = fresh.run(fused.generate)
-            assert torch.equal(out[0], want_codes) and torch.equal(out[1], want_next)
+        _check_replays(fused, inputs, graph, out, seeds=(1, 2))
         warm = len(compiled)
         for bsz in (1, 2, 3, 17, 64):
             _inputs(cp, bsz, greedy=bsz % 2 == 0).run(fused.generate)
@@ -181,10 +188,4 @@ def test_programmatic_launch_gives_the_plain_launches_bits(fused_bf16, bsz):
         graph, out = _bench().capture_with_outputs(lambda: inputs.run(fused.generate))
     finally:
         kernels.set_programmatic_launch(False)
-    for seed in range(1, 9):
-        fresh = _inputs(cp, bsz, greedy=False, seed=seed)
-        inputs.past_hidden.copy_(fresh.past_hidden)
-        inputs.c0.copy_(fresh.c0)
-        graph.replay()
-        want_codes, want_next = fresh.run(fused.generate)
-        assert torch.equal(out[0], want_codes) and torch.equal(out[1], want_next), f"seed {seed}"
+    _check_replays(fused, inputs, graph, out, seeds=range(1, 9))
