@@ -151,7 +151,9 @@ class PrefillConfig(NamedTuple):
 _CANDIDATES = [PrefillConfig(m, n, w, s) for m, n, w in ((64, 64, 4), (128, 64, 8), (64, 32, 4),
                                                           (128, 32, 4)) for s in (2, 3)]
 _INTERPRET_CONFIG = PrefillConfig(16, 16, 1, 1)  # small blocks: the tests' short prompts span several
-_BLOCK_S = 16  # sequences compared per step of the block search
+# sequences compared per step of the block search: the default 64 slots' sampling head in one step (each step is
+# a dependent round trip to memory on every program's critical path)
+_BLOCK_S = 64
 
 
 def _launch(cfg: PrefillConfig, q, k, v, cu_seqlens, scale, out, prefix: PagedPrefix | None) -> None:

@@ -18,6 +18,7 @@ reduces each row inside one block whose size depends only on the row length.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from q3tts import kernels
 from q3tts.kernels.reference import rms_norm_ref, rotate_half, snake_beta_ref
 from q3tts.models.layers import Linear, refuse_in_capture
+
+
+_PACK_ALIGN = 16  # elements: each state of a packed buffer starts 32-byte aligned (bf16) or better
 
 
 class StateSpec:
@@ -43,6 +47,22 @@ class StateSpec:
     def zeros(self, batch: int, dtype: torch.dtype, device: torch.device | str) -> list[Tensor]:
         """Zero states (= causal zero padding) for `batch` streams."""
         return [torch.zeros((batch, *shape), dtype=dt or dtype, device=device) for shape, dt in self.entries]
+
+    def zeros_packed(self, batch: int, dtype: torch.dtype, device: torch.device | str
+                     ) -> tuple[list[Tensor], list[Tensor]]:
+        """`zeros`' states as views into one buffer [batch, n] per dtype (returned second, with the states):
+        a stream's rows of every state are one row of each buffer, so they are zeroed in one launch per
+        dtype. Each state starts at a multiple of `_PACK_ALIGN` elements of its buffer."""
+        sizes: dict[torch.dtype, int] = {}
+        places = []  # (dtype, first column) per entry
+        for shape, dt in self.entries:
+            dt = dt or dtype
+            places.append((dt, sizes.get(dt, 0)))
+            sizes[dt] = sizes.get(dt, 0) + -(-math.prod(shape) // _PACK_ALIGN) * _PACK_ALIGN
+        buffers = {dt: torch.zeros(batch, n, dtype=dt, device=device) for dt, n in sizes.items()}
+        states = [buffers[dt][:, col:col + math.prod(shape)].view(batch, *shape)
+                  for (shape, _), (dt, col) in zip(self.entries, places)]
+        return states, list(buffers.values())
 
 
 States = list[Tensor]  # one tensor per StateSpec entry, each [B, ...]; updated in place of the list

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -56,6 +57,11 @@ class SlotPool:
 _FLOAT_PARAMS = ("temperature", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_p")
 _INT_PARAMS = ("top_k", "subtalker_top_k", "seed")
 _BOOL_PARAMS = ("greedy", "cp_greedy")
+# columns of `SlotState.load_sampling`'s one host-to-device copy: the slot, then each packed tensor's parameters
+_INTS = slice(1, 1 + len(_INT_PARAMS))
+_FLOATS = slice(_INTS.stop, _INTS.stop + len(_FLOAT_PARAMS))
+_BOOLS = slice(_FLOATS.stop, _FLOATS.stop + len(_BOOL_PARAMS))
+_LOAD_COLUMNS = _BOOLS.stop
 
 
 def _column(packed: str, index: int) -> property:
@@ -68,7 +74,7 @@ class SlotState:
     """Device state of all slots (+1 dummy row). S = num_slots + 1, H = talker hidden, Q = text queue.
 
     The per-slot sampling parameters are column views of three packed tensors (float32, int64, bool),
-    so starting a batch of sequences writes them with three host-to-device copies (`load_sampling`)."""
+    so starting a batch of sequences writes them with one host-to-device copy (`load_sampling`)."""
 
     last_c0: torch.Tensor      # [S] int64, c0 sampled at the previous talker step
     past_hidden: torch.Tensor  # [S, H] model dtype, final-norm talker hidden that c0 was sampled from
@@ -107,10 +113,17 @@ class SlotState:
         )
 
     def load_sampling(self, slots: list[int], params: list) -> None:
-        """Write SamplingParams `params[j]` into the parameter rows of `slots[j]` (three copies in all)."""
-        idx = torch.tensor(slots, dtype=torch.int64).to(self.params_f.device)
-        for packed, names, dt in ((self.params_f, _FLOAT_PARAMS, torch.float32),
-                                  (self.params_i, _INT_PARAMS, torch.int64),
-                                  (self.params_b, _BOOL_PARAMS, torch.bool)):
-            rows = torch.tensor([[getattr(p, n) for n in names] for p in params], dtype=dt)  # [n, k] host
-            packed.index_copy_(0, idx, rows.to(packed.device))
+        """Write SamplingParams `params[j]` into the parameter rows of `slots[j]`: one host-to-device copy of
+        the slots and every parameter (float32 bits and bools as int64 columns), then one index copy per
+        packed tensor (this runs on the time-to-first-audio path of every admitted batch)."""
+        host = np.empty((len(slots), _LOAD_COLUMNS), dtype=np.int64)  # slot | ints | float32 bits | bools
+        host[:, 0] = slots
+        host[:, _INTS] = [[getattr(p, n) for n in _INT_PARAMS] for p in params]
+        host[:, _FLOATS] = np.array([[getattr(p, n) for n in _FLOAT_PARAMS] for p in params],
+                                    dtype=np.float32).view(np.int32)
+        host[:, _BOOLS] = [[getattr(p, n) for n in _BOOL_PARAMS] for p in params]
+        rows = torch.from_numpy(host).to(self.params_f.device, non_blocking=True)  # [n, _LOAD_COLUMNS]
+        idx = rows[:, 0]
+        self.params_i.index_copy_(0, idx, rows[:, _INTS])
+        self.params_f.index_copy_(0, idx, rows[:, _FLOATS].to(torch.int32).view(torch.float32))
+        self.params_b.index_copy_(0, idx, rows[:, _BOOLS].bool())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -304,5 +305,6 @@ def test_load_sampling_writes_only_the_given_slots():
     assert row(3) == pytest.approx((0.7, 20, 0.8, 1.2, False, 0.5, 7, 0.9, True, 2**40 + 3))
     assert row(1) == pytest.approx((b.temperature, b.top_k, b.top_p, b.repetition_penalty, True,
                                     b.subtalker_temperature, b.subtalker_top_k, b.subtalker_top_p, True, 5))
+    assert st.seed[3].item() == 2**40 + 3 and st.top_p[3].item() == np.float32(0.8)  # exact, not approx
     for name, old in before.items():  # slots 0, 2 and the dummy row 4 untouched
         assert torch.equal(getattr(st, name)[[0, 2, 4]], old[[0, 2, 4]]), name

@@ -39,6 +39,7 @@ CASES = [  # (nh, kvh, head_dim, lens, padding rows, sequence capacity S)
     (6, 2, 16, [3, 1, 1, 20, 7], 9, 8),         # group 3; several prompts in one block; empty slots
     (2, 2, 24, [5, 0, 12], 3, 4),               # MHA, head_dim 24; an empty sequence in the middle
     (4, 2, 16, [], 6, 2),                       # nothing but padding
+    (2, 1, 16, [1, 2, 0, 3] * 17, 4, 70),       # more sequences than one step of the block search
 ]
 
 
