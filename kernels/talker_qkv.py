@@ -1,6 +1,5 @@
 """The first launch of a talker decode layer: RMSNorm -> QKV GEMM -> QK-norm -> RoPE -> K/V store
-into the paged cache, in one kernel (the attention runs next, kernels/talker_attention.py; for a packed
-prefill, `kv_out` also takes every row's k and v for kernels/prefill_attention.py).
+into the paged cache, in one kernel (the attention runs next, kernels/talker_attention.py).
 
 Grid (row blocks, QKV column tiles, K slices) runs the split-K skinny GEMM of
 code_predictor_gemm.py into fp32 partials (`qkv_group_partials`, shared with the code predictor's
@@ -33,7 +32,7 @@ def _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, keep, k_rows, v_rows, g
                    NUM_KV: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
                    ROUND: tl.constexpr):
     """kv head g of the GEMM result: k normed and rotated, v rounded, stored at the kept rows'
-    cache offsets k_rows / v_rows [BLOCK_M]. Returns k's halves [BLOCK_M, D/2] and v [BLOCK_M, D]."""
+    cache offsets k_rows / v_rows [BLOCK_M]."""
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, HALF)
     mask = keep[:, None]
@@ -42,19 +41,18 @@ def _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, keep, k_rows, v_rows, g
     tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=mask)
     tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=mask)
     dd = tl.arange(0, D)
-    v = cast(load_sum(part_ptr, rows, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT), DT)
-    tl.store(v_ptr + v_rows[:, None] + dd[None, :], v, mask=mask)
-    return r1, r2, v
+    v = load_sum(part_ptr, rows, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
+    tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=mask)
 
 
 @triton.jit
-def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, ko_ptr, vo_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                    pos_ptr, slot_ptr, rows, row_mask, g, eps, M_PAD, NP,
+def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
+                    slot_ptr, rows, row_mask, g, eps, M_PAD, NP,
                     stride_q, stride_pos, stride_slot, stride_kp, stride_ks, stride_kh,
                     stride_vp, stride_vs, stride_vh, stride_cos, stride_sin,
                     DT: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
                     D: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-                    ROUND: tl.constexpr, PACKED: tl.constexpr):
+                    ROUND: tl.constexpr):
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     HALF: tl.constexpr = D // 2
     r64 = rows.to(tl.int64)
@@ -76,22 +74,17 @@ def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, ko_ptr, vo_ptr, qn_ptr, kn_pt
         tl.store(q_ptr + r64[:, None] * stride_q + head * D + HALF + d[None, :], r2, mask=mask)
     keep = row_mask & (slot >= 0)
     page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE  # [BLOCK_M] each (junk where not kept)
-    k1, k2, v = _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, keep,
-                               page * stride_kp + offset * stride_ks + g * stride_kh,
-                               page * stride_vp + offset * stride_vs + g * stride_vh, g, c1, c2, s1,
-                               s2, eps, M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
-    if PACKED:  # every row's k and v also to the contiguous [M, KVH, D] outputs (the prefill's attention)
-        packed = r64[:, None] * (NUM_KV * D) + g * D  # [BLOCK_M, 1]
-        tl.store(ko_ptr + packed + d[None, :], k1, mask=mask)
-        tl.store(ko_ptr + packed + HALF + d[None, :], k2, mask=mask)
-        tl.store(vo_ptr + packed + tl.arange(0, D)[None, :], v, mask=mask)
+    _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, keep,
+                   page * stride_kp + offset * stride_ks + g * stride_kh,
+                   page * stride_vp + offset * stride_vs + g * stride_vh, g, c1, c2, s1, s2, eps,
+                   M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
 
 
 @triton.jit(do_not_specialize=["M", "M_PAD"])
 def _talker_qkv_kernel(
     # pointers
     x_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr,
-    q_ptr, ko_ptr, vo_ptr, part_ptr, cnt_ptr,
+    q_ptr, part_ptr, cnt_ptr,
     # sizes
     M, K, eps, M_PAD,
     # strides
@@ -100,38 +93,36 @@ def _talker_qkv_kernel(
     # meta
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PACKED: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     rows, row_mask, g, last = qkv_group_partials(
         x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_w, NUM_HEADS,
         NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL)
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
-        _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, ko_ptr, vo_ptr, qn_ptr, kn_ptr, cos_ptr,
-                        sin_ptr, pos_ptr, slot_ptr, rows, row_mask, g, eps, M_PAD, NP,
+        _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
+                        slot_ptr, rows, row_mask, g, eps, M_PAD, NP,
                         stride_q, stride_pos, stride_slot, stride_kp, stride_ks, stride_kh,
                         stride_vp, stride_vs, stride_vh, stride_cos, stride_sin,
-                        w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, PAGE_SIZE, SPLIT, ROUND,
-                        PACKED)
+                        w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, PAGE_SIZE, SPLIT, ROUND)
 
 
 def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, positions,
-            slot_mapping, k_cache, v_cache, out, counters, eps, kv_out=None) -> None:
+            slot_mapping, k_cache, v_cache, out, counters, eps) -> None:
     rows, (_, page_size, num_kv, d) = x.shape[0], k_cache.shape
     m_pad = row_blocks(rows) * BLOCK_M
     part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
     pdl = programmatic_launch(x, prefetched=qkv_w)
     _talker_qkv_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
         x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, positions, slot_mapping, k_cache, v_cache,
-        out, *(kv_out or (out, out)), part, counters,
+        out, part, counters,
         rows, x.shape[1], eps, m_pad,
         x.stride(0), qkv_w.stride(0), out.stride(0), positions.stride(0), slot_mapping.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], cos.stride(0), sin.stride(0),
         NUM_HEADS=out.shape[1] // d, NUM_KV=num_kv, D=d, PAGE_SIZE=page_size,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
-        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, PACKED=kv_out is not None,
-        num_warps=cfg.num_warps,
+        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=pdl,
     )
 
@@ -170,17 +161,14 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch
                    sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
                    counters: torch.Tensor, out: torch.Tensor | None = None,
-                   config: GemmConfig | None = None,
-                   kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The attention inputs of a talker layer for rows x [M, H] (one token each: a decode row, or a row of a
-    packed prefill).
+                   config: GemmConfig | None = None) -> torch.Tensor:
+    """The attention inputs of a talker decode layer for rows x [M, H] (one token each).
 
     qkv_weight [(NH + 2 KVH) D, H] (rows q | k | v); q/k_norm_weight [D]; cos, sin [max_pos, D]
     RoPE tables; positions [M] (< max_pos, not checked: no host sync) and slot_mapping [M]
     (page * page_size + offset, < 0 = padding row: nothing stored), int, any stride;
     k_cache, v_cache [num_pages, page_size, KVH, D] (one layer's). counters: int32 zeros,
-    >= counters_needed(M, KVH) (left zero). kv_out (k, v), contiguous [M, KVH, D] in x.dtype: every row's
-    k (normed, rotated) and v also written there (the packed prefill's attention reads them).
+    >= counters_needed(M, KVH) (left zero).
     Returns the rotated q [M, NH * D] in x.dtype; k and v are written to the cache.
     """
     num_heads = _check(x, qkv_weight, cos, sin, positions, slot_mapping, k_cache, v_cache,
@@ -189,9 +177,6 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch
     if out is None:
         out = torch.empty(rows, num_heads * d, dtype=x.dtype, device=x.device)
     assert out.shape == (rows, num_heads * d) and out.stride(-1) == 1, "qkv_rope_store: bad out"
-    assert kv_out is None or all(t.shape == (rows, k_cache.shape[2], d) and t.is_contiguous()
-                                 and t.dtype == x.dtype and t.device == x.device for t in kv_out), \
-        f"qkv_rope_store: kv_out must be two contiguous [{rows}, {k_cache.shape[2]}, {d}] {x.dtype} tensors"
     if rows == 0:
         return out
     weights = (norm_weight, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
@@ -201,11 +186,10 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch
             key = ("talker_qkv", qkv_weight.shape, k_cache.shape[1:], qkv_weight.dtype)
             m = min(rows, BLOCK_M)
             one_block = (x[:m], *weights, positions[:m], slot_mapping[:m], k_cache, v_cache,
-                         out[:m], counters, eps, kv_out and tuple(t[:m] for t in kv_out))
+                         out[:m], counters, eps)
             config = pick(key, candidates(fits, hidden, x.device),
                           lambda c: _launch(c, *one_block), x.device)
         config = config or interpret_config(d)
         assert d % config.block_n == 0, f"qkv_rope_store: block_n {config.block_n} must divide {d}"
-        _launch(config, x, *weights, positions, slot_mapping, k_cache, v_cache, out, counters, eps,
-                kv_out)
+        _launch(config, x, *weights, positions, slot_mapping, k_cache, v_cache, out, counters, eps)
     return out

@@ -158,8 +158,8 @@ ENGINE_CSV_COLUMNS = ("batch", "ms_per_step", "audio_s_per_s", "kernels_per_step
 def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
     changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_pipeline", "fused_code_predictor",
-                                                "fused_talker", "fused_prefill", "fp32_residual",
-                                                "batch_invariant", "programmatic_launch")
+                                                "fused_talker", "fp32_residual", "batch_invariant",
+                                                "programmatic_launch")
                if getattr(args, n) != getattr(EngineConfig, n)]
     return "+".join(n if v is True else f"no_{n}" if v is False else f"{n}={v}" for n, v in changed) or "default"
 
@@ -181,9 +181,6 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--fused-talker", type=int, default=EngineConfig.fused_talker,
                    help="EngineConfig.fused_talker: the largest bucket whose talker decode layers run in 5 "
                         "Triton launches each (0: none)")
-    p.add_argument("--fused-prefill", type=int, default=EngineConfig.fused_prefill,
-                   help="EngineConfig.fused_prefill: the largest prefill token bucket whose talker forward runs the "
-                        "fused kernels (0: none)")
     p.add_argument("--fp32-residual", action=argparse.BooleanOptionalAction, default=EngineConfig.fp32_residual,
                    help="EngineConfig.fp32_residual (the residual stream in fp32)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
@@ -208,7 +205,6 @@ def build_engine(args, frames: int) -> Engine:
                        use_cuda_graphs=not args.no_cuda_graphs, codec_kernels=args.codec_kernels,
                        codec_pipeline=args.codec_pipeline,
                        fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker,
-                       fused_prefill=args.fused_prefill,
                        fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant,
                        programmatic_launch=args.programmatic_launch)
     model = make_model(args)

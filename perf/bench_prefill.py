@@ -63,8 +63,7 @@ def make_engine(args) -> Engine:
     cfg = EngineConfig(device=args.device, dtype="bfloat16" if cuda else "float32", max_slots=most,
                        max_queue=most, max_frames=64, max_prompt_tokens=512, max_text_tokens=256,
                        num_pages=None if cuda else most * 40,
-                       graph_batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * most),
-                       fused_prefill=args.fused_prefill)
+                       graph_batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * most))
     t0 = time.perf_counter()
     engine = Engine(path, cfg)
     graphs = engine.runner.prefill_graphs
@@ -209,8 +208,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="EngineConfig.max_slots (default: the most arrivals); the prefill's sampling head "
                         "has this many rows, and bench_engine.py runs 64 (CSV mode gets _slots<N>)")
     p.add_argument("--phases", action="store_true", help="also time the phases of one graph arrival per n")
-    p.add_argument("--fused-prefill", type=int, default=EngineConfig.fused_prefill,
-                   help="EngineConfig.fused_prefill (CSV mode gets _fused<N>)")
     args = p.parse_args(argv)
     assert args.max_slots is None or args.max_slots >= max(args.arrivals), "--max-slots below --arrivals"
     engine = make_engine(args)
@@ -224,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode, value in ms.items():
             rows.append(dict(tokens=tokens, sequences=n, device_ms=value,
                              mode=mode + ("_icl" if args.icl else "")
-                             + (f"_slots{args.max_slots}" if args.max_slots else "")
-                             + (f"_fused{args.fused_prefill}" if args.fused_prefill else "")))
+                             + (f"_slots{args.max_slots}" if args.max_slots else "")))
         graph = ms.get("graph", float("nan"))
         eager = ms["eager"]
         lines.append(f"| {n} | {tokens} | {graph:.2f} | {eager:.2f} | {eager / graph:.1f}x |")
@@ -234,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                        *phase_table(engine, batch, tokens, f"phases{n}")]
     kind = "Base ICL" if args.icl else "CustomVoice"
     emit(f"# Prefill device time ({args.scale} 1.7B {kind}, {engine.config.dtype}, {gpu}, {commit()}, "
-         f"max_slots {engine.config.max_slots}, fused_prefill {engine.config.fused_prefill}; "
+         f"max_slots {engine.config.max_slots}; "
          f"medians of {args.repeats})\n\n| arrivals | prompt rows | graph ms | eager ms | speed-up |\n"
          "|---:|---:|---:|---:|---:|\n" + "\n".join(lines + phases) + "\n",
          "prefill_bench_icl.md" if args.icl else "prefill_bench.md")

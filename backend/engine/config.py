@@ -85,10 +85,6 @@ class EngineConfig:
                          (once the GEMMs' RMSNorm prologue read a 2048-wide row in 4 round trips, not 16),
                          served 16 streams' first audio came 2-4 ms sooner at p50 and 7-8 ms at p99 in two
                          interleaved A/B rounds (64 streams: one round each way; perf/results/RESULTS.md)
-    fused_prefill        the largest prefill token bucket (backend/engine/prefill_graph.py, rows of the packed
-                         prompts) whose talker forward runs the fused kernels (models/talker_fused.py: the decode
-                         layer's 5 launches, the prefill attention in place of the paged one); larger buckets and
-                         the eager prefill run the eager stack; 0 (default): none. Not yet measured on the GPU
     fp32_residual        keep the residual stream of the talker and code predictor in fp32 (the normed rows
                          that feed the GEMMs stay in `dtype`); the fused code predictor and talker are not
                          used with it. Off: the official model's arithmetic (the stream rounded to bf16),
@@ -145,7 +141,6 @@ class EngineConfig:
     codec_pipeline: bool | None = None
     fused_code_predictor: int = 32
     fused_talker: int = 16
-    fused_prefill: int = 0
     fp32_residual: bool = False
     batch_invariant: bool = False
     programmatic_launch: bool = False
@@ -182,9 +177,9 @@ class EngineConfig:
              f"fault_injection_seed is a test hook: refused unless {TEST_HOOKS_ENV}=1")
         need(self.codec_pipeline is None or isinstance(self.codec_pipeline, bool),
              f"codec_pipeline must be true, false or null, got {self.codec_pipeline!r}")
-        for name in ("fused_code_predictor", "fused_talker", "fused_prefill"):
+        for name in ("fused_code_predictor", "fused_talker"):
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
-                 f"{name} must be an int >= 0 (a bound on rows), got {getattr(self, name)!r}")
+                 f"{name} must be an int >= 0 (a batch size), got {getattr(self, name)!r}")
         for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
                      "programmatic_launch"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -214,12 +209,6 @@ class EngineConfig:
         (the eager stack at every bucket: one path, the one the invariance tests verify), else
         `fused_talker`."""
         return 0 if self.batch_invariant else self.fused_talker
-
-    @property
-    def fused_prefill_rows(self) -> int:
-        """The most packed prefill rows whose talker forward runs the fused kernels: none under `batch_invariant`
-        (as `fused_talker_batch`), else `fused_prefill`."""
-        return 0 if self.batch_invariant else self.fused_prefill
 
     def bucket_for(self, batch: int) -> int | None:
         """Smallest captured bucket holding `batch` rows, None if the batch is larger than all."""

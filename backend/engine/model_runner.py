@@ -79,7 +79,7 @@ class ModelRunner:
         kernels.set_programmatic_launch(config.programmatic_launch)  # process-wide, as batch_invariant
         self.talker.keep_fp32_residual(config.fp32_residual)
         self.talker.code_predictor.use_fused(config.fused_code_predictor_batch)
-        self.talker.use_fused(config.fused_talker_batch, config.fused_prefill_rows)
+        self.talker.use_fused(config.fused_talker_batch)
         tc = model.config.talker
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)

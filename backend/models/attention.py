@@ -190,12 +190,9 @@ class PackedPrefillContext(AttentionContext):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self._store(layer, k, v)
-        return kernels.prefill_attention(q, k, v, self.cu_seqlens, self.scale, self.prefix(layer))
-
-    def prefix(self, layer: int) -> kernels.PagedPrefix | None:
-        """Sequence 0's earlier keys in `layer`'s pages (chunked prefill), None without a prefix."""
-        return None if self.prefix_table is None else kernels.PagedPrefix(
+        prefix = None if self.prefix_table is None else kernels.PagedPrefix(
             self.cache.k[layer], self.cache.v[layer], self.prefix_table, self.prefix_len)
+        return kernels.prefill_attention(q, k, v, self.cu_seqlens, self.scale, prefix)
 
 
 class DecodeContext(AttentionContext):

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from q3tts import kernels
 from q3tts.config import TalkerConfig
-from q3tts.models.attention import AttentionContext, DecodeContext, PackedPrefillContext
+from q3tts.models.attention import AttentionContext, DecodeContext
 from q3tts.models.code_predictor import CodePredictor
 from q3tts.models.layers import DecoderStack, Linear
 
@@ -55,18 +55,17 @@ class Talker(nn.Module):
         self.codec_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.code_predictor = CodePredictor(cfg, self.embed_codec)
         self._fused: FusedTalker | None = None
-        self._fused_max_batch = self._fused_max_prefill = 0
+        self._fused_max_batch = 0
 
-    def use_fused(self, max_batch: int, max_prefill_rows: int = 0) -> None:
-        """Decode forwards (under a `DecodeContext`) of at most `max_batch` rows, and packed prefill forwards
-        (under a `PackedPrefillContext`) of at most `max_prefill_rows` rows, through the fused kernels
-        (models/talker_fused.py) where they serve the inputs' device (EngineConfig.fused_talker,
-        fused_prefill); larger ones, 0, without triton, or another context: the eager stack."""
-        self._fused, self._fused_max_batch, self._fused_max_prefill = None, max_batch, max_prefill_rows
-        if (max_batch or max_prefill_rows) and kernels.HAS_TRITON:
+    def use_fused(self, max_batch: int) -> None:
+        """Decode forwards (under a `DecodeContext`) of at most `max_batch` rows through the fused
+        kernels (models/talker_fused.py) where they serve the inputs' device (EngineConfig.fused_talker);
+        larger batches, 0, without triton, or for prefill: the eager stack."""
+        self._fused, self._fused_max_batch = None, max_batch
+        if max_batch and kernels.HAS_TRITON:
             from q3tts.models.talker_fused import FusedTalker  # imports triton
 
-            self._fused = FusedTalker(self.model, max(max_batch, max_prefill_rows))
+            self._fused = FusedTalker(self.model)
 
     def keep_fp32_residual(self, on: bool) -> None:
         """The residual streams of both stacks (talker, code predictor) in fp32 instead of the model dtype
@@ -103,9 +102,8 @@ class Talker(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionContext) -> torch.Tensor:
         """x [N, H] at positions [N] -> final-normed hidden [N, H]."""
-        bound = (self._fused_max_batch if isinstance(attn, DecodeContext)
-                 else self._fused_max_prefill if isinstance(attn, PackedPrefillContext) else 0)
-        if self._fused is not None and x.shape[0] <= bound and self._fused.serves(x):
+        if (self._fused is not None and isinstance(attn, DecodeContext) and x.shape[0] <= self._fused_max_batch
+                and self._fused.serves(x)):
             return self._fused.forward(x, positions, attn)
         return self.model(x, positions, attn)
 

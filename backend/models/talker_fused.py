@@ -1,5 +1,4 @@
-"""The talker's decode forward (one token per row over the paged KV), and its packed prefill forward of few
-rows, through fused kernels.
+"""The talker's decode forward (one token per row over the paged KV) through fused kernels.
 
 Same contract and arithmetic (roundings) as the eager `DecoderStack.forward` under a
 `DecodeContext` (models/layers.py), in 5 launches per layer instead of 14:
@@ -15,12 +14,9 @@ kernels per layer besides the K/V store and paged attention's two, 28 x 14 + 1 =
 3-5 are the code predictor's skinny GEMMs (kernels/code_predictor_linear.py). The residual
 stream is carried whole (h = residual + product, rounded as the eager add), so the eager stack's
 (x, residual) pair never appears.
-Under a `PackedPrefillContext` (the prefill graphs' packed prompts, models/attention.py) the same 5 launches,
-launch 1 also writing each row's k and v packed and launch 2 being `kernels.prefill_attention` over them (and
-over a chunked prompt's earlier pages): the eager stack's contract there too.
-Used by `Talker.forward` after `use_fused(max_batch, max_prefill_rows)` when the kernels serve the inputs'
-device (CUDA, or the Triton interpreter with Q3TTS_TRITON_ON_CPU=1).
-The tickets' workspace is sized for `max_rows` at the first call, outside CUDA graph capture.
+Used by `Talker.forward` after `use_fused(max_batch)` for a `DecodeContext` when the kernels serve the
+inputs' device (CUDA, or the Triton interpreter with Q3TTS_TRITON_ON_CPU=1); prefill stays eager.
+The tickets' workspace grows outside CUDA graph capture only: warm up with the largest batch first.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ from q3tts import kernels
 from q3tts.kernels import code_predictor as cpk
 from q3tts.kernels.talker_attention import decode_attention
 from q3tts.kernels.talker_qkv import qkv_rope_store
-from q3tts.models.attention import DecodeContext, PackedPrefillContext
+from q3tts.models.attention import DecodeContext
 
 if TYPE_CHECKING:
     from q3tts.models.layers import DecoderLayer, DecoderStack
@@ -42,14 +38,13 @@ LAUNCHES_PER_LAYER = 5
 
 
 class FusedTalker:
-    """`forward(x, positions, ctx)` of a `DecoderStack` (the talker's `model`) for decode and packed prefill.
+    """`forward(x, positions, ctx)` of a `DecoderStack` (the talker's `model`) for decode.
 
     Holds no weights of its own: it reads the stack's (fused q/k/v and gate/up buffers included) at
-    every call, so `.to()` / `load_state_dict` on the module are seen. max_rows: the most rows a forward
-    will take (its workspace is sized for them at once, so that no buffer a captured graph holds is replaced)."""
+    every call, so `.to()` / `load_state_dict` on the module are seen."""
 
-    def __init__(self, stack: DecoderStack, max_rows: int = 1):
-        self.stack, self.max_rows = stack, max_rows
+    def __init__(self, stack: DecoderStack):
+        self.stack = stack
         self._counters: torch.Tensor | None = None
 
     def serves(self, x: torch.Tensor) -> bool:
@@ -61,7 +56,7 @@ class FusedTalker:
         """The kernels' ticket counters (int32 zeros) for >= batch rows: one per (row block, output
         tile) of the widest GEMM, per (row block, kv head) of the QKV launch, per (row, kv head) of
         the attention."""
-        cfg, batch = self.stack.cfg, max(batch, self.max_rows)
+        cfg = self.stack.cfg
         need = max(cpk.counters_needed(batch, max(cfg.hidden_size, cfg.intermediate_size)
                                        // cpk.MIN_BLOCK_N), batch * cfg.num_kv_heads)
         counters = self._counters
@@ -72,45 +67,30 @@ class FusedTalker:
             counters = self._counters = torch.zeros(need, dtype=torch.int32, device=ref.device)
         return counters
 
-    def _attention(self, layer: DecoderLayer, h: torch.Tensor, positions: torch.Tensor,
-                   rope: tuple[torch.Tensor, torch.Tensor], ctx: DecodeContext | PackedPrefillContext,
-                   counters: torch.Tensor) -> torch.Tensor:
-        """Launches 1-2 of a layer: the attention output [N, NH * D] (before o_proj) of rows h [N, H]; their
-        K/V stored to ctx's pages."""
-        attn, cfg = layer.self_attn, self.stack.cfg
-        rows, i, cache = h.shape[0], attn.layer_idx, ctx.cache
-        norm = layer.input_layernorm
-        prefill = isinstance(ctx, PackedPrefillContext)
-        kv = tuple(torch.empty(rows, cfg.num_kv_heads, cfg.head_dim, dtype=h.dtype, device=h.device)
-                   for _ in "kv") if prefill else None  # [N, KVH, D] each
-        q = qkv_rope_store(h, norm.weight, attn.fused_weight(), attn.q_norm.weight,
-                           attn.k_norm.weight, *rope, positions, ctx.slot_mapping, cache.k[i], cache.v[i],
-                           norm.eps, counters, kv_out=kv).view(rows, cfg.num_heads, cfg.head_dim)
-        if prefill:
-            out = kernels.prefill_attention(q, *kv, ctx.cu_seqlens, ctx.scale, ctx.prefix(i))
-        else:
-            out = decode_attention(q, cache.k[i], cache.v[i], ctx.block_tables, ctx.context_lens, ctx.scale,
-                                   counters)
-        return out.view(rows, -1)  # [N, NH, D] -> [N, NH * D]
-
     def _layer(self, layer: DecoderLayer, h: torch.Tensor, positions: torch.Tensor,
-               rope: tuple[torch.Tensor, torch.Tensor], ctx: DecodeContext | PackedPrefillContext,
+               rope: tuple[torch.Tensor, torch.Tensor], ctx: DecodeContext,
                counters: torch.Tensor) -> torch.Tensor:
-        """One decoder layer on the residual stream h [N, H] in LAUNCHES_PER_LAYER launches."""
-        attn, mlp = layer.self_attn, layer.mlp
-        out = self._attention(layer, h, positions, rope, ctx, counters)
-        h = cpk.linear_residual(out, attn.o_proj.weight, h, counters)
+        """One decoder layer on the residual stream h [B, H] in LAUNCHES_PER_LAYER launches."""
+        attn, mlp, cfg = layer.self_attn, layer.mlp, self.stack.cfg
+        rows, i = h.shape[0], attn.layer_idx
+        norm = layer.input_layernorm
+        q = qkv_rope_store(h, norm.weight, attn.fused_weight(), attn.q_norm.weight,
+                           attn.k_norm.weight, *rope, positions, ctx.slot_mapping,
+                           ctx.cache.k[i], ctx.cache.v[i], norm.eps, counters)  # [B, NH * D]
+        out = decode_attention(q.view(rows, cfg.num_heads, cfg.head_dim), ctx.cache.k[i],
+                               ctx.cache.v[i], ctx.block_tables, ctx.context_lens, ctx.scale,
+                               counters)  # [B, NH, D]
+        h = cpk.linear_residual(out.view(rows, -1), attn.o_proj.weight, h, counters)
         norm = layer.post_attention_layernorm
-        act = cpk.norm_gate_up(h, norm.weight, mlp.fused_weight(), norm.eps, counters)  # [N, I]
+        act = cpk.norm_gate_up(h, norm.weight, mlp.fused_weight(), norm.eps, counters)  # [B, I]
         return cpk.linear_residual(act, mlp.down_proj.weight, h, counters)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: DecodeContext | PackedPrefillContext
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: DecodeContext
                 ) -> torch.Tensor:
-        """x [N, H] (a token per row: decode rows, or packed prompts' rows) at positions [N], K/V to ctx's
-        pages -> final-normed hidden [N, H]: the contract of `DecoderStack.forward` under that context."""
+        """x [B, H] (one token per row) at positions [B], K/V to ctx's pages -> final-normed hidden
+        [B, H]: the contract of `DecoderStack.forward` under a `DecodeContext`."""
         stack = self.stack
-        assert isinstance(ctx, (DecodeContext, PackedPrefillContext)), \
-            f"FusedTalker: decode or packed prefill only, got {type(ctx).__name__}"
+        assert isinstance(ctx, DecodeContext), f"FusedTalker: decode only, got {type(ctx).__name__}"
         counters = self._workspace(x.shape[0], x)
         rope = stack.rope(x.device, x.dtype)  # cos, sin [max_pos, D]
         h = x

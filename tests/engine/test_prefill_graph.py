@@ -177,15 +177,14 @@ def test_graph_prefill_equals_eager_prefill(tiny_ckpt):
         torch.testing.assert_close(cache_p.v, cache.v, rtol=1e-4, atol=1e-5)
 
 
-def _engine_first_codes(ckpt, requests, prefill_graphs: bool, fused_prefill: int = 0) -> dict[str, np.ndarray]:
-    """The first frames of each request on a fp32 CUDA engine, prefill graphs on or off (their talker forward
-    through the fused kernels up to bucket `fused_prefill`)."""
+def _engine_first_codes(ckpt, requests, prefill_graphs: bool) -> dict[str, np.ndarray]:
+    """The first frames of each request on a fp32 CUDA engine, prefill graphs on or off."""
     from q3tts.engine.config import EngineConfig
     from q3tts.engine.engine import Engine
 
     cfg = EngineConfig(device="cuda", dtype="float32", num_pages=256, max_slots=8, max_frames=64,
                        max_prompt_tokens=256, max_text_tokens=128, graph_batch_sizes=(1, 2, 4, 8),
-                       prefill_graphs=prefill_graphs, fused_prefill=fused_prefill)
+                       prefill_graphs=prefill_graphs)
     eng = Engine(ckpt, cfg)
     assert (eng.runner.prefill_graphs is not None) == prefill_graphs
     codes: dict[str, list] = {r["id"]: [] for r in requests}
@@ -201,8 +200,8 @@ def _engine_first_codes(ckpt, requests, prefill_graphs: bool, fused_prefill: int
     return {k: np.concatenate(v) for k, v in codes.items()}
 
 
-def _assert_same_first_codes(ckpt, requests, fused_prefill: int = 0):
-    graph = _engine_first_codes(ckpt, requests, True, fused_prefill)
+def _assert_same_first_codes(ckpt, requests):
+    graph = _engine_first_codes(ckpt, requests, True)
     eager_ = _engine_first_codes(ckpt, requests, False)
     for r in requests:
         assert len(graph[r["id"]]) and np.array_equal(graph[r["id"]][:1], eager_[r["id"]][:1]), r["id"]
@@ -210,13 +209,11 @@ def _assert_same_first_codes(ckpt, requests, fused_prefill: int = 0):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fused_prefill", [0, 512], ids=["eager-stack", "fused-talker"])
-def test_engine_graph_prefill_equals_eager(tiny_ckpt, fused_prefill):
-    """fused-talker: the captured buckets' talker forward through the fused kernels (EngineConfig.fused_prefill)."""
+def test_engine_graph_prefill_equals_eager(tiny_ckpt):
     spk = sorted(tiny_ckpt.config.talker.speaker_ids)
     requests = [dict(id=f"r{i}", voice=VoiceSpec(speaker=spk[i % len(spk)]), text=TEXT[:20 + 25 * i],
                      sampling=dataclasses.replace(SLOT_PARAMS[i], max_frames=3)) for i in range(5)]
-    _assert_same_first_codes(tiny_ckpt, requests, fused_prefill)
+    _assert_same_first_codes(tiny_ckpt, requests)
 
 
 @pytest.mark.gpu

@@ -39,7 +39,7 @@ from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 from q3tts.kernels.reference import paged_decode_attention_ref, rope_cos_sin
 from q3tts.kernels.talker_reference import qkv_rope_store_ref
-from q3tts.models.attention import DecodeContext, PackedPrefillContext, PagedKVCache, PrefillContext
+from q3tts.models.attention import DecodeContext, PagedKVCache, PrefillContext
 from q3tts.models.layers import DecoderStack
 
 tq = kernel_module("talker_qkv")  # skips the module without triton
@@ -104,9 +104,8 @@ def _f32(*ts):
 # ------------------------------------------------------------------------------------ kernels
 
 def check_qkv(cfg: DecoderLayerConfig, rows: int, dtype: torch.dtype, inp: Inputs, config,
-              page_size: int = 4, max_context: int = 40, packed: bool = False) -> None:
-    """Rotated q and the whole cache after the store vs the references; every third row pads.
-    packed: every row's k and v also to kv_out, vs the reference's (padding rows included)."""
+              page_size: int = 4, max_context: int = 40) -> None:
+    """Rotated q and the whole cache after the store vs the references; every third row pads."""
     r = Rows(cfg, rows, max_context, page_size, dtype, inp, padding=tuple(range(2, rows, 3)))
     h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     weights = (inp.norm_weight(h, dtype), inp.weight((nh + 2 * nkv) * d, h, dtype),
@@ -117,24 +116,13 @@ def check_qkv(cfg: DecoderLayerConfig, rows: int, dtype: torch.dtype, inp: Input
     caches = [r.cache.k[0], r.cache.v[0]]
     ref, ref32 = [c.clone() for c in caches], [c.to(FP32, copy=True) for c in caches]
     counters = inp.counters()
-    kv_out = tuple(inp.poisoned(rows, nkv, d, dtype=dtype) for _ in "kv") if packed else None
     out = tq.qkv_rope_store(x, *weights, *rope, *ids, *caches, EPS, counters, config=config,
-                            out=inp.poisoned(rows, nh * d, dtype=dtype), kv_out=kv_out)
+                            out=inp.poisoned(rows, nh * d, dtype=dtype))
     want = qkv_rope_store_ref(x, *weights, *rope, *ids, *ref, EPS)
     want32 = qkv_rope_store_ref(*_f32(x, *weights, *rope), *ids, *ref32, EPS)
     assert_close_3way(out, want, want32, dtype, f"q ({rows} rows)")
     for got, w, w32, name in zip(caches, ref, ref32, "kv"):
         assert_close_3way(got, w, w32, dtype, f"{name} cache ({rows} rows)")
-    if packed:
-        def per_row_kv(*args):  # the reference's k, v of every row: stored to a cache of one slot per row
-            every = torch.arange(rows, device=x.device)
-            kv = [torch.zeros(rows, 1, nkv, d, dtype=args[0].dtype, device=x.device) for _ in "kv"]
-            qkv_rope_store_ref(*args, ids[0], every, *kv, EPS)
-            return [c[:, 0] for c in kv]
-
-        want_kv, want_kv32 = per_row_kv(x, *weights, *rope), per_row_kv(*_f32(x, *weights, *rope))
-        for got, w, w32, name in zip(kv_out, want_kv, want_kv32, "kv"):
-            assert_close_3way(got, w, w32, dtype, f"packed {name} ({rows} rows)")
     assert not counters.any(), "qkv_rope_store: counters left non-zero"
 
 
@@ -163,13 +151,6 @@ def check_attention(cfg: DecoderLayerConfig, bsz: int, dtype: torch.dtype, inp: 
 def test_qkv_rope_store_matches_its_reference(dtype, rows, config):
     """19 rows span two row blocks; split2: the K slices' partials summed by the last program."""
     check_qkv(TINY, rows, dtype, Inputs(DEVICE, 1, rows, dtype.itemsize, config is None), config)
-
-
-@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
-def test_qkv_rope_store_packed_kv_matches_the_reference(dtype):
-    """kv_out: 19 rows (two row blocks, padding rows among them) also give every row's k and v packed."""
-    check_qkv(TINY, 19, dtype, Inputs(DEVICE, 11, 19, dtype.itemsize, False), GemmConfig(16, 32, 2, 1, 1),
-              packed=True)
 
 
 @pytest.mark.parametrize("bsz", [1, 5])
@@ -256,10 +237,10 @@ def test_fused_talker_decode_equals_eager(fused_calls, monkeypatch):
 
 
 @torch.no_grad()
-def check_fused_forward(stack32: DecoderStack, r, dtype: torch.dtype, inp: Inputs, monkeypatch, what: str,
-                        valid: int | None = None) -> None:
-    """The fused forward over r's rows (`Rows`: decode, `Packed`: a packed prefill) vs the eager stack at
-    `dtype` and in fp32 (3-way): the hidden of the first `valid` rows (None: all), K/V in every page."""
+def check_fused_forward(stack32: DecoderStack, r: Rows, dtype: torch.dtype, inp: Inputs, monkeypatch,
+                        what: str) -> None:
+    """The fused decode forward over r's rows vs the eager stack at `dtype` and in fp32 (3-way): the hidden
+    of every row, K/V in every page."""
     cfg, rows = stack32.cfg, r.positions.shape[0]
     stack = copy.deepcopy(stack32).to(dtype)
     x = inp.randn(rows, cfg.hidden_size, dtype=dtype)
@@ -269,9 +250,8 @@ def check_fused_forward(stack32: DecoderStack, r, dtype: torch.dtype, inp: Input
     want = stack(x, r.positions, r.context(eager, scale))
     want32 = stack32(x.float(), r.positions, r.context(eager32, scale))
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
-    got = FusedTalker(stack, rows).forward(x, r.positions, r.context(r.cache, scale))
-    n = valid or rows
-    assert_close_3way(got[:n], want[:n], want32[:n], dtype, f"hidden ({what})")
+    got = FusedTalker(stack).forward(x, r.positions, r.context(r.cache, scale))
+    assert_close_3way(got, want, want32, dtype, f"hidden ({what})")
     assert_close_3way(r.cache.k, eager.k, eager32.k, dtype, f"k cache ({what})")
     assert_close_3way(r.cache.v, eager.v, eager32.v, dtype, f"v cache ({what})")
 
@@ -288,71 +268,20 @@ def test_fused_talker_bf16_rounds_like_the_eager_forward(monkeypatch):
     check_bf16_forward(_stack(TINY, DEVICE), 9, 40, 4, Inputs(DEVICE, 5), monkeypatch)
 
 
-class Packed:
-    """A packed prefill of `lens` prompts (rows back to back, then `pad` padding rows: slot -1) over a paged
-    cache holding random history, each prompt in its own pages (not in order). prefix > 0: prompt 0 is a
-    piece after that many rows of its prompt already in its pages (chunked prefill)."""
-
-    def __init__(self, cfg: DecoderLayerConfig, lens: list[int], pad: int, prefix: int, dtype: torch.dtype,
-                 inp: Inputs, page_size: int):
-        gen, dev = inp.gen, inp.device
-        pages_each = -(-(max(lens) + prefix) // page_size)
-        num = len(lens) * pages_each
-        perm = torch.randperm(num, generator=gen, device=dev).cpu().view(len(lens), pages_each)  # prompt i's pages
-        starts = [prefix] + [0] * (len(lens) - 1)
-        pos = [torch.arange(a, a + n) for a, n in zip(starts, lens)]
-        slots = [perm[i][p // page_size] * page_size + p % page_size for i, p in enumerate(pos)]
-        self.rows = sum(lens) + pad
-        self.positions = torch.cat(pos + [torch.zeros(pad, dtype=torch.int64)]).to(dev)
-        self.slot_mapping = torch.cat(slots + [torch.full((pad,), -1)]).to(dev)
-        self.cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev)
-        self.prefix = (perm[0].to(dev), torch.tensor([prefix], device=dev)) if prefix else (None, None)
-        self.cache = PagedKVCache(cfg.num_layers, num, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
-        self.cache.k.copy_(inp.randn(*self.cache.k.shape))
-        self.cache.v.copy_(inp.randn(*self.cache.v.shape))
-        self.valid = sum(lens)
-
-    def context(self, cache: PagedKVCache, scale: float) -> PackedPrefillContext:
-        return PackedPrefillContext(cache, self.slot_mapping, self.cu_seqlens, scale, *self.prefix)
-
-
-def check_packed_prefill(stack32: DecoderStack, lens: list[int], pad: int, prefix: int, dtype: torch.dtype,
-                         inp: Inputs, monkeypatch, page_size: int = 4) -> None:
-    """The fused forward under a PackedPrefillContext vs the eager stack: hidden on every prompt row, K/V in
-    every page (padding rows store nothing)."""
-    r = Packed(stack32.cfg, lens, pad, prefix, dtype, inp, page_size)
-    check_fused_forward(stack32, r, dtype, inp, monkeypatch, f"{lens}, prefix {prefix}", valid=r.valid)
-
-
-@pytest.mark.parametrize("prefix", [0, 6], ids=["whole", "piece"])
-@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
-def test_fused_packed_prefill_equals_the_eager_stack(dtype, prefix, monkeypatch):
-    """Three packed prompts (5, 7 and 3 rows, two row blocks) and 3 padding rows; fp32 within rounding, bf16 no
-    further from the fp32 forward than the eager bf16 one; piece: prompt 0 continues 6 rows already in its
-    pages and attends to them."""
-    check_packed_prefill(_stack(TINY, DEVICE), [5, 7, 3], 3, prefix, dtype, Inputs(DEVICE, 12, prefix),
-                         monkeypatch)
-
-
-@pytest.mark.parametrize("name", ["fused_talker", "fused_prefill"])
-def test_engine_config_fused_talker_bounds(name):
-    """A batch / token bucket bound (an int >= 0); batch_invariant keeps every bucket on the eager stack."""
-    bound = {"fused_talker": "fused_talker_batch", "fused_prefill": "fused_prefill_rows"}[name]
-    assert getattr(EngineConfig(**{name: 16}), bound) == 16
-    assert getattr(EngineConfig(**{name: 16}, batch_invariant=True), bound) == 0
+def test_engine_config_fused_talker_bound():
+    """A batch bound (an int >= 0); batch_invariant keeps every bucket on the eager stack."""
+    assert EngineConfig(fused_talker=16).fused_talker_batch == 16
+    assert EngineConfig(fused_talker=16, batch_invariant=True).fused_talker_batch == 0
     for bad in ("yes", True, -1):
-        with pytest.raises(ValueError, match=f"{name} must be an int >= 0"):
-            EngineConfig(**{name: bad})
+        with pytest.raises(ValueError, match="fused_talker must be an int >= 0"):
+            EngineConfig(fused_talker=bad)
 
 
-def _engine_frames(ckpt_dir, fused: int, fused_prefill: int = 0) -> dict[str, list[list[int]]]:
-    """Each sequence's frames on a CPU engine whose runner prefills through the packed prefill (eagerly, as
-    on CUDA before capture)."""
+def _engine_frames(ckpt_dir, fused: int) -> dict[str, list[list[int]]]:
     config = EngineConfig(device=DEVICE, dtype="float32", num_pages=32, max_slots=3, max_frames=8,
                           max_prompt_tokens=128, max_text_tokens=64, graph_batch_sizes=(2, 4),
-                          use_cuda_graphs=False, fused_talker=fused, fused_prefill=fused_prefill)
+                          use_cuda_graphs=False, fused_talker=fused)
     engine = Engine(str(ckpt_dir), config, with_codec=False)
-    engine.runner.prefill_graphs = engine.runner.packed_prefill()
     speaker = sorted(engine.checkpoint.config.talker.speaker_ids)[0]
     for i, text in enumerate(["Hello there.", "Another one, a little longer.", "Three."]):
         engine.add(f"s{i}", VoiceSpec(speaker=speaker),
@@ -380,29 +309,6 @@ def test_engine_decode_steps_through_the_fused_talker(tmp_path, fused_calls, mon
     assert got == want
 
 
-def test_engine_prefills_through_the_fused_talker(tmp_path, monkeypatch):
-    """EngineConfig.fused_prefill: the three arrivals' packed prefill (one token bucket of 64 rows) runs the
-    fused forward and the sequences make the eager prefill's frames; with the bound below the bucket (32) or
-    under batch_invariant it stays eager."""
-    ckpt_dir = make_checkpoint(tmp_path / "cv", "custom_voice", "1.7b", "tiny", seed=0)
-    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")
-    monkeypatch.setattr(FusedTalker, "serves", staticmethod(lambda x: True))
-    prefills: list[int] = []  # rows of each fused forward under a PackedPrefillContext
-    forward = FusedTalker.forward
-
-    def spy(self, x, positions, ctx):
-        if isinstance(ctx, PackedPrefillContext):
-            prefills.append(x.shape[0])
-        return forward(self, x, positions, ctx)
-
-    monkeypatch.setattr(FusedTalker, "forward", spy)
-    want = _engine_frames(ckpt_dir, fused=0)
-    assert _engine_frames(ckpt_dir, fused=0, fused_prefill=32) == want and prefills == []
-    assert EngineConfig(fused_prefill=64, batch_invariant=True).fused_prefill_rows == 0
-    got = _engine_frames(ckpt_dir, fused=0, fused_prefill=64)
-    assert prefills == [64] and got == want
-
-
 # ------------------------------------------------------------------------- GPU, real 1.7B widths
 
 @pytest.mark.gpu
@@ -424,15 +330,6 @@ def real_stack():
 @pytest.mark.parametrize("bsz", [1, 64])
 def test_fused_talker_bf16_at_real_shapes(real_stack, bsz, monkeypatch):
     check_bf16_forward(real_stack, bsz, 600, 16, Inputs("cuda", 8, bsz), monkeypatch)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("lens, pad, prefix", [([61], 3, 0), ([40, 30, 20, 9], 29, 0), ([50, 12], 2, 64)],
-                         ids=["one-prompt", "four-prompts", "piece"])
-def test_fused_packed_prefill_bf16_at_real_shapes(real_stack, lens, pad, prefix, monkeypatch):
-    """The token buckets of 64 and 128 rows: one ~60-row prompt, four prompts, a piece after 64 rows."""
-    check_packed_prefill(real_stack, lens, pad, prefix, BF16, Inputs("cuda", 13, len(lens)), monkeypatch, 16)
 
 
 def _bench():

@@ -17,7 +17,7 @@ from q3tts.checkpoint.maker import make_checkpoint  # noqa: E402
 def test_phase_table_times_the_first_steps_phases_and_restores_the_methods(tmp_path):
     ckpt = make_checkpoint(tmp_path / "cv", "custom_voice", "1.7b", "tiny", seed=0)
     args = argparse.Namespace(model=str(ckpt), scale="tiny", device="cpu", icl=False, arrivals=[3],
-                              max_slots=None, fused_prefill=0)
+                              max_slots=None)
     engine = bench_prefill.make_engine(args)
     engine.runner.prefill_graphs = engine.runner.packed_prefill()  # run eagerly, as on CUDA before capture
     table = bench_prefill.phase_table(engine, bench_prefill.voices(engine, 3, False), 150, "t")
