@@ -6,12 +6,15 @@ cu_seqlens[i]..cu_seqlens[i+1]-1 and each row attends to its own sequence's rows
 their output rows are never written. The boundaries live on the device and the launch shape depends
 only on (T, NH), so one CUDA graph per token bucket serves every mix of arrivals.
 
-Grid (cdiv(T, BLOCK_M) + S, NH): a program takes BLOCK_M consecutive rows of ONE sequence and one
-query head: the sequences' row blocks are numbered one sequence after the other (sequence i has
-cdiv(len_i, BLOCK_M) of them, found by a vectorised search over cu_seqlens), so a block never straddles
-two sequences and programs past the last block do nothing. The program runs an online softmax (fp32,
-exp2) over its sequence's keys from the sequence's first row to its own last row, in key blocks that
-start at the sequence's first row. So a row's arithmetic depends only on its own sequence (and the
+Grid (NH, G): a program takes one query head and BLOCK_M consecutive rows of ONE sequence at a time: the
+sequences' row blocks are numbered one sequence after the other (sequence i has cdiv(len_i, BLOCK_M) of
+them, found by a vectorised search over cu_seqlens), so a block never straddles two sequences, and program
+g of a head takes blocks g, g + G, g + 2G, ... up to the last one. There are at most cdiv(T, BLOCK_M) + S
+blocks; G is cdiv(T, BLOCK_M) + min(S, SPARE_PROGRAMS), so a bucket holding a few prompts launches few
+programs that find no block (a 61-row prompt in the 64-row bucket of a 64-sequence head: 17 per head, not
+65; with a config of one resident program per SM those idle programs took waves of their own). The
+program runs an online softmax (fp32, exp2) over its sequence's keys from the sequence's first row to its
+own last row, in key blocks that start at the sequence's first row. So a row's arithmetic depends only on its own sequence (and the
 launch config, tuned once per head shape): never on where its prompt sits in the pack or what the
 other prompts hold — the prefill is batch-invariant. K/V come from the forward's own packed k, v (query
 head h reads kv head h // (NH / KVH)); any row and head strides (v is a view of the fused qkv GEMM).
@@ -54,12 +57,10 @@ def _attend_block(q, k, v, allowed, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl
 
 @triton.jit
 def _find_block(cu_ptr, stride_cu, num_seqs, pid, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
-    """(sequence, its row block, found) of program `pid`: the sequences' row blocks numbered one
-    sequence after the other (sequence i has cdiv(cu[i+1] - cu[i], BLOCK_M)); found is False past the
-    last block (then sequence 0, block 0)."""
+    """(sequence, its row block, number of blocks) of block `pid` < number of blocks: the sequences'
+    row blocks numbered one sequence after the other (sequence i has cdiv(cu[i+1] - cu[i], BLOCK_M))."""
     seq = tl.zeros([], tl.int32)
     block = tl.zeros([], tl.int32)
-    hits = tl.zeros([], tl.int32)
     base = tl.zeros([], tl.int32)  # blocks of the sequences before this search step
     for s0 in range(0, num_seqs, BLOCK_S):
         idx = s0 + tl.arange(0, BLOCK_S)
@@ -71,9 +72,8 @@ def _find_block(cu_ptr, stride_cu, num_seqs, pid, BLOCK_M: tl.constexpr, BLOCK_S
         mine = ok & (after - blocks <= pid) & (pid < after)
         seq += tl.sum(tl.where(mine, idx, 0), 0)
         block += tl.sum(tl.where(mine, pid - (after - blocks), 0), 0)
-        hits += tl.sum(mine.to(tl.int32), 0)
         base += tl.sum(blocks, 0)
-    return seq, block, hits > 0
+    return seq, block, base
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -94,51 +94,53 @@ def _prefill_attention_kernel(
     HAS_PREFIX: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    seq, block, found = _find_block(cu_ptr, stride_cu, num_seqs, tl.program_id(0), BLOCK_M, BLOCK_S)
-    head = tl.program_id(1)
+    head = tl.program_id(0)
     kv_head = head // GROUP
-    lo = tl.load(cu_ptr + seq * stride_cu).to(tl.int32)  # the sequence's first row
-    end = tl.where(found, tl.load(cu_ptr + (seq + 1) * stride_cu).to(tl.int32), lo)
-    first = lo + block * BLOCK_M
-    rows = first + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    row_ok = rows < end
-    hi = tl.minimum(first + BLOCK_M, end)  # keys past the block's last valid row are never seen
-
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if HAS_PREFIX:  # sequence 0 also sees the P keys before its rows, from the cache
-        p_hi = tl.where(found & (seq == 0), tl.load(plen_ptr).to(tl.int32), 0)
-        for n0 in range(0, p_hi, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions in the prompt
-            pos_ok = pos < p_hi
-            page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_table, mask=pos_ok, other=0).to(tl.int64)
-            off = pos % PAGE_SIZE
-            kv_mask = pos_ok[:, None] & d_mask[None, :]
-            k = tl.load(kc_ptr + (page * stride_kcp + off * stride_kcs)[:, None] + kv_head * stride_kch
-                        + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(vc_ptr + (page * stride_vcp + off * stride_vcs)[:, None] + kv_head * stride_vch
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _attend_block(q, k, v, row_ok[:, None] & pos_ok[None, :], m_i, l_i, acc,
-                                          scale_log2, DOT_PRECISION)
-    for n0 in range(lo, hi, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        key_ok = keys < hi
-        kv_mask = key_ok[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + keys.to(tl.int64)[:, None] * stride_kn + kv_head * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + keys.to(tl.int64)[:, None] * stride_vn + kv_head * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        allowed = (keys[None, :] <= rows[:, None]) & key_ok[None, :]  # [BLOCK_M, BLOCK_N]
-        m_i, l_i, acc = _attend_block(q, k, v, allowed, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+    num_blocks = _find_block(cu_ptr, stride_cu, num_seqs, 0, BLOCK_M, BLOCK_S)[2]
+    for pid in range(tl.program_id(1), num_blocks, tl.num_programs(1)):
+        seq, block, _ = _find_block(cu_ptr, stride_cu, num_seqs, pid, BLOCK_M, BLOCK_S)
+        lo = tl.load(cu_ptr + seq * stride_cu).to(tl.int32)  # the sequence's first row
+        end = tl.load(cu_ptr + (seq + 1) * stride_cu).to(tl.int32)
+        first = lo + block * BLOCK_M
+        rows = first + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        row_ok = rows < end
+        hi = tl.minimum(first + BLOCK_M, end)  # keys past the block's last valid row are never seen
 
-    out = acc / tl.maximum(l_i, 1e-30)[:, None]  # every valid row saw at least itself
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + head * stride_oh + offs_d[None, :],
-             cast(out, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+        q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if HAS_PREFIX:  # sequence 0 also sees the P keys before its rows, from the cache
+            p_hi = tl.where(seq == 0, tl.load(plen_ptr).to(tl.int32), 0)
+            for n0 in range(0, p_hi, BLOCK_N):
+                pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions in the prompt
+                pos_ok = pos < p_hi
+                page = tl.load(table_ptr + (pos // PAGE_SIZE) * stride_table, mask=pos_ok, other=0).to(tl.int64)
+                off = pos % PAGE_SIZE
+                kv_mask = pos_ok[:, None] & d_mask[None, :]
+                k = tl.load(kc_ptr + (page * stride_kcp + off * stride_kcs)[:, None] + kv_head * stride_kch
+                            + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+                v = tl.load(vc_ptr + (page * stride_vcp + off * stride_vcs)[:, None] + kv_head * stride_vch
+                            + offs_d[None, :], mask=kv_mask, other=0.0)
+                m_i, l_i, acc = _attend_block(q, k, v, row_ok[:, None] & pos_ok[None, :], m_i, l_i, acc,
+                                              scale_log2, DOT_PRECISION)
+        for n0 in range(lo, hi, BLOCK_N):
+            keys = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            key_ok = keys < hi
+            kv_mask = key_ok[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + keys.to(tl.int64)[:, None] * stride_kn + kv_head * stride_kh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_ptr + keys.to(tl.int64)[:, None] * stride_vn + kv_head * stride_vh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            allowed = (keys[None, :] <= rows[:, None]) & key_ok[None, :]  # [BLOCK_M, BLOCK_N]
+            m_i, l_i, acc = _attend_block(q, k, v, allowed, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]  # every valid row saw at least itself
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + head * stride_oh + offs_d[None, :],
+                 cast(out, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
 
 
 class PrefillConfig(NamedTuple):
@@ -154,16 +156,18 @@ _INTERPRET_CONFIG = PrefillConfig(16, 16, 1, 1)  # small blocks: the tests' shor
 # sequences compared per step of the block search: the default 64 slots' sampling head in one step (each step is
 # a dependent round trip to memory on every program's critical path)
 _BLOCK_S = 64
+SPARE_PROGRAMS = 16  # programs per head beyond cdiv(T, BLOCK_M): more sequences than that loop (module doc)
 
 
 def _launch(cfg: PrefillConfig, q, k, v, cu_seqlens, scale, out, prefix: PagedPrefix | None) -> None:
     rows, num_heads, head_dim = q.shape
     kc, vc, table, plen = prefix if prefix is not None else (k[None], v[None], cu_seqlens, cu_seqlens)
-    grid = (triton.cdiv(rows, cfg.block_m) + cu_seqlens.shape[0] - 1, num_heads)  # >= every sequence's blocks
+    seqs = cu_seqlens.shape[0] - 1
+    grid = (num_heads, triton.cdiv(rows, cfg.block_m) + min(seqs, SPARE_PROGRAMS))  # blocks <= cdiv(T, BLOCK_M) + S
     _prefill_attention_kernel[grid](
         q, k, v, cu_seqlens, out,
         kc, vc, table, plen,
-        cu_seqlens.shape[0] - 1, scale * _LOG2E,
+        seqs, scale * _LOG2E,
         cu_seqlens.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
