@@ -186,8 +186,6 @@ class ModelRunner:
         final = [i for i, r in enumerate(rows) if r.final]
         started = [rows[i] for i in final]
         sl = torch.tensor([r.slot for r in started], dtype=torch.int64, device=self.device)
-        st.rep_mask[sl] = False
-        st.text_len[sl] = 0
         if self.codec is not None:
             with self.audio.ordered() if self.audio is not None else contextlib.nullcontext():
                 self._prime_codec(started)
@@ -197,6 +195,9 @@ class ModelRunner:
             c0, hidden, faults = self._prefill(rows, torch.tensor([r.slot for r in rows], device=self.device))
             index = torch.tensor(final, dtype=torch.int64, device=self.device)
             c0, hidden, faults = c0[index], hidden[index], faults[index]
+        # the prefill reads neither: written once it is launched, so the device need not wait for them
+        st.rep_mask[sl] = False
+        st.text_len[sl] = 0
         st.last_c0[sl] = c0
         st.past_hidden[sl] = hidden
         self.slot_faults[sl] = faults
