@@ -7,7 +7,7 @@ Call `warmup(...)` once before CUDA-graph capture so that nothing compiles or tu
 
 Batch invariance (`set_batch_invariant(True)`, process-wide; off by default): a row's result then
 depends neither on how many rows share a launch nor on what they hold. Per kernel:
-  by construction  rms_norm (a row's statistics inside one program, tiles set by the feature dim),
+  by construction  rms_norm (a row's statistics inside one program, tiles set by the feature dim), silu_mul,
                    apply_rotary and store_kv (one program per token, no reduction across tokens),
                    snake_beta (elementwise), the code predictor's sample (one program per row),
                    prefill_attention (a program takes rows of one prompt only; key blocks start at
@@ -47,6 +47,7 @@ try:
     from . import rotary as _rt
     from . import snake as _sn
     from . import store_kv as _kv
+    from . import swiglu as _sw
     from .autotune import tuning as _tuning
     from .warmup import warmup as _warmup
 
@@ -56,7 +57,8 @@ except ImportError:  # CPU-only install without triton: the references serve eve
 
 __all__ = ["HAS_TRITON", "PagedPrefix", "apply_rotary", "batch_invariant", "causal_conv1d",
            "linear", "paged_decode_attention", "prefill_attention", "rms_norm", "conv_kernel_weight",
-           "set_batch_invariant", "set_programmatic_launch", "snake_beta", "store_kv", "tuning", "use_triton", "warmup"]
+           "set_batch_invariant", "set_programmatic_launch", "silu_mul", "snake_beta", "store_kv", "tuning",
+           "use_triton", "warmup"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -102,6 +104,13 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     q.copy_(q_rot)
     k.copy_(k_rot)
     return q, k
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: x [..., 2I] = gate | up -> silu(gate) * up [..., I] in one pass. See kernels/swiglu.py."""
+    if use_triton(x):
+        return _sw.silu_mul(x)
+    return reference.silu_mul_ref(x)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -28,6 +28,7 @@ from .code_predictor_gemm import (BLOCK_M, GATHER, MIN_BLOCK_N, NORM, PLAIN, Gem
                                   interpret_config, arrive, candidates, counters_needed, dot_precision, k_slice,
                                   load_sum, mainloop, row_blocks, row_class, row_offsets, row_rstd,
                                   store_partial, wait_for_inputs)
+from .swiglu import silu_times
 
 BIAS, RESIDUAL, SWIGLU, ROUND = 0, 1, 2, 3  # epilogues (ROUND: the product in the weight dtype)
 
@@ -40,9 +41,7 @@ def _epilogue(acc, rows, row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, st
     r64 = rows.to(tl.int64)
     if EPILOGUE == 2:  # acc columns interleave (gate j, up j)
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-        g = cast(gate, DT).to(tl.float32)
-        silu = cast(g / (1.0 + tl.exp(-g)), DT).to(tl.float32)
-        y = silu * cast(up, DT).to(tl.float32)
+        y = silu_times(cast(gate, DT).to(tl.float32), cast(up, DT).to(tl.float32), DT)
     elif EPILOGUE == 0:
         y = acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]
     elif EPILOGUE == 1:

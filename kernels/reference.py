@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.nn import functional as F
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -31,6 +32,12 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     freqs = positions.float()[..., None] * inv_freq  # [..., D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [..., D]
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate of x [..., 2I] = gate | up -> silu(gate) * up [..., I] (eager: two roundings)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

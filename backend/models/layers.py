@@ -4,10 +4,10 @@ Token-major, batch-free tensors: every forward takes `x [N, H]` rows (tokens of 
 their `positions [N]`; the `AttentionContext` knows which rows belong to which sequence.
 Attribute names equal the released safetensors keys (`self_attn.q_proj`, `mlp.gate_proj`, ...).
 
-Launch-count layout of one layer (the decode step is launch-bound, perf/results/RESULTS.md), 11
+Launch-count layout of one layer (the decode step is launch-bound, perf/results/RESULTS.md), 10
 kernels besides attention's store + decode (was 25):
   [input norm (+ residual add)] -> qkv GEMM -> q-norm, k-norm -> RoPE (q and k, in place)
-  -> attention -> o GEMM -> [post-attention norm + residual add] -> gate_up GEMM -> silu, mul
+  -> attention -> o GEMM -> [post-attention norm + residual add] -> gate_up GEMM -> silu·mul
   -> down GEMM
 RoPE reads cos/sin tables [max_positions, D] built once per (device, dtype) with the fp32 math of
 `rope_cos_sin` (row p of the table == rope_cos_sin at p, bit for bit), gathered by position in the
@@ -213,11 +213,9 @@ class MLP(_FusedRows):
         self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)
-        self._intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.fused_weight()).split(self._intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_mul(linear(x, self.fused_weight())))  # [..., 2I] -> [..., I] -> [..., H]
 
 
 class DecoderLayer(nn.Module):
