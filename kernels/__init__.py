@@ -8,7 +8,8 @@ Call `warmup(...)` once before CUDA-graph capture so that nothing compiles or tu
 Batch invariance (`set_batch_invariant(True)`, process-wide; off by default): a row's result then
 depends neither on how many rows share a launch nor on what they hold. Per kernel:
   by construction  rms_norm (a row's statistics inside one program, tiles set by the feature dim), silu_mul,
-                   apply_rotary and store_kv (one program per token, no reduction across tokens),
+                   apply_rotary (with its QK-norm) and store_kv (one program per token, no reduction
+                   across tokens),
                    snake_beta (elementwise), the code predictor's sample (one program per row),
                    prefill_attention (a program takes rows of one prompt only; key blocks start at
                    the prompt's first row, so a prompt's rows never see where it sits in the pack),
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from . import reference
 from ._launch import set_programmatic_launch
 from .autotune import batch_invariant, set_batch_invariant
-from .reference import PagedPrefix
+from .reference import PagedPrefix, QKNorm
 
 try:
     from . import code_predictor_linear as _cpl
@@ -55,7 +56,7 @@ try:
 except ImportError:  # CPU-only install without triton: the references serve every call
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "PagedPrefix", "apply_rotary", "batch_invariant", "causal_conv1d",
+__all__ = ["HAS_TRITON", "PagedPrefix", "QKNorm", "apply_rotary", "batch_invariant", "causal_conv1d",
            "linear", "paged_decode_attention", "prefill_attention", "rms_norm", "conv_kernel_weight",
            "set_batch_invariant", "set_programmatic_launch", "silu_mul", "snake_beta", "store_kv", "tuning",
            "use_triton", "warmup"]
@@ -92,13 +93,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 sin: torch.Tensor, inplace: bool = False, norm: QKNorm | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rotate_half RoPE of q [N, NH, D], k [N, KVH, D] at positions [N] from cos/sin tables
-    [max_pos, D]; returns (q_rot, k_rot) (q and k themselves when inplace).
-    See kernels/rotary.py."""
+    [max_pos, D], after their QK-norm when `norm` is given (one launch); returns (q_rot, k_rot) (q and k
+    themselves when inplace). See kernels/rotary.py."""
     if use_triton(q):
-        return _rt.apply_rotary(q, k, positions, cos, sin, inplace)
-    q_rot, k_rot = reference.apply_rotary_ref(q, k, positions, cos, sin)
+        return _rt.apply_rotary(q, k, positions, cos, sin, inplace, norm)
+    q_rot, k_rot = reference.apply_rotary_ref(q, k, positions, cos, sin, norm)
     if not inplace:
         return q_rot, k_rot
     q.copy_(q_rot)
@@ -172,7 +174,7 @@ def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torc
 
 
 def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, hidden_sizes, page_size: int,
-           dtype: torch.dtype, device="cuda", max_pages: int = 4, batch_sizes=(1,)) -> None:
+           dtype: torch.dtype, device="cuda", max_pages: int = 4, batch_sizes=(1,), intermediate_sizes=()) -> None:
     """Compile and tune every kernel key before CUDA-graph capture (see kernels/warmup.py); no-op
     when the kernels would not be used on `device`."""
     probe = torch.empty(0, device=device)
@@ -180,4 +182,4 @@ def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, hidden_sizes, pa
         return
     _warmup(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             hidden_sizes=hidden_sizes, page_size=page_size, dtype=dtype, device=device,
-            max_pages=max_pages, batch_sizes=batch_sizes)
+            max_pages=max_pages, batch_sizes=batch_sizes, intermediate_sizes=intermediate_sizes)

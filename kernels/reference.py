@@ -151,10 +151,21 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return rms_norm_ref(hidden, weight, eps, x.dtype), hidden
 
 
+class QKNorm(NamedTuple):
+    """The QK-norm before RoPE (`apply_rotary(norm=...)`): RMSNorm weights [D] of q's and k's heads, and eps."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+
 def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     sin: torch.Tensor, norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE of q [N, NH, D] and k [N, KVH, D] at positions [N], gathering rows of the cos/sin
-    tables [max_pos, D]. Returns (q_rot, k_rot) in q/k's dtypes."""
+    tables [max_pos, D]; with `norm`, of their QK-norms (`rms_norm_ref` per head). Returns (q_rot, k_rot)
+    in q/k's dtypes (the norm's: promote(q.dtype, weight dtype))."""
+    if norm is not None:
+        q, k = rms_norm_ref(q, norm.q_weight, norm.eps), rms_norm_ref(k, norm.k_weight, norm.eps)
     pos = positions.long()
     cos_t, sin_t = cos[pos], sin[pos]  # [N, D]
     return rotary_ref(q, cos_t, sin_t).to(q.dtype), rotary_ref(k, cos_t, sin_t).to(k.dtype)

@@ -3,7 +3,7 @@
 A CUDA graph must neither compile nor time anything while it is captured, and the capture's own
 warm-up runs on padding rows (empty contexts), on which timing paged attention would pick a config
 at random. This runs each kernel once per specialisation on real-sized data instead: RMSNorm per
-feature dim (with and without the fused residual), RoPE and the KV store per index dtype, and paged
+feature dim (with and without the fused residual), the SwiGLU gate per intermediate size, QK-norm + RoPE and the KV store per index dtype, and paged
 decode attention over full, distinct pages (the call that tunes its launch config).
 """
 
@@ -14,23 +14,27 @@ from typing import Sequence
 import torch
 
 from .paged_attention import paged_decode_attention
+from .reference import QKNorm
 from .rmsnorm import rms_norm
 from .rotary import apply_rotary
 from .store_kv import store_kv
+from .swiglu import silu_mul
 
 
 def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, hidden_sizes: Sequence[int],
            page_size: int, dtype: torch.dtype, device: torch.device | str = "cuda",
-           max_pages: int = 4, batch_sizes: Sequence[int] = (1,)) -> None:
+           max_pages: int = 4, batch_sizes: Sequence[int] = (1,), intermediate_sizes: Sequence[int] = ()) -> None:
     """Compile (and tune) every kernel variant the model uses; call before CUDA-graph capture.
 
-    hidden_sizes: every feature dim RMSNorm runs on (e.g. (2048, 1024) for talker + code predictor);
-    head_dim is added for QK-norm. max_pages: block-table width of the decode step (the split count
+    hidden_sizes: every feature dim RMSNorm runs on (e.g. (2048, 1024) for talker + code predictor; the
+    QK-norm over head_dim runs inside the RoPE kernel); intermediate_sizes: the MLPs' (SwiGLU gate). max_pages: block-table width of the decode step (the split count
     of paged attention depends on it). batch_sizes only pick which split counts are exercised; the
     kernels themselves are specialised on none of them.
     """
     device = torch.device(device)
-    _warm_norms((*hidden_sizes, head_dim), dtype, device)
+    _warm_norms(hidden_sizes, dtype, device)
+    for inter in intermediate_sizes:
+        silu_mul(torch.randn(2, 2 * inter, dtype=dtype, device=device))
     q = torch.randn(2, num_heads, head_dim, dtype=dtype, device=device)  # [2, NH, D]
     k = torch.randn(2, num_kv_heads, head_dim, dtype=dtype, device=device)  # [2, KVH, D]
     _warm_qk_norm_rope_store(q, k, page_size, max_pages)
@@ -50,16 +54,15 @@ def _warm_norms(dims: Sequence[int], dtype: torch.dtype, device: torch.device) -
 
 
 def _warm_qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, page_size: int, max_pages: int) -> None:
-    """QK-norm of q [N, NH, D] and k [N, KVH, D] (3-D rows), RoPE (copy and in place) and the KV store,
-    with positions / slot mappings of both index dtypes the callers pass."""
+    """QK-norm + RoPE of q [N, NH, D] and k [N, KVH, D] (the layers' one call, and RoPE alone, copy and in
+    place) and the KV store, with positions / slot mappings of both index dtypes the callers pass."""
     head_dim = q.shape[-1]
     w = torch.ones(head_dim, dtype=q.dtype, device=q.device)
-    rms_norm(q, w, 1e-6)
-    rms_norm(k, w, 1e-6)
     table = torch.randn(8, head_dim, dtype=q.dtype, device=q.device)  # cos / sin [max_pos, D]
     cache = torch.zeros(max_pages * 2, page_size, *k.shape[1:], dtype=q.dtype, device=q.device)
     for index_dtype in (torch.int32, torch.int64):
         pos = torch.zeros(q.shape[0], dtype=index_dtype, device=q.device)
+        apply_rotary(q, k, pos, table, table, norm=QKNorm(w, w, 1e-6))
         apply_rotary(q, k, pos, table, table, inplace=False)
         apply_rotary(q.clone(), k.clone(), pos, table, table, inplace=True)
         slots = torch.tensor([0, -1], dtype=index_dtype, device=q.device)

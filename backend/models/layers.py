@@ -4,9 +4,9 @@ Token-major, batch-free tensors: every forward takes `x [N, H]` rows (tokens of 
 their `positions [N]`; the `AttentionContext` knows which rows belong to which sequence.
 Attribute names equal the released safetensors keys (`self_attn.q_proj`, `mlp.gate_proj`, ...).
 
-Launch-count layout of one layer (the decode step is launch-bound, perf/results/RESULTS.md), 10
+Launch-count layout of one layer (the decode step is launch-bound, perf/results/RESULTS.md), 8
 kernels besides attention's store + decode (was 25):
-  [input norm (+ residual add)] -> qkv GEMM -> q-norm, k-norm -> RoPE (q and k, in place)
+  [input norm (+ residual add)] -> qkv GEMM -> q-norm, k-norm and RoPE (q and k, one launch)
   -> attention -> o GEMM -> [post-attention norm + residual add] -> gate_up GEMM -> silu·mul
   -> down GEMM
 RoPE reads cos/sin tables [max_positions, D] built once per (device, dtype) with the fp32 math of
@@ -192,10 +192,11 @@ class SelfAttention(_FusedRows):
         """x [N, H] at positions [N]; cos, sin: RoPE tables [max_pos, D] -> [N, H]."""
         n = x.shape[0]
         q, k, v = linear(x, self.fused_weight()).split(self._split, dim=-1)  # views of [N, Q+2KV]
-        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))  # [N, NH, D] (new tensor)
-        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))  # [N, KVH, D] (new tensor)
         v = v.view(n, self.num_kv_heads, self.head_dim)  # [N, KVH, D] view (row stride Q+2KV)
-        q, k = kernels.apply_rotary(q, k, positions, cos, sin, inplace=True)
+        norm = kernels.QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q, k = kernels.apply_rotary(q.view(n, self.num_heads, self.head_dim),
+                                    k.view(n, self.num_kv_heads, self.head_dim), positions, cos, sin,
+                                    norm=norm)  # QK-norm + RoPE -> new [N, NH, D], [N, KVH, D]
         out = attn.attend(self.layer_idx, q, k, v)  # [N, NH, D]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -291,7 +292,8 @@ class DecoderStack(nn.Module):
         cfg, w = self.cfg, self.norm.weight
         kernels.warmup(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                        hidden_sizes=(cfg.hidden_size,), page_size=page_size, dtype=w.dtype,
-                       device=w.device, max_pages=max_pages, batch_sizes=tuple(batch_sizes))
+                       device=w.device, max_pages=max_pages, batch_sizes=tuple(batch_sizes),
+                       intermediate_sizes=(cfg.intermediate_size,))
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

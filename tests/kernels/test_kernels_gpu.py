@@ -17,6 +17,7 @@ pytestmark = [
 ]
 
 NH, KVH, D, PAGE, MAX_PAGES, BF16 = 16, 8, 128, 16, 32, torch.bfloat16
+INTER = 6144  # the talker's MLP width
 
 
 def _step(bsz: int, cache_k, cache_v, table, seed: int = 0):
@@ -25,14 +26,14 @@ def _step(bsz: int, cache_k, cache_v, table, seed: int = 0):
     x = torch.randn(bsz, 2048, device="cuda", dtype=BF16, generator=gen)
     h, _ = K.rms_norm(x, torch.ones(2048, device="cuda", dtype=BF16), 1e-6, residual=x)
     K.rms_norm(h[:, :1024].contiguous(), torch.ones(1024, device="cuda", dtype=BF16), 1e-6)
+    K.silu_mul(torch.randn(bsz, 2 * INTER, device="cuda", dtype=BF16, generator=gen))
     qkv = torch.randn(bsz, (NH + 2 * KVH) * D, device="cuda", dtype=BF16, generator=gen)
     q = qkv[:, : NH * D].view(bsz, NH, D)
     k = qkv[:, NH * D: (NH + KVH) * D].view(bsz, KVH, D)
     v = qkv[:, (NH + KVH) * D:].view(bsz, KVH, D)
     w = torch.ones(D, device="cuda", dtype=BF16)
-    q, k = K.rms_norm(q, w, 1e-6), K.rms_norm(k, w, 1e-6)
     positions = torch.arange(bsz, device="cuda") % 64
-    K.apply_rotary(q, k, positions, table, table, inplace=True)
+    q, k = K.apply_rotary(q, k, positions, table, table, norm=K.QKNorm(w, w, 1e-6))  # the layers' QK-norm + RoPE
     lens = (torch.arange(bsz, device="cuda", dtype=torch.int32) * 37) % (MAX_PAGES * PAGE)
     slots = torch.where(lens > 0, lens - 1, -1)
     tables = torch.arange(bsz * MAX_PAGES, device="cuda", dtype=torch.int32).view(bsz, MAX_PAGES)
@@ -62,7 +63,7 @@ def _compiles():
 
 def test_compile_count_constant_across_batch_sizes():
     K.warmup(num_heads=NH, num_kv_heads=KVH, head_dim=D, hidden_sizes=(2048, 1024),
-             page_size=PAGE, dtype=BF16, max_pages=MAX_PAGES, batch_sizes=(1, 256))
+             page_size=PAGE, dtype=BF16, max_pages=MAX_PAGES, batch_sizes=(1, 256), intermediate_sizes=(INTER,))
     cache_k = torch.zeros(64, PAGE, KVH, D, device="cuda", dtype=BF16)
     cache_v = torch.zeros_like(cache_k)
     table = torch.randn(64, D, device="cuda", dtype=BF16)

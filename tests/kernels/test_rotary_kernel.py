@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_checks import DEVICE, assert_close_3way, kernel_module
-from q3tts.kernels.reference import apply_rotary_ref
+from q3tts.kernels.reference import QKNorm, apply_rotary_ref
 
 rotary = kernel_module("rotary")
 
@@ -57,6 +57,28 @@ def test_rotary_matches_reference(dtype, case, inplace):
         # The interpreter rounds each product like eager bf16: bit-exact. Compiled for the GPU, the
         # mul+add contracts into an FMA (one rounding fewer), so only the 3-way bound above applies.
         assert torch.equal(q_out, q_pt) and torch.equal(k_out, k_pt)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}_h{}_kv{}_d{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qk_norm_then_rotary_matches_reference(dtype, case):
+    """`norm=QKNorm(...)`: each head RMS-normalised (its own q / k weight) before the rotation, one launch."""
+    n, nh, kvh, d = case
+    torch.manual_seed(2)
+    qkv = (4 * torch.randn(n, (nh + 2 * kvh) * d, device=DEVICE)).to(dtype)  # rows stride (NH + 2 KVH) D
+    q, k = qkv[:, : nh * d].view(n, nh, d), qkv[:, nh * d: (nh + kvh) * d].view(n, kvh, d)
+    norm = QKNorm((1 + torch.rand(d, device=DEVICE)).to(dtype), (0.5 + torch.rand(d, device=DEVICE)).to(dtype), 1e-6)
+    norm32 = QKNorm(norm.q_weight.float(), norm.k_weight.float(), norm.eps)
+    positions = torch.randint(0, MAX_POS, (n,), device=DEVICE)
+    cos, sin = _tables(d, dtype)
+    before = qkv.clone()
+    q_out, k_out = rotary.apply_rotary(q, k, positions, cos, sin, norm=norm)
+    assert torch.equal(qkv, before), "the copy form wrote its input"
+    q_pt, k_pt = apply_rotary_ref(q, k, positions, cos, sin, norm)
+    q_ref, k_ref = apply_rotary_ref(q.float(), k.float(), positions, cos.float(), sin.float(), norm32)
+    assert q_out.dtype == dtype and q_out.is_contiguous() and k_out.shape == k.shape
+    assert_close_3way(q_out, q_pt, q_ref, dtype, "q")
+    assert_close_3way(k_out, k_pt, k_ref, dtype, "k")
 
 
 def test_fp32_tables_with_bf16_activations():
