@@ -23,7 +23,8 @@ finite guard of models/sampling.py) and is reported in `DecodeOutput.faults`: th
 Padding rows (graph buckets, and on CPU too, so that a row's arithmetic never depends on how many real rows
 share the step) use the dummy slot `max_slots`, the dummy page `num_pages` and slot_mapping -1.
 `use_graphs(False)` runs the eager step body instead of the captured graphs. On CUDA a prefill whose
-prompts fit a token bucket is one graph replay (`PrefillGraphs`); the eager `prefill_batch` serves the rest.
+prompts fit a token bucket is two graph replays, the bucket's forward and the head of the step's sampling
+variant (`PrefillGraphs`); the eager `prefill_batch` serves the rest.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ import torch
 from q3tts import kernels
 from q3tts.models import step
 from q3tts.models.attention import PagedKVCache
-from q3tts.models.sampling import (FULL, TOPK, SamplingTensors, UniformSource, row_mode, sampling_mode,
-                                  uniforms)
+from q3tts.models.sampling import (FULL, GRAPH_VARIANTS, TOPK, SamplingTensors, UniformSource, graph_variant,
+                                  row_mode, sampling_mode, uniforms)
 
 from .audio_pipeline import AudioPipeline
 from .config import EngineConfig
@@ -147,7 +148,7 @@ class ModelRunner:
         # NOTE: kernels tune on their first launch; GraphRunner.capture warms every bucket up first
         pool = None
         with torch.no_grad():
-            for mode in (TOPK, FULL):
+            for mode in GRAPH_VARIANTS:
                 graphs = GraphRunner(lambda bs, mode=mode: self.decode_rows(bs, mode), self._fill_padding,
                                      self.buckets)
                 graphs.pool = pool  # one variant replays at a time: they share one pool
@@ -210,13 +211,13 @@ class ModelRunner:
         n, lens, mapping = len(rows), [r.prefill.shape[0] for r in rows], self._slot_mapping(rows)
         graphs = self.prefill_graphs
         packs = all(r.start == 0 for r in rows[1:])
+        mode = sampling_mode(self.slot_modes[r.slot][0] for r in rows)
         if packs and graphs is not None and graphs.bucket_for(sum(lens), n) is not None:
             first = rows[0]
             c0, hidden = graphs.run([r.prefill for r in rows], mapping, [r.slot for r in rows],
-                                    (first.start, first.pages) if first.start else None)
+                                    (first.start, first.pages) if first.start else None, graph_variant([mode]))
             return c0, hidden, graphs.faults[:n]
         head_sl = self._pad_slots(sl)  # sampling head rows: the decode bucket, padding rows greedy
-        mode = sampling_mode(self.slot_modes[r.slot][0] for r in rows)
         embeds = torch.cat([r.prefill.to(self.device, self.dtype) for r in rows])  # [sum L0, H]
         faults = torch.zeros(head_sl.shape[0], dtype=torch.bool, device=self.device)
         prefixes = None if all(r.start == 0 for r in rows) else [
@@ -308,7 +309,7 @@ class ModelRunner:
 
     def step_mode(self, slots: list[int]) -> str:
         """The sampling variant of a step over these slots: TOPK when every row allows it, else FULL."""
-        return FULL if sampling_mode(m for s in slots for m in self.slot_modes[s]) == FULL else TOPK
+        return graph_variant(m for s in slots for m in self.slot_modes[s])
 
     def run_step(self, bucket: int, mode: str) -> None:
         """The step on rows [:bucket] as loaded: a graph replay when one is captured (and on), else eager."""

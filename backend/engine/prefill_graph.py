@@ -1,14 +1,15 @@
 """Prefill as CUDA graphs: the prompts a step starts, packed into a token bucket, one graph per bucket.
 
-`prefill_packed` is `models.step.prefill_batch` with every index on the device: one talker forward
-over the prompts back to back (`PackedPrefillContext`: block-diagonal causal attention from device
-boundaries), padded to the bucket's row count (padding rows: slot -1, never read by attention),
-then the first c0 of each sequence drawn on a sampling head of `max_seqs` rows (one per sequence,
-the rest on the dummy slot). `PrefillGraphs` holds its inputs and outputs in static buffers and
-captures it once per token bucket (`GraphRunner`), so a prefill costs one metadata copy, one
-embedding copy and one graph launch whatever the layer count; on CPU the same body runs eagerly.
-The head always samples in the FULL mode: it equals the cheaper modes on the rows they are valid
-for (models/sampling.py), and one draw per prompt costs little, so one graph per bucket serves all.
+`forward_packed` is the talker forward of `models.step.prefill_batch` with every index on the device:
+one forward over the prompts back to back (`PackedPrefillContext`: block-diagonal causal attention from
+device boundaries), padded to the bucket's row count (padding rows: slot -1, never read by attention),
+then the last hidden row of each sequence on a head of `max_seqs` rows (one per sequence, the rest on
+the dummy slot). The first c0 of each sequence is drawn from those rows by the head
+(`models.step.first_c0`), in the step's sampling variant: TOPK when every row allows it (the default
+parameters), else FULL, which sorts the vocabulary twice. `PrefillGraphs` holds the inputs and outputs
+in static buffers and captures the forward once per token bucket and the head once per variant
+(`GraphRunner`), so a prefill costs one metadata copy, one embedding copy and two graph launches
+whatever the layer count; on CPU the same bodies run eagerly.
 
 Chunked prefill: the first sequence may be a piece of its prompt after P rows already in the KV
 (`run(prefix=...)`): its positions start at P and its rows attend to those P keys through its page
@@ -16,9 +17,11 @@ table (`PackedPrefillContext`); P = 0 for a whole prompt, so one graph per bucke
 
 Static buffers, sized for the largest bucket T, S = max_seqs and M = max_prefix_pages:
     embeds [T, H]   the prompts back to back (rows past them keep stale, finite values)
-    meta   [2T + 2S + 2 + M] int64; bucket t reads positions [t] | slot_mapping [t] | cu_seqlens [S+1] |
-           head_slots [S] | prefix_len [1] | prefix_table [M] from its start (one host-to-device copy)
-    c0 [S] int64, hidden [S, H], faults [S] bool (non-finite sampling scores, models/step.py): the outputs
+    meta   [2T + 2S + 2 + M] int64 (one host-to-device copy): head_slots [S] | prefix_len [1] |
+           prefix_table [M], the same place for every bucket (the head graphs read the slots), then
+           bucket t's positions [t] | slot_mapping [t] | cu_seqlens [S+1] (`_fields`)
+    hidden [S, H] (the forward's output, the head's input), c0 [S] int64, faults [S] bool (non-finite
+    sampling scores, models/step.py): the outputs
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ import torch
 
 from q3tts.models import step
 from q3tts.models.attention import PackedPrefillContext, PagedKVCache
-from q3tts.models.sampling import FULL, SamplingTensors, UniformSource
+from q3tts.models.sampling import FULL, GRAPH_VARIANTS, SamplingTensors, UniformSource
 from q3tts.models.talker import Talker
 
 from .cuda_graph import GraphRunner
 
-# up to the default max_prefill_tokens (4096), so that a step starting 64 arrivals of ~50 rows at once is one
+# up to the default max_prefill_tokens (4096), so that a step starting 64 arrivals of ~50 rows at once is one forward
 # replay too (past the largest bucket the eager forward runs: one launch per op per layer)
 PREFILL_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -53,24 +56,21 @@ def token_buckets(max_tokens: int, candidates: tuple[int, ...] = PREFILL_TOKEN_B
 
 
 @torch.no_grad()
-def prefill_packed(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, positions: torch.Tensor,
-                   slot_mapping: torch.Tensor, cu_seqlens: torch.Tensor, params: SamplingTensors,
-                   seeds: torch.Tensor, uniform_source: UniformSource, faults: torch.Tensor | None = None,
-                   prefix_table: torch.Tensor | None = None, prefix_len: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompts of S sequences in one forward, no host value anywhere (a CUDA graph per shape).
+def forward_packed(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, positions: torch.Tensor,
+                   slot_mapping: torch.Tensor, cu_seqlens: torch.Tensor, prefix_table: torch.Tensor | None = None,
+                   prefix_len: torch.Tensor | None = None) -> torch.Tensor:
+    """The prompts of S sequences in one talker forward, no host value anywhere (a CUDA graph per shape).
 
     embeds [T, H] at positions [T] (each sequence from 0, sequence 0 from prefix_len), K/V to
     slot_mapping [T] (-1 = padding row); cu_seqlens [S+1]: sequence i = rows cu[i]..cu[i+1]-1, rows >=
     cu[S] are padding. prefix_table, prefix_len: see `PackedPrefillContext` (None: no piece).
-    params / seeds: S head rows, row i for sequence i (an empty sequence's row draws junk).
-    Returns c0[0] [S] int64 and past_hidden [S, H] (final-normed hidden of each prompt's last row).
+    Returns past_hidden [S, H]: the final-normed hidden of each prompt's last row (an empty sequence's
+    row is junk).
     """
     ctx = PackedPrefillContext(cache, slot_mapping, cu_seqlens, talker.attn_scale, prefix_table, prefix_len)
     out = talker(embeds, positions, ctx)  # [T, H]
     last = (cu_seqlens[1:] - 1).clamp(min=0)  # [S] last row of each sequence
-    hidden = out.index_select(0, last)  # [S, H]
-    return step.first_c0(talker, hidden, params, seeds, uniform_source, faults), hidden
+    return out.index_select(0, last)
 
 
 @dataclass
@@ -87,7 +87,8 @@ class PackedBatch:
 
 
 class PrefillGraphs:
-    """`prefill_packed` over static buffers, captured per token bucket.
+    """`forward_packed` and the first draw over static buffers: the forward captured per token bucket, the
+    head per sampling variant.
 
     talker, cache: the model and its paged KV. head_params: the sampling parameters of a set of
     slots. max_seqs: sequences one prefill may hold (the sampling head's rows); dummy_slot: the slot
@@ -106,14 +107,16 @@ class PrefillGraphs:
         self.max_prefix_pages = max_prefix_pages
         rows, hidden = buckets[-1], talker.cfg.hidden_size
         self.embeds = torch.zeros(rows, hidden, dtype=dtype, device=device)
-        self.meta = torch.zeros(self._meta_size(rows), dtype=torch.int64, device=device)
+        self.meta = torch.zeros(self._fields(rows)["cu_seqlens"].stop, dtype=torch.int64, device=device)
         self.c0 = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(max_seqs, hidden, dtype=dtype, device=device)
         self.faults = torch.zeros(max_seqs, dtype=torch.bool, device=device)
-        self.graphs: GraphRunner | None = None
+        self.graphs: GraphRunner | None = None  # the forwards, by bucket
+        self.heads: dict[str, GraphRunner] = {}  # the first draw (one bucket: max_seqs), by sampling variant
 
     @property
     def num_replays(self) -> int:
+        """Forward graphs replayed (one per captured prefill)."""
         return self.graphs.num_replays if self.graphs is not None else 0
 
     def bucket_for(self, tokens: int, seqs: int) -> int | None:
@@ -123,12 +126,15 @@ class PrefillGraphs:
         return next((b for b in self.buckets if b >= tokens), None)
 
     def run(self, prompts: list[torch.Tensor], slot_mapping: np.ndarray, slots: list[int],
-            prefix: tuple[int, list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            prefix: tuple[int, list[int]] | None = None, mode: str = FULL) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill n = len(prompts) sequences (prompt rows [L_i, H]) whose K/V go to slot_mapping
         [sum L] and whose sampling parameters are those of `slots`; prefix = (P, pages): prompts[0] is
-        the piece of its prompt after P rows already in the KV, in those pages. Replays the bucket's
-        graph when captured. Returns c0[0] [n] int64 and past_hidden [n, H]: views of buffers the next
-        prefill overwrites."""
+        the piece of its prompt after P rows already in the KV, in those pages. mode: the head's sampling
+        variant, one of GRAPH_VARIANTS (the caller vouches that it is valid for every row, as
+        `SamplingTensors.with_mode`; greedy rows allow TOPK). Replays the bucket's and the variant's graphs
+        when captured. Returns c0[0] [n] int64 and past_hidden [n, H]: views of buffers the next prefill
+        overwrites."""
+        assert mode in GRAPH_VARIANTS, f"head variant {mode!r} is none of {GRAPH_VARIANTS}"
         lens = [int(p.shape[0]) for p in prompts]
         bucket = self.bucket_for(sum(lens), len(lens))
         if bucket is None:
@@ -137,27 +143,42 @@ class PrefillGraphs:
         self._load(bucket, lens, slot_mapping, slots, prefix or (0, []))
         torch.cat([p.to(self.embeds.device, self.embeds.dtype) for p in prompts],
                   out=self.embeds[:sum(lens)])
-        if self.graphs is not None and bucket in self.graphs.graphs:
-            self.graphs.replay(bucket)
-        else:
-            self._body(bucket)
+        self._run(bucket, mode)
         return self.c0[:len(lens)], self.hidden[:len(lens)]
 
     def run_filler(self, bucket: int) -> None:
-        """Bucket `bucket`'s prefill (its graph when captured) on the capture's input: one sequence filling the
-        bucket whose K/V go nowhere and whose head row is the dummy slot's, so nothing but the dummy slot's
-        state is written (the bucket's work alone, e.g. to profile it)."""
+        """Bucket `bucket`'s prefill and a FULL head (their graphs when captured) on the capture's input: one
+        sequence filling the bucket whose K/V go nowhere and whose head row is the dummy slot's, so nothing
+        but the dummy slot's state is written (the bucket's work alone, e.g. to profile it)."""
         self._fill_capture(0, bucket)
+        self._run(bucket, FULL)
+
+    def capture(self) -> None:
+        """Capture every bucket's forward (CUDA), largest first into one pool, each after a warm-up run; then
+        the head of each sampling variant, into another."""
+        self.graphs = GraphRunner(self._body, self._fill_capture, self.buckets, "the prefill",
+                                  "prefill_graphs")
+        self.graphs.capture()
+        pool = None
+        for mode in GRAPH_VARIANTS:
+            heads = GraphRunner(lambda _, mode=mode: self._head(mode), self._fill_head, (self.max_seqs,),
+                                f"the prefill's first draw ({mode})", "prefill_graphs")
+            heads.pool = pool  # one variant replays at a time: they share one pool
+            heads.capture()
+            pool = heads.pool
+            self.heads[mode] = heads
+
+    def _run(self, bucket: int, mode: str) -> None:
+        """The loaded bucket's forward, then the head of `mode`: graph replays where captured, else eagerly."""
         if self.graphs is not None and bucket in self.graphs.graphs:
             self.graphs.replay(bucket)
         else:
             self._body(bucket)
-
-    def capture(self) -> None:
-        """Capture every bucket (CUDA), largest first into one pool, each after a warm-up run."""
-        self.graphs = GraphRunner(self._body, self._fill_capture, self.buckets, "the prefill",
-                                  "prefill_graphs")
-        self.graphs.capture()
+        head = self.heads.get(mode)
+        if head is not None:
+            head.replay(self.max_seqs)
+        else:
+            self._head(mode)
 
     def _fill_capture(self, start: int, stop: int) -> None:
         """What bucket `stop` is warmed up and captured on: one sequence filling it whose K/V go
@@ -166,47 +187,58 @@ class PrefillGraphs:
         assert start == 0, "a prefill bucket is captured whole"
         self._load(stop, [stop], np.full(stop, -1), [self.dummy_slot], (0, []))
 
-    def _meta_size(self, bucket: int) -> int:
-        return 2 * bucket + 2 * self.max_seqs + 2 + self.max_prefix_pages
+    def _fill_head(self, start: int, stop: int) -> None:
+        """What the heads are warmed up and captured on: every head row on the dummy slot."""
+        self._fill_capture(0, self.buckets[0])
+
+    def _fields(self, bucket: int) -> dict[str, slice]:
+        """Where each field of `meta` lies for bucket `bucket`: the head's first, in the same place for every
+        bucket (the head graphs read them), then the bucket's."""
+        s, t = self.max_seqs, bucket
+        head = s + 1 + self.max_prefix_pages
+        return dict(head_slots=slice(0, s), prefix_len=slice(s, s + 1), prefix_table=slice(s + 1, head),
+                    positions=slice(head, head + t), slot_mapping=slice(head + t, head + 2 * t),
+                    cu_seqlens=slice(head + 2 * t, head + 2 * t + s + 1))
 
     def _views(self, bucket: int) -> PackedBatch:
-        t, s, m = bucket, self.max_seqs, self.meta
-        heads = 2 * t + s + 1  # where head_slots start
-        return PackedBatch(embeds=self.embeds[:t], positions=m[:t], slot_mapping=m[t:2 * t],
-                           cu_seqlens=m[2 * t:heads], head_slots=m[heads:heads + s],
-                           prefix_len=m[heads + s:heads + s + 1], prefix_table=m[heads + s + 1:self._meta_size(t)])
+        return PackedBatch(embeds=self.embeds[:bucket],
+                           **{name: self.meta[where] for name, where in self._fields(bucket).items()})
 
     def _load(self, bucket: int, lens: list[int], slot_mapping: np.ndarray, slots: list[int],
               prefix: tuple[int, list[int]]) -> None:
         """The bucket's metadata as `_views` reads it, in one copy: padding rows at position 0 with
         slot -1, empty sequences after the real ones, head rows past them on the dummy slot, the first
         sequence's positions from its prefix length P and the pages of its prefix."""
-        t, s, n, total = bucket, self.max_seqs, len(lens), sum(lens)
+        n, total = len(lens), sum(lens)
         plen, pages = prefix
         pages = pages[:-(-plen // self.cache.page_size)]  # those the prefix fills
         assert len(pages) <= self.max_prefix_pages, f"a prefix of {plen} rows exceeds max_prefix_pages"
-        meta = np.zeros(self._meta_size(t), dtype=np.int64)
+        fields = self._fields(bucket)
+        meta = np.zeros(fields["cu_seqlens"].stop, dtype=np.int64)
+        f = {name: meta[where] for name, where in fields.items()}  # views
         ends = np.cumsum(lens)
-        meta[:total] = np.arange(total) - np.repeat(ends - lens, lens)  # positions from 0 per sequence
-        meta[:lens[0]] += plen  # the first sequence from its prefix on
-        meta[t:2 * t] = -1
-        meta[t:t + total] = slot_mapping
-        meta[2 * t + 1:2 * t + n + 1] = ends
-        meta[2 * t + n + 1:2 * t + s + 1] = total
-        heads = 2 * t + s + 1
-        meta[heads:heads + s] = self.dummy_slot
-        meta[heads:heads + n] = slots
-        meta[heads + s] = plen
-        meta[heads + s + 1:heads + s + 1 + len(pages)] = pages
-        self.meta[:meta.shape[0]].copy_(torch.from_numpy(meta))
+        f["positions"][:total] = np.arange(total) - np.repeat(ends - lens, lens)  # from 0 per sequence
+        f["positions"][:lens[0]] += plen  # the first sequence from its prefix on
+        f["slot_mapping"][:] = -1
+        f["slot_mapping"][:total] = slot_mapping
+        f["cu_seqlens"][1:n + 1] = ends
+        f["cu_seqlens"][n + 1:] = total
+        f["head_slots"][:] = self.dummy_slot
+        f["head_slots"][:n] = slots
+        f["prefix_len"][0] = plen
+        f["prefix_table"][:len(pages)] = pages
+        # from pageable memory without waiting for the stream (the copy is staged before this returns)
+        self.meta[:meta.shape[0]].copy_(torch.from_numpy(meta), non_blocking=True)
 
     def _body(self, bucket: int) -> None:
-        """The captured work of one bucket: `prefill_packed` on its views, into the outputs."""
+        """The captured forward of one bucket: `forward_packed` on its views, into `hidden`."""
         v = self._views(bucket)
-        params, seeds = self.head_params(v.head_slots)
+        self.hidden.copy_(forward_packed(self.talker, self.cache, v.embeds, v.positions, v.slot_mapping,
+                                         v.cu_seqlens, v.prefix_table, v.prefix_len))
+
+    def _head(self, mode: str) -> None:
+        """The captured first draw in sampling variant `mode`: c0 and faults of every head row from `hidden`."""
+        params, seeds = self.head_params(self.meta[self._fields(self.buckets[0])["head_slots"]])
         self.faults.zero_()
-        c0, hidden = prefill_packed(self.talker, self.cache, v.embeds, v.positions, v.slot_mapping,
-                                    v.cu_seqlens, params.with_mode(FULL), seeds, self.uniform_source,
-                                    self.faults, v.prefix_table, v.prefix_len)
-        self.c0.copy_(c0)
-        self.hidden.copy_(hidden)
+        self.c0.copy_(step.first_c0(self.talker, self.hidden, params.with_mode(mode), seeds, self.uniform_source,
+                                    self.faults))

@@ -51,6 +51,14 @@ def sampling_mode(modes) -> str:
     return FULL if FULL in modes else TOPK if TOPK in modes else GREEDY
 
 
+GRAPH_VARIANTS = (TOPK, FULL)  # the modes captured graphs are made in (GREEDY rows take TOPK's)
+
+
+def graph_variant(modes) -> str:
+    """The captured variant (of GRAPH_VARIANTS) that serves rows of these `row_mode`s."""
+    return FULL if sampling_mode(modes) == FULL else TOPK
+
+
 @dataclass(frozen=True)
 class SamplingTensors:
     """Per-row parameters, all `[B]`: temperature f32, top_k i64 (0 = off), top_p f32,

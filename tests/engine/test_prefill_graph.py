@@ -14,7 +14,8 @@ from q3tts.engine.prefill_graph import PREFILL_TOKEN_BUCKETS, PrefillGraphs, tok
 from q3tts.models import step
 from q3tts.models.attention import PagedKVCache
 from q3tts.models.prompt import PromptBuilder
-from q3tts.models.sampling import SamplingTensors, uniforms
+from q3tts.models.sampling import (FULL, GRAPH_VARIANTS, GREEDY, TOPK, SamplingTensors, graph_variant, row_mode,
+                                  uniforms)
 from q3tts.models.tts_model import Qwen3TTS
 
 TEXT = ("Hello world, this is a test of the speech system. The quick brown fox jumps over the "
@@ -77,11 +78,11 @@ def eager(talker, prompts, slots, device, **kw):
     return c0[:len(slots)], hidden[:len(slots)], cache
 
 
-def packed(graphs: PrefillGraphs, prompts, slots):
+def packed(graphs: PrefillGraphs, prompts, slots, mode: str = FULL):
     graphs.cache.k.zero_()
     graphs.cache.v.zero_()
     lens = [p.shape[0] for p in prompts]
-    c0, hidden = graphs.run(prompts, slot_mapping(slots, lens), slots)
+    c0, hidden = graphs.run(prompts, slot_mapping(slots, lens), slots, mode=mode)
     return c0.clone(), hidden.clone(), graphs.cache
 
 
@@ -122,6 +123,21 @@ def test_packed_prefill_equals_prefill_batch(tiny_ckpt):
         assert torch.equal(cache_p.k, cache.k) and torch.equal(cache_p.v, cache.v), lens
 
 
+def test_topk_head_draws_the_full_heads_codes(tiny_ckpt):
+    """The head's TOPK variant (what the default parameters take) draws FULL's first codes on rows that allow
+    it: seeded top-k rows and a greedy one; a variant no graph is made in is refused."""
+    talker, model = load_model(tiny_ckpt, "cpu")
+    graphs = make_graphs(talker, "cpu", token_buckets(512))
+    slots = [0, 1, 4, 5]  # top-k 50 seed 7, greedy, top-k 3, top-k 50 seed 11
+    assert graph_variant(row_mode(p.greedy, p.top_k, p.top_p) for p in (SLOT_PARAMS[s] for s in slots)) == TOPK
+    prompts = prompts_for(tiny_ckpt, model, [12, 40, 30, 7])
+    c0, hidden, _ = packed(graphs, prompts, slots)
+    c0_topk, hidden_topk, _ = packed(graphs, prompts, slots, TOPK)
+    assert torch.equal(c0_topk, c0) and torch.equal(hidden_topk, hidden)
+    with pytest.raises(AssertionError, match="head variant"):
+        packed(graphs, prompts, slots, GREEDY)
+
+
 def test_run_refuses_what_fits_no_bucket(tiny_ckpt):
     talker, model = load_model(tiny_ckpt, "cpu")
     graphs = make_graphs(talker, "cpu", (16, 32))
@@ -154,6 +170,29 @@ def test_engine_through_packed_prefill(tiny_ckpt, monkeypatch):
     baseline(eng)
 
 
+def test_runner_runs_the_head_variant_its_rows_allow(tiny_ckpt, monkeypatch):
+    """The engine's packed prefill draws with the TOPK head for default and greedy arrivals and with FULL
+    once one of the step's arrivals needs the nucleus (top_p < 1)."""
+    from test_engine import baseline, make_engine, req, run
+
+    spk = sorted(tiny_ckpt.config.talker.speaker_ids)
+    eng = make_engine(tiny_ckpt)
+    eng.runner.prefill_graphs = eng.runner.packed_prefill()
+    variants: list[str] = []
+    real_run = PrefillGraphs.run
+
+    def spy(self, prompts, mapping, slots, prefix=None, mode=FULL):
+        variants.append(mode)
+        return real_run(self, prompts, mapping, slots, prefix, mode)
+
+    monkeypatch.setattr(PrefillGraphs, "run", spy)
+    run(eng, [req("d", spk[0], 0, seed=3, max_frames=2), req("g", spk[1], 0, greedy=True, max_frames=2)])
+    assert variants == [TOPK]
+    run(eng, [req("d", spk[0], 0, seed=3, max_frames=2), req("p", spk[1], 0, seed=4, top_p=0.8, max_frames=2)])
+    assert variants == [TOPK, FULL]
+    baseline(eng)
+
+
 # ------------------------------------------------------------------------------------------- GPU
 
 
@@ -165,12 +204,12 @@ def test_graph_prefill_equals_eager_prefill(tiny_ckpt):
     talker, model = load_model(tiny_ckpt, "cuda")
     graphs = make_graphs(talker, "cuda", token_buckets(512))
     graphs.capture()
-    assert sorted(graphs.graphs.graphs) == list(graphs.buckets)
+    assert sorted(graphs.graphs.graphs) == list(graphs.buckets) and sorted(graphs.heads) == sorted(GRAPH_VARIANTS)
     for i, (text_lens, slots) in enumerate(BATCHES):
         prompts = [p.cuda() for p in prompts_for(tiny_ckpt, model, text_lens)]
         c0, hidden, cache = eager(talker, prompts, slots, "cuda")
         c0_p, hidden_p, cache_p = packed(graphs, prompts, slots)
-        assert graphs.num_replays == i + 1
+        assert graphs.num_replays == i + 1 and graphs.heads[FULL].num_replays == i + 1
         assert torch.equal(c0_p, c0), (text_lens, c0_p, c0)
         torch.testing.assert_close(hidden_p, hidden, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(cache_p.k, cache.k, rtol=1e-4, atol=1e-5)
