@@ -174,7 +174,8 @@ def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torc
 
 
 def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, hidden_sizes, page_size: int,
-           dtype: torch.dtype, device="cuda", max_pages: int = 4, batch_sizes=(1,), intermediate_sizes=()) -> None:
+           dtype: torch.dtype, device="cuda", max_pages: int = 4, batch_sizes=(1,),
+           intermediate_sizes=()) -> None:
     """Compile and tune every kernel key before CUDA-graph capture (see kernels/warmup.py); no-op
     when the kernels would not be used on `device`."""
     probe = torch.empty(0, device=device)

@@ -8,15 +8,16 @@ only on (T, NH), so one CUDA graph per token bucket serves every mix of arrivals
 
 Grid (NH, G): a program takes one query head and BLOCK_M consecutive rows of ONE sequence at a time: the
 sequences' row blocks are numbered one sequence after the other (sequence i has cdiv(len_i, BLOCK_M) of
-them, found by a vectorised search over cu_seqlens), so a block never straddles two sequences, and program
-g of a head takes blocks g, g + G, g + 2G, ... up to the last one. There are at most cdiv(T, BLOCK_M) + S
+them, found by a vectorised search over cu_seqlens), so a block never straddles two sequences, and program g
+of a head takes blocks g, g + G, g + 2G, ... up to the last one. There are at most cdiv(T, BLOCK_M) + S
 blocks; G is cdiv(T, BLOCK_M) + min(S, SPARE_PROGRAMS), so a bucket holding a few prompts launches few
 programs that find no block (a 61-row prompt in the 64-row bucket of a 64-sequence head: 17 per head, not
 65, which filled waves of their own). The program runs an online softmax (fp32, exp2) over its sequence's
 keys from the sequence's first row to its own last row, in key blocks that start at the sequence's first
 row. So a row's arithmetic depends only on its own sequence (and the launch config, tuned once per head
-shape): never on where its prompt sits in the pack or what the other prompts hold — the prefill is batch-invariant. K/V come from the forward's own packed k, v (query
-head h reads kv head h // (NH / KVH)); any row and head strides (v is a view of the fused qkv GEMM).
+shape): never on where its prompt sits in the pack or what the other prompts hold — the prefill is
+batch-invariant. K/V come from the forward's own packed k, v (query head h reads kv head h // (NH / KVH));
+any row and head strides (v is a view of the fused qkv GEMM).
 
 Chunked prefill (`prefix`, a `PagedPrefix`): sequence 0's rows are a piece of a prompt whose first P
 rows are already in the paged KV cache (P and the sequence's page table on the device, P = 0 allowed,

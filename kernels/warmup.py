@@ -1,10 +1,10 @@
 """`warmup()`: compile every kernel variant the model uses and tune the shape-class keys, before capture.
 
-A CUDA graph must neither compile nor time anything while it is captured, and the capture's own
-warm-up runs on padding rows (empty contexts), on which timing paged attention would pick a config
-at random. This runs each kernel once per specialisation on real-sized data instead: RMSNorm per
-feature dim (with and without the fused residual), the SwiGLU gate per intermediate size, QK-norm + RoPE and the KV store per index dtype, and paged
-decode attention over full, distinct pages (the call that tunes its launch config).
+A CUDA graph must neither compile nor time anything while it is captured, and the capture's own warm-up runs
+on padding rows (empty contexts), on which timing paged attention would pick a config at random. This runs
+each kernel once per specialisation on real-sized data instead: RMSNorm per feature dim (with and without
+the fused residual), the SwiGLU gate per intermediate size, QK-norm + RoPE and the KV store per index dtype,
+and paged decode attention over full, distinct pages (the call that tunes its launch config).
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ from .swiglu import silu_mul
 
 def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, hidden_sizes: Sequence[int],
            page_size: int, dtype: torch.dtype, device: torch.device | str = "cuda",
-           max_pages: int = 4, batch_sizes: Sequence[int] = (1,), intermediate_sizes: Sequence[int] = ()) -> None:
+           max_pages: int = 4, batch_sizes: Sequence[int] = (1,),
+           intermediate_sizes: Sequence[int] = ()) -> None:
     """Compile (and tune) every kernel variant the model uses; call before CUDA-graph capture.
 
     hidden_sizes: every feature dim RMSNorm runs on (e.g. (2048, 1024) for talker + code predictor; the
-    QK-norm over head_dim runs inside the RoPE kernel); intermediate_sizes: the MLPs' (SwiGLU gate). max_pages: block-table width of the decode step (the split count
-    of paged attention depends on it). batch_sizes only pick which split counts are exercised; the
-    kernels themselves are specialised on none of them.
+    QK-norm over head_dim runs inside the RoPE kernel); intermediate_sizes: the MLPs' (the SwiGLU gate).
+    max_pages: block-table width of the decode step (the split count of paged attention depends on it).
+    batch_sizes only pick which split counts are exercised; the kernels themselves are specialised on
+    none of them.
     """
     device = torch.device(device)
     _warm_norms(hidden_sizes, dtype, device)

@@ -20,6 +20,8 @@ import contextlib
 import torch
 from torch import Tensor
 
+from q3tts.models.transfer import upload
+
 from .decoder import CodecDecoder
 
 
@@ -46,7 +48,7 @@ class StreamingDecoder:
 
         One index_fill_ per state dtype over the packed buffers, no host sync (this runs on the time-to-first-audio
         path of every admitted batch: zeroing each state's row of each stream took milliseconds of host time)."""
-        ids = torch.as_tensor(slots, dtype=torch.int64).to(self._rows[0].device, non_blocking=True)
+        ids = upload(torch.as_tensor(slots, dtype=torch.int64), self._rows[0].device)
         for rows in self._rows:
             rows.index_fill_(0, ids, 0)
 

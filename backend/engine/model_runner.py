@@ -41,6 +41,7 @@ from q3tts.models import step
 from q3tts.models.attention import PagedKVCache
 from q3tts.models.sampling import (FULL, GRAPH_VARIANTS, TOPK, SamplingTensors, UniformSource, graph_variant,
                                   row_mode, sampling_mode, uniforms)
+from q3tts.models.transfer import upload
 
 from .audio_pipeline import AudioPipeline
 from .config import EngineConfig
@@ -186,19 +187,21 @@ class ModelRunner:
         self._load_sampling(rows)  # every row's head draw reads its slot's parameters
         final = [i for i, r in enumerate(rows) if r.final]
         started = [rows[i] for i in final]
-        sl = torch.tensor([r.slot for r in started], dtype=torch.int64, device=self.device)
+        sl = upload(torch.tensor([r.slot for r in started], dtype=torch.int64), self.device)
         if self.codec is not None:
             with self.audio.ordered() if self.audio is not None else contextlib.nullcontext():
                 self._prime_codec(started)
         if len(started) == len(rows):
             c0, hidden, faults = self._prefill(rows, sl)
         else:  # the draws of pieces that do not end their prompt are dropped
-            c0, hidden, faults = self._prefill(rows, torch.tensor([r.slot for r in rows], device=self.device))
-            index = torch.tensor(final, dtype=torch.int64, device=self.device)
+            every = upload(torch.tensor([r.slot for r in rows], dtype=torch.int64), self.device)
+            c0, hidden, faults = self._prefill(rows, every)
+            index = upload(torch.tensor(final, dtype=torch.int64), self.device)
             c0, hidden, faults = c0[index], hidden[index], faults[index]
-        # the prefill reads neither: written once it is launched, so the device need not wait for them
-        st.rep_mask[sl] = False
-        st.text_len[sl] = 0
+        # the prefill reads neither: written once it is launched, with scalar fills (`x[sl] = False` would copy a
+        # host scalar up, waiting for the stream: the prefill included, models/transfer.py)
+        st.rep_mask.index_fill_(0, sl, False)
+        st.text_len.index_fill_(0, sl, 0)
         st.last_c0[sl] = c0
         st.past_hidden[sl] = hidden
         self.slot_faults[sl] = faults

@@ -36,6 +36,7 @@ from q3tts.models import step
 from q3tts.models.attention import PackedPrefillContext, PagedKVCache
 from q3tts.models.sampling import FULL, GRAPH_VARIANTS, SamplingTensors, UniformSource
 from q3tts.models.talker import Talker
+from q3tts.models.transfer import upload
 
 from .cuda_graph import GraphRunner
 
@@ -227,8 +228,7 @@ class PrefillGraphs:
         f["head_slots"][:n] = slots
         f["prefix_len"][0] = plen
         f["prefix_table"][:len(pages)] = pages
-        # from pageable memory without waiting for the stream (the copy is staged before this returns)
-        self.meta[:meta.shape[0]].copy_(torch.from_numpy(meta), non_blocking=True)
+        upload(torch.from_numpy(meta), self.meta.device, out=self.meta[:meta.shape[0]])
 
     def _body(self, bucket: int) -> None:
         """The captured forward of one bucket: `forward_packed` on its views, into `hidden`."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from q3tts.models.transfer import upload
+
 
 class SlotPool:
     def __init__(self, num_slots: int) -> None:
@@ -122,7 +124,7 @@ class SlotState:
         host[:, _FLOATS] = np.array([[getattr(p, n) for n in _FLOAT_PARAMS] for p in params],
                                     dtype=np.float32).view(np.int32)
         host[:, _BOOLS] = [[getattr(p, n) for n in _BOOL_PARAMS] for p in params]
-        rows = torch.from_numpy(host).to(self.params_f.device, non_blocking=True)  # [n, _LOAD_COLUMNS]
+        rows = upload(torch.from_numpy(host), self.params_f.device)  # [n, _LOAD_COLUMNS]
         idx = rows[:, 0]
         self.params_i.index_copy_(0, idx, rows[:, _INTS])
         self.params_f.index_copy_(0, idx, rows[:, _FLOATS].to(torch.int32).view(torch.float32))

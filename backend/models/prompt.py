@@ -19,6 +19,7 @@ import torch
 
 from q3tts.checkpoint.tokenizer import TextTokenizer
 from q3tts.core import TEXT_MODES, InvalidRequest, VoiceSpec
+from q3tts.models.transfer import upload
 from q3tts.models.tts_model import Qwen3TTS
 from q3tts_client import protocol as P
 
@@ -99,7 +100,7 @@ class PromptBuilder:
     # ------------------------------------------------------------------ embeddings
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
-        return _upload(torch.tensor(ids, dtype=torch.int64), self.device)
+        return upload(torch.tensor(ids, dtype=torch.int64), self.device)
 
     def embed_text(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """P(ids) -> [N, H]: the text-track rows of text tokens."""
@@ -221,10 +222,10 @@ class PromptBuilder:
         if self.config.variant != "base":
             return None
         weight = self.talker.codec_head.weight
-        xvector = _upload(torch.as_tensor(np.asarray(voice.xvector)), weight.device).to(weight.dtype)
+        xvector = upload(torch.as_tensor(np.asarray(voice.xvector)), weight.device).to(weight.dtype)
         if not self.is_icl(voice):
             return VoiceTensors(xvector, None, None)
-        codes = _upload(torch.as_tensor(np.asarray(voice.ref_codes), dtype=torch.int64), self.device)
+        codes = upload(torch.as_tensor(np.asarray(voice.ref_codes), dtype=torch.int64), self.device)
         return VoiceTensors(xvector, codes, self.ref_ids(voice.ref_text))
 
     @torch.no_grad()
@@ -318,12 +319,3 @@ class PromptBuilder:
 def _given(value) -> bool:
     """Whether a VoiceSpec field was set (None, "" and False are its unset values; arrays are set)."""
     return value is not None and not (isinstance(value, (str, bool)) and not value)
-
-
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor `t` on `device`, without waiting for the work queued there: on CUDA through pinned memory,
-    copied in stream order. A plain copy from pageable memory waits for the whole stream, which holds
-    a decode step in flight between the engine's steps (engine/audio_pipeline.py): every add waited for it."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
