@@ -17,9 +17,9 @@ table (`PackedPrefillContext`); P = 0 for a whole prompt, so one graph per bucke
 
 Static buffers, sized for the largest bucket T, S = max_seqs and M = max_prefix_pages:
     embeds [T, H]   the prompts back to back (rows past them keep stale, finite values)
-    meta   [2T + 2S + 2 + M] int64 (one host-to-device copy): head_slots [S] | prefix_len [1] |
-           prefix_table [M], the same place for every bucket (the head graphs read the slots), then
-           bucket t's positions [t] | slot_mapping [t] | cu_seqlens [S+1] (`_fields`)
+    meta   int64 (one host-to-device copy): head_slots [S] | prefix_len [1] | prefix_table [M], the same
+           place for every bucket (the head graphs read the slots), then bucket t's positions [t] |
+           slot_mapping [t] | cu_seqlens [S+1]; each field 16-element aligned (`_fields`)
     hidden [S, H] (the forward's output, the head's input), c0 [S] int64, faults [S] bool (non-finite
     sampling scores, models/step.py): the outputs
 """
@@ -43,6 +43,8 @@ from .cuda_graph import GraphRunner
 # up to the default max_prefill_tokens (4096), so that a step starting 64 arrivals of ~50 rows at once is one forward
 # replay too (past the largest bucket the eager forward runs: one launch per op per layer)
 PREFILL_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+_FIELD_ALIGN = 16  # int64 elements between the starts of `meta`'s fields (a multiple of 16 bytes)
 
 # head slots [S] int64 -> the talker sampling parameters and seeds of those slots (graph-safe)
 HeadParams = Callable[[torch.Tensor], tuple[SamplingTensors, torch.Tensor]]
@@ -194,12 +196,15 @@ class PrefillGraphs:
 
     def _fields(self, bucket: int) -> dict[str, slice]:
         """Where each field of `meta` lies for bucket `bucket`: the head's first, in the same place for every
-        bucket (the head graphs read them), then the bucket's."""
-        s, t = self.max_seqs, bucket
-        head = s + 1 + self.max_prefix_pages
-        return dict(head_slots=slice(0, s), prefix_len=slice(s, s + 1), prefix_table=slice(s + 1, head),
-                    positions=slice(head, head + t), slot_mapping=slice(head + t, head + 2 * t),
-                    cu_seqlens=slice(head + 2 * t, head + 2 * t + s + 1))
+        bucket (the head graphs read them), then the bucket's; each starts at a multiple of `_FIELD_ALIGN`
+        elements (the kernels are compiled for 16-byte aligned pointers)."""
+        sizes = dict(head_slots=self.max_seqs, prefix_len=1, prefix_table=self.max_prefix_pages,
+                     positions=bucket, slot_mapping=bucket, cu_seqlens=self.max_seqs + 1)
+        fields, start = {}, 0
+        for name, size in sizes.items():
+            fields[name] = slice(start, start + size)
+            start += -(-size // _FIELD_ALIGN) * _FIELD_ALIGN
+        return fields
 
     def _views(self, bucket: int) -> PackedBatch:
         return PackedBatch(embeds=self.embeds[:bucket],
@@ -236,6 +241,7 @@ class PrefillGraphs:
         self.hidden.copy_(forward_packed(self.talker, self.cache, v.embeds, v.positions, v.slot_mapping,
                                          v.cu_seqlens, v.prefix_table, v.prefix_len))
 
+    @torch.no_grad()
     def _head(self, mode: str) -> None:
         """The captured first draw in sampling variant `mode`: c0 and faults of every head row from `hidden`."""
         params, seeds = self.head_params(self.meta[self._fields(self.buckets[0])["head_slots"]])

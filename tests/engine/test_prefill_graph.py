@@ -138,6 +138,19 @@ def test_topk_head_draws_the_full_heads_codes(tiny_ckpt):
         packed(graphs, prompts, slots, GREEDY)
 
 
+def test_metadata_fields_are_16_byte_aligned(tiny_ckpt):
+    """Every bucket's metadata views start 16-byte aligned (the kernels reading them are compiled for that),
+    and do not overlap."""
+    talker, _ = load_model(tiny_ckpt, "cpu")
+    graphs = make_graphs(talker, "cpu", token_buckets(512))
+    for bucket in graphs.buckets:
+        batch = graphs._views(bucket)
+        views = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "embeds"}
+        assert all(v.data_ptr() % 16 == 0 for v in views.values()), bucket
+        spans = sorted((v.data_ptr(), v.data_ptr() + 8 * v.numel()) for v in views.values())
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), bucket
+
+
 def test_run_refuses_what_fits_no_bucket(tiny_ckpt):
     talker, model = load_model(tiny_ckpt, "cpu")
     graphs = make_graphs(talker, "cpu", (16, 32))
