@@ -16,6 +16,14 @@ from ._cast import cast
 from ._launch import device_guard
 
 
+@triton.jit
+def normalized(xf, sum_sq, w, eps, DIM: tl.constexpr, DT: tl.constexpr):
+    """`rms_norm_ref`'s arithmetic on rows xf [R, C] (fp32) whose squares over their DIM features sum to
+    sum_sq [R]: the normalised value rounded to DT, times the weight w [1, C] (fp32); fp32, unrounded."""
+    rstd = 1.0 / tl.sqrt(sum_sq / DIM + eps)
+    return cast(xf * rstd[:, None], DT).to(tl.float32) * w
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     # pointers
@@ -44,11 +52,9 @@ def _rms_norm_kernel(
         xf = h.to(tl.float32)
     else:
         xf = x.to(tl.float32)
-    # fp32 statistics
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / DIM + eps)
-    normed = cast(xf * rstd[:, None], x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < DIM, other=0.0).to(tl.float32)
-    tl.store(out_ptr + o_offs, cast(normed * w[None, :], out_ptr.dtype.element_ty), mask=mask)
+    y = normalized(xf, tl.sum(xf * xf, axis=1), w[None, :], eps, DIM, x_ptr.dtype.element_ty)  # fp32 statistics
+    tl.store(out_ptr + o_offs, cast(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard
 from .reference import QKNorm
+from .rmsnorm import normalized
 
 
 @triton.jit
@@ -50,12 +51,12 @@ def _norm_halves(x1, x2, w_ptr, eps, cols, HALF: tl.constexpr):
     """RMSNorm of the heads whose halves are x1, x2 [BLOCK_H, BLOCK_HALF] (masked columns 0) by the weight
     [2 HALF]: `rms_norm_ref`'s roundings, in x1's dtype."""
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)  # [BLOCK_H]
+    sum_sq = tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)  # [BLOCK_H]
     cmask = cols < HALF
     w1 = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + HALF + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    n1 = cast(f1 * rstd[:, None], x1.dtype).to(tl.float32) * w1
-    n2 = cast(f2 * rstd[:, None], x1.dtype).to(tl.float32) * w2
+    n1 = normalized(f1, sum_sq, w1, eps, 2 * HALF, x1.dtype)
+    n2 = normalized(f2, sum_sq, w2, eps, 2 * HALF, x1.dtype)
     return cast(n1, x1.dtype), cast(n2, x1.dtype)
 
 

@@ -56,8 +56,8 @@ def _warm_norms(dims: Sequence[int], dtype: torch.dtype, device: torch.device) -
 
 
 def _warm_qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, page_size: int, max_pages: int) -> None:
-    """QK-norm + RoPE of q [N, NH, D] and k [N, KVH, D] (the layers' one call, and RoPE alone, copy and in
-    place) and the KV store, with positions / slot mappings of both index dtypes the callers pass."""
+    """QK-norm + RoPE of q [N, NH, D] and k [N, KVH, D] (the layers' one call) and the KV store, with
+    positions / slot mappings of both index dtypes the callers pass."""
     head_dim = q.shape[-1]
     w = torch.ones(head_dim, dtype=q.dtype, device=q.device)
     table = torch.randn(8, head_dim, dtype=q.dtype, device=q.device)  # cos / sin [max_pos, D]
@@ -65,8 +65,6 @@ def _warm_qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, page_size: int, m
     for index_dtype in (torch.int32, torch.int64):
         pos = torch.zeros(q.shape[0], dtype=index_dtype, device=q.device)
         apply_rotary(q, k, pos, table, table, norm=QKNorm(w, w, 1e-6))
-        apply_rotary(q, k, pos, table, table, inplace=False)
-        apply_rotary(q.clone(), k.clone(), pos, table, table, inplace=True)
         slots = torch.tensor([0, -1], dtype=index_dtype, device=q.device)
         store_kv(k, k, cache, cache.clone(), slots)
 
