@@ -79,8 +79,11 @@ def voices(engine: Engine, n: int, icl: bool) -> list[VoiceSpec]:
         return [VoiceSpec(speaker=spk[i % len(spk)]) for i in range(n)]
     rng = np.random.default_rng(0)
     hidden = engine.checkpoint.config.talker.hidden_size
-    return [VoiceSpec(ref_codes=rng.integers(0, 2048, (REF_FRAMES, 16)), ref_text=REF_TEXT,
-                      xvector=rng.standard_normal(hidden).astype(np.float32)) for _ in range(n)]
+    cloned = [VoiceSpec(ref_codes=rng.integers(0, 2048, (REF_FRAMES, 16)), ref_text=REF_TEXT,
+                        xvector=rng.standard_normal(hidden).astype(np.float32)) for _ in range(n)]
+    for voice in cloned:  # kept on the device now, as a served voice is after its first request: an add of a
+        engine.voices.get_or_prepare(voice)  # voice not kept yet is prepared off-thread, steps later
+    return cloned
 
 
 def prefill_ms(engine: Engine, batch: list[VoiceSpec], graph: bool, tag: str) -> float:

@@ -34,3 +34,13 @@ def test_phase_table_times_the_first_steps_phases_and_restores_the_methods(tmp_p
     for obj, name in ((engine, "_prefill"), (engine, "_push_text"), (engine.runner, "_prefill"),
                       (engine.runner, "launch")):
         assert name not in vars(obj), f"{name} still wrapped"
+
+
+def test_icl_arrivals_start_in_the_timed_step(tmp_path):
+    """--icl: the cloned voices are kept on the device before timing, so each arrival is admitted by the step that
+    prefills it (an add of a voice not kept yet is prepared on the reference thread and started steps later, which
+    `prefill_ms` refuses as an arrival that missed its step)."""
+    ckpt = make_checkpoint(tmp_path / "base", "base", "1.7b", "tiny", seed=0)
+    args = argparse.Namespace(model=str(ckpt), scale="tiny", device="cpu", icl=True, arrivals=[2], max_slots=None)
+    engine = bench_prefill.make_engine(args)
+    assert bench_prefill.prefill_ms(engine, bench_prefill.voices(engine, 2, True), False, "icl") > 0
