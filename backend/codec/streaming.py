@@ -8,7 +8,8 @@ so `decode_frame` can be captured in a CUDA graph. Each stream sits at its own f
 
 A stream that starts after a context (Base ICL: the reference frames) gets its state from `prime_state`,
 which decodes the context into private tensors (never the pool), so it may run on another thread while
-the pool's streams are stepped; `load_state` then copies that state into the stream's slot. The state
+the pool's streams are stepped; `load_states` then copies such states into the streams' slots. A state is
+packed as the pool is (one row per dtype), so loading it is a copy per dtype, not one per state tensor. It
 depends only on the context and the decoder (its call shape is fixed per engine) and is only ever read,
 so one may be kept and loaded into any number of streams (the engine's voice cache does).
 """
@@ -39,8 +40,8 @@ class StreamingDecoder:
         self.max_streams = max_streams
         self.scratch_slot = max_streams
         self.samples_per_frame = decoder.config.samples_per_frame
-        # [slots + 1, ...] each, views into one buffer [slots + 1, n] per dtype (`_rows`: what `reset` zeroes)
-        self.pool, self._rows = decoder.spec.zeros_packed(max_streams + 1, dtype, device)
+        # [slots + 1, ...] each, views into one buffer [slots + 1, n] per dtype (`buffers`: what `reset` zeroes)
+        self.pool, self.buffers = decoder.spec.zeros_packed(max_streams + 1, dtype, device)
 
     @torch.no_grad()
     def reset(self, slots: Tensor | list[int]) -> None:
@@ -48,8 +49,8 @@ class StreamingDecoder:
 
         One index_fill_ per state dtype over the packed buffers, no host sync (this runs on the time-to-first-audio
         path of every admitted batch: zeroing each state's row of each stream took milliseconds of host time)."""
-        ids = upload(torch.as_tensor(slots, dtype=torch.int64), self._rows[0].device)
-        for rows in self._rows:
+        ids = upload(torch.as_tensor(slots, dtype=torch.int64), self.buffers[0].device)
+        for rows in self.buffers:
             rows.index_fill_(0, ids, 0)
 
     def padded_rows(self, num: int) -> int:
@@ -78,29 +79,33 @@ class StreamingDecoder:
 
     @torch.no_grad()
     def prime_state(self, codes: Tensor, rows: int = 1) -> list[Tensor]:
-        """The state of a fresh stream after decoding `codes` [16, F] (its audio is dropped): one tensor
-        [1, ...] per pool tensor. Computed in private tensors, so it is safe on another thread while the
-        pool is stepped (on CUDA on its own stream, finished before it returns). The stream is row 0 of
-        a call of `rows` rows (padded further as `decode_chunk` pads), the others zero codes on zero
-        state: bit for bit the state that `reset` + `decode_chunk` of the same call shape leave."""
+        """The state of a fresh stream after decoding `codes` [16, F] (its audio is dropped), packed: one
+        row [1, n] per buffer of the pool (`buffers`). Computed in private tensors, so it is safe on another
+        thread while the pool is stepped (on CUDA on its own stream, finished before it returns). The stream
+        is row 0 of a call of `rows` rows (padded further as `decode_chunk` pads), the others zero codes on
+        zero state: bit for bit the state that `reset` + `decode_chunk` of the same call shape leave."""
         rows = self.padded_rows(rows)
         codes = torch.cat((codes[None], codes.new_zeros((rows - 1, *codes.shape))))  # [rows, 16, F]
         dtype, device = self.pool[0].dtype, self.pool[0].device
         with _side_stream(device) as side:
             states = self.decoder.spec.zeros(rows, dtype, device)
             self.decoder.forward_chunk(codes.to(device), states)
-            states = [state[:1].clone() for state in states]
+            row, packed = self.decoder.spec.zeros_packed(1, dtype, device)
+            for dst, src in zip(row, states):
+                dst.copy_(src[:1])
         if side is not None:
             side.synchronize()
-        return states
+        return packed
 
     @torch.no_grad()
-    def load_state(self, slot: int, state: list[Tensor]) -> None:
-        """Copy a `prime_state` result into `slot` (replaces `reset` for that stream)."""
-        for dst, src in zip(self.pool, state):
-            dst[slot:slot + 1].copy_(src)
-            if src.is_cuda:  # made on another stream: keep its memory until this copy has run
-                src.record_stream(torch.cuda.current_stream(src.device))
+    def load_states(self, slots: list[int], states: list[list[Tensor]]) -> None:
+        """Copy `prime_state` results into `slots` (replaces `reset` for those streams): one index copy per
+        pool buffer, no host sync."""
+        ids = upload(torch.tensor(slots, dtype=torch.int64), self.buffers[0].device)
+        for k, dst in enumerate(self.buffers):
+            dst.index_copy_(0, ids, torch.cat([state[k] for state in states]))  # [n slots, width]
+        for src in (t for state in states for t in state if t.is_cuda):
+            src.record_stream(torch.cuda.current_stream(src.device))  # made on another stream: keep its memory
 
 
 @contextlib.contextmanager

@@ -256,9 +256,9 @@ class ModelRunner:
         states = {r.slot: r.codec_state if r.codec_state is not None else self.prime_state(r.codec_context)
                   for r in rows}
         self.codec.reset([slot for slot, state in states.items() if state is None])
-        for slot, state in states.items():
-            if state is not None:
-                self.codec.load_state(slot, state)
+        primed = {slot: state for slot, state in states.items() if state is not None}
+        if primed:
+            self.codec.load_states(list(primed), list(primed.values()))
 
     def _pad_slots(self, sl: torch.Tensor) -> torch.Tensor:
         """slots [n] -> [bucket]: padded to the decode bucket with the dummy slot."""
@@ -272,10 +272,12 @@ class ModelRunner:
 
     @torch.no_grad()
     def push_text(self, slot: int, start: int, rows: torch.Tensor) -> None:
-        """Trailing text rows [k, H] for frames start..start+k-1 of the slot."""
+        """Trailing text rows [k, H] (on the device) for frames start..start+k-1 of the slot; no host sync."""
         k = rows.shape[0]
         self.state.text_queue[slot, start:start + k] = rows.to(self.dtype)
-        self.state.text_len[slot] = start + k
+        # fill_, not `text_len[slot] = n`: a Python number written into a 0-dim CUDA view is a blocking host copy,
+        # which made every text push (Base ICL's text, a streamed piece) wait for the prefill or step in flight
+        self.state.text_len[slot:slot + 1].fill_(start + k)
 
     # --- the batched step -------------------------------------------------------------------------
 

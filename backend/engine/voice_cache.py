@@ -4,7 +4,7 @@ A Base voice's tensors (x-vector, reference codes, the transcript's ids: `Prompt
 for an ICL voice, the codec stream primed with its reference frames (`ModelRunner.prime_state`) depend only
 on the voice and the engine: they are made once, by the `Preparer`'s worker (never on the engine thread),
 and every later sequence of that voice takes them as they are (its prompt embeds from them, its codec slot
-copies the primed state: `StreamingDecoder.load_state` copies, the cached state is never written).
+copies the primed state: `StreamingDecoder.load_states` copies, the cached state is never written).
 
 Entries are keyed by the voice's content (a digest of the x-vector, and for ICL of the reference codes and
 transcript), so a registered voice, the same arrays sent in a request and a batch file's arrays share one

@@ -1,4 +1,4 @@
-"""`StreamingDecoder.prime_state` + `load_state` (a stream primed off the engine thread) against the priming
+"""`StreamingDecoder.prime_state` + `load_states` (a stream primed off the engine thread) against the priming
 the engine did before them: `reset` + one `decode_chunk` of the context in the stream's slot, padded with
 scratch rows. Bit for bit, on every state tensor and on the audio decoded after it; the pool untouched."""
 
@@ -28,7 +28,7 @@ def _primed_in_pool(codec, context, rows, pad_to=(), device="cpu"):
 
 def _primed_by_state(codec, context, rows, pad_to=(), device="cpu"):
     stream = StreamingDecoder(copy.deepcopy(codec.decoder), max_streams=4, pad_to=pad_to, device=device)
-    stream.load_state(SLOT, stream.prime_state(context, rows))
+    stream.load_states([SLOT], [stream.prime_state(context, rows)])
     return stream
 
 
@@ -66,6 +66,22 @@ def test_prime_state_leaves_the_pool_alone(codec, codes):
     before = [state.clone() for state in stream.pool]
     state = stream.prime_state(codes[2, :, :50])
     assert all(torch.equal(a, b) for a, b in zip(before, stream.pool))
-    assert [s.shape for s in state] == [(1, *p.shape[1:]) for p in stream.pool]
-    assert [s.dtype for s in state] == [p.dtype for p in stream.pool]
+    assert [(s.shape, s.dtype) for s in state] == [((1, b.shape[1]), b.dtype) for b in stream.buffers]  # packed
+
+
+def test_states_load_together_as_each_alone(codec, codes):
+    """Two primed states loaded into two slots in one call: each slot's every state tensor equals the same
+    state loaded alone, and a slot not loaded keeps its own state."""
+    stream = StreamingDecoder(codec.decoder, max_streams=4)
+    stream.reset([0, 1, 3])
+    stream.decode_chunk(torch.tensor([3]), codes[:1, :, :5])  # slot 3 mid-stream
+    keep = [state[3].clone() for state in stream.pool]
+    primed = [stream.prime_state(codes[i, :, :30 + 10 * i]) for i in (1, 2)]
+    stream.load_states([2, 0], primed)
+    for slot, state in zip((2, 0), primed):
+        alone = StreamingDecoder(codec.decoder, max_streams=4)
+        alone.load_states([1], [state])
+        assert all(torch.equal(a[slot], b[1]) for a, b in zip(stream.pool, alone.pool))
+    assert all(torch.equal(a[3], b) for a, b in zip(stream.pool, keep))
+    assert not torch.equal(stream.pool[0][0], stream.pool[0][2])  # two different contexts were loaded
 

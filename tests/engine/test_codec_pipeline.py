@@ -170,3 +170,27 @@ def test_adding_a_request_does_not_wait_for_the_step_in_flight(tiny_ckpt_dir, sp
     while engine.has_work():
         engine.step()
     baseline(engine)
+
+
+@pytest.mark.gpu
+def test_pushing_text_does_not_wait_for_the_step_in_flight(tiny_ckpt_dir, speaker):
+    """Trailing text rows (Base ICL's text, each streamed piece) reach a slot's device queue without a host sync
+    while a step is in flight; the queue and its length hold them after."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(
+        CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True, graph_batch_sizes=(1, 2, 4, 8)))
+    first = req("a", speaker, seed=1, max_frames=6)
+    engine.add(first["id"], first["voice"], first["sampling"], first["text"], True)
+    engine.step()
+    engine.step()  # a step is in flight
+    state, slot = engine.runner.state, engine.config.max_slots - 1  # a slot no sequence holds
+    rows = torch.randn(3, state.text_queue.shape[-1], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.runner.push_text(slot, 2, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert int(state.text_len[slot]) == 5 and torch.equal(state.text_queue[slot, 2:5], rows.to(state.text_queue.dtype))
+    while engine.has_work():
+        engine.step()
