@@ -43,7 +43,8 @@ def _series(url: str, timeout_s: float):
 
 def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
     """Means over the work between two scrapes (None where nothing of that kind happened):
-    queue_wait_ms per started sequence, prefill_ms per prefill forward, seqs_per_prefill, decode_ms per step."""
+    queue_wait_ms per started sequence, prefill_ms per prefill forward, seqs_per_prefill, decode_ms per step,
+    gap_ms per gap between consecutive steps (the device idle while the host handles a step's outputs)."""
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
@@ -55,4 +56,5 @@ def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return {"queue_wait_ms": ratio(delta("q3tts_queue_wait_seconds_total"), started, 1e3),
             "prefill_ms": ratio(delta("q3tts_prefill_seconds_total"), prefills, 1e3),
             "seqs_per_prefill": ratio(started, prefills),
-            "decode_ms": ratio(delta("q3tts_decode_seconds_total"), decodes, 1e3)}
+            "decode_ms": ratio(delta("q3tts_decode_seconds_total"), decodes, 1e3),
+            "gap_ms": ratio(delta("q3tts_step_gap_seconds_total"), delta("q3tts_step_gaps_total"), 1e3)}

@@ -72,6 +72,11 @@ class Engine(RequestIntake):
         self.num_steps = 0
         self.clock = PhaseClock(self.runner.device)
         self.times = StepTimes()
+        # the device idle between steps (`StepTimes.add_gap`): the last stamp of the previous step's device work
+        # (None when that step had none or the engine ran out of work), and (that stamp, the next step's first)
+        # once the next step has one, resolved when both are reached (`_observe`)
+        self._last_end = None
+        self._gap: tuple | None = None
 
     @classmethod
     def from_checkpoint(cls, checkpoint_or_path: Any, config: EngineConfig | None = None, **kwargs) -> Engine:
@@ -102,6 +107,11 @@ class Engine(RequestIntake):
             self._push_text(seq)
         decode = [s for s in decode if s.status is Status.RUNNING]  # not ended by a failure of its own
         t_decode = self.clock.stamp() if started or decode else None
+        t_first = t_prefill if started else t_decode
+        if t_first is None:
+            self._last_end = None
+        elif self._last_end is not None:
+            self._gap = (self._last_end, t_first)
         if not (decode and self.runner.audio is not None and self._launch(decode, started, t_prefill, t_decode)):
             self._hear()  # the landed frames' audio first: the synchronous step below collects its own
             if decode:
@@ -114,11 +124,18 @@ class Engine(RequestIntake):
             if out.finished:
                 self.scheduler.forget(out.seq_id)
         self.num_steps += 1
+        if not self.has_work():  # the caller may wait for new work before it calls again: that is no gap
+            self._last_end = None
         return outputs
 
     def _observe(self, started: list[Sequence], t_prefill, t_decode, t_end) -> None:
         """A step's device times (stamps; `t_end` None: it had no decode) into the totals and the scheduler.
-        The prefill is complete once a decode followed (its host copy waited for it)."""
+        The prefill is complete once a decode followed (its host copy waited for it). Also resolves the
+        gap before this step (both its stamps are reached by now)."""
+        if self._gap is not None:
+            self.times.add_gap(self.clock.seconds(*self._gap))
+            self._gap = None
+        self._last_end = t_decode if t_end is None else t_end
         decode_s = prefill_s = None
         if t_end is not None:
             decode_s = self.clock.seconds(t_decode, t_end)

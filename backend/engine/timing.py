@@ -38,20 +38,29 @@ class PhaseClock:
 class StepTimes:
     """Running totals: time in prefill forwards (with the step's trailing-text copies) and the sequences
     they started, time in decode steps (the batched step and its device-to-host copies; their count is
-    the engine's `decode_steps`), and the time sequences waited between having a complete prompt and
-    being started (slots, pages, the per-step prefill budget)."""
+    the engine's `decode_steps`), the time sequences waited between having a complete prompt and
+    being started (slots, pages, the per-step prefill budget), and the device's idle time between
+    consecutive steps while the engine had work (`step_gap_seconds` over `step_gaps`: the host's turn between
+    one step's device work and the next one's: landing, scheduling, and the caller's handling of the outputs)."""
 
     prefill_seconds: float = 0.0
     prefill_steps: int = 0
     prefilled_sequences: int = 0
     decode_seconds: float = 0.0
     queue_wait_seconds: float = 0.0
+    step_gap_seconds: float = 0.0
+    step_gaps: int = 0
 
     def add_prefill(self, seconds: float, sequences: int) -> None:
         """One step's prefill forward, which started `sequences` sequences."""
         self.prefill_seconds += seconds
         self.prefill_steps += 1
         self.prefilled_sequences += sequences
+
+    def add_gap(self, seconds: float) -> None:
+        """The device's idle time between one step's work and the next step's."""
+        self.step_gap_seconds += seconds
+        self.step_gaps += 1
 
     def as_stats(self) -> dict[str, float]:
         return dataclasses.asdict(self)

@@ -39,6 +39,9 @@ COUNTERS = {  # name -> (cumulative Engine.stats() key, sent to Triton as increm
     "q3tts_prefilled_sequences_total": ("prefilled_sequences", "Sequences started by prefill forwards."),
     "q3tts_decode_seconds_total": ("decode_seconds", "Seconds spent in batched decode steps."),
     "q3tts_decode_steps_total": ("decode_steps", "Batched decode steps run."),
+    "q3tts_step_gap_seconds_total": ("step_gap_seconds", "Seconds the device idled between consecutive steps "
+                                     "while the engine had work (the host's turn: outputs, scheduling)."),
+    "q3tts_step_gaps_total": ("step_gaps", "Gaps between consecutive steps counted in q3tts_step_gap_seconds_total."),
     "q3tts_queue_wait_seconds_total": ("queue_wait_seconds", "Seconds from a complete prompt to its start, "
                                        "summed over started sequences."),
     "q3tts_voice_cache_hits_total": ("voice_cache_hits", "Base sequences whose voice the cache kept (no "

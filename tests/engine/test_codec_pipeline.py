@@ -6,6 +6,7 @@ through slot reuse, finishing rows, streamed text and an abort while a frame is 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -27,6 +28,29 @@ def _requests(speaker) -> list[dict]:
 @pytest.fixture(scope="module")
 def engines(tiny_ckpt) -> dict[bool, Engine]:
     return {on: Engine(tiny_ckpt, dataclasses.replace(CFG, codec_pipeline=on)) for on in (False, True)}
+
+
+def _steps_with_pauses(engine: Engine, r: dict, pause_s: float) -> None:
+    engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
+    while engine.has_work():
+        engine.step()
+        time.sleep(pause_s)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_step_gaps_are_the_device_idle_between_steps_while_there_is_work(engines, speaker, pipelined):
+    """A gap per decode step after the first of a run (the caller's pause between steps is in it: on CPU the
+    stamps are wall time); none across the second wait, the engine having no work then."""
+    engine = engines[pipelined]
+    before = engine.stats()
+    _steps_with_pauses(engine, req("g1", speaker, max_frames=4), 0.01)
+    time.sleep(1.0)  # idle: no gap
+    _steps_with_pauses(engine, req("g2", speaker, max_frames=3), 0.01)
+    after = engine.stats()
+    decodes = after["decode_steps"] - before["decode_steps"]
+    assert decodes == 7 and after["step_gaps"] - before["step_gaps"] == decodes - 2
+    assert 5 * 0.01 <= after["step_gap_seconds"] - before["step_gap_seconds"] < 1.0
+    baseline(engine)
 
 
 def test_pipelined_engine_makes_the_synchronous_engines_codes_and_audio(engines, speaker):

@@ -84,7 +84,7 @@ def test_eight_concurrent_sequences(server):
     after = wait_metrics(server, lambda m: m.get("q3tts_prefilled_sequences_total", 0) >= started)
     assert after["q3tts_prefilled_sequences_total"] >= started
     for name in ("q3tts_prefill_steps_total", "q3tts_prefill_seconds_total", "q3tts_decode_steps_total",
-                 "q3tts_decode_seconds_total"):
+                 "q3tts_decode_seconds_total", "q3tts_step_gaps_total", "q3tts_step_gap_seconds_total"):
         assert after[name] > before.get(name, 0), name
 
 
