@@ -38,7 +38,9 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable
 
-from q3tts.core import EngineError
+import numpy as np
+
+from q3tts.core import EngineError, StepOutput
 
 STOP_TIMEOUT_S = 10.0
 # calls the child runs mid-step: the serving loop sends new sequences' adds during a step (EngineLoop._between)
@@ -63,13 +65,32 @@ class CheckpointInfo:
 
 
 def send(conn: Connection, message: Any) -> None:
-    """One message, pickled with protocol 5: a step's outputs (64 PCM arrays at 64 rows) pickle ~3x faster than
-    with the Connection's own protocol 4 (arrays in band as buffers, not through `tobytes`)."""
+    """One message, pickled with protocol 5: a step's outputs (`pack_outputs`) pickle ~3x faster than with the
+    Connection's own protocol 4 (arrays in band as buffers, not through `tobytes`)."""
     conn.send_bytes(pickle.dumps(message, protocol=5))
 
 
 def receive(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
+
+
+def pack_outputs(outputs: list[StepOutput]) -> tuple:
+    """A step's outputs as they cross the pipe: each one's fields, then every codes and every pcm array in one
+    array each (64 outputs pickle in about half the time, and unpickle in a third, of 64 StepOutputs)."""
+    fields = [(o.seq_id, len(o.codes), len(o.pcm), o.finished, o.reason, o.error, o.stats) for o in outputs]
+    if not outputs:
+        return fields, np.zeros((0, 16), np.int64), np.zeros(0, np.float32)
+    return fields, np.concatenate([o.codes for o in outputs]), np.concatenate([o.pcm for o in outputs])
+
+
+def unpack_outputs(packed: tuple) -> list[StepOutput]:
+    """`pack_outputs`' outputs back: their codes and pcm are views of the two arrays."""
+    fields, codes, pcm = packed
+    outputs, c, p = [], 0, 0
+    for seq_id, frames, samples, finished, reason, error, stats in fields:
+        outputs.append(StepOutput(seq_id, codes[c:c + frames], pcm[p:p + samples], finished, reason, error, stats))
+        c, p = c + frames, p + samples
+    return outputs
 
 
 def _python() -> str:
@@ -183,7 +204,7 @@ class EngineProcess:
         [(ok, value)] = self._answer(self._send([("step", (), {})]), while_waiting)
         if not ok:
             raise value
-        return value
+        return unpack_outputs(value)
 
     def has_work(self) -> bool:
         return self._ready and self._work
@@ -329,7 +350,7 @@ def _answer(engine, method: str, args: tuple, kwargs: dict, while_waiting=None) 
         return False, _picklable(e)
     if method == "step" and any(out.reason == "error" for out in result) and not context_usable(device):
         raise _Poisoned("the device context failed after a step that ended sequences with errors")
-    return True, result
+    return True, pack_outputs(result) if method == "step" else result
 
 
 def _picklable(e: Exception) -> Exception:

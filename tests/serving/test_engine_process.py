@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import socket
 import threading
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from q3tts.core import InvalidRequest, SamplingParams, VoiceSpec
+from q3tts.core import InvalidRequest, SamplingParams, StepOutput, VoiceSpec
 from q3tts.serving.commands import CommandQueue, Shutdown
-from q3tts.serving.engine_process import DeviceFault, EngineProcess, WhileStepping, receive, send, serve
+from q3tts.serving.engine_process import (DeviceFault, EngineProcess, WhileStepping, pack_outputs, receive, send, serve,
+                                         unpack_outputs)
 from tests.server.conftest import tiny_checkpoint  # noqa: F401 (fixture)
 
 CONFIG = {"device": "cpu", "dtype": "float32", "max_slots": 2}
@@ -139,3 +142,21 @@ def test_the_child_answers_mid_step_calls_at_once_and_holds_the_rest_in_order():
     thread.join(10)
     assert [a[0] for a in answers] == [2, 1, 4, 3] and all(a[1] == "ok" for a in answers)
     assert engine.log == ["step begins", ("add", 7), "step ends", "step begins", ("add", 8), "step ends"]
+
+
+def test_step_outputs_cross_the_pipe_packed_and_come_back_equal():
+    """`pack_outputs` / `unpack_outputs` through pickle: each output's fields, codes and pcm as they were (dtypes
+    and shapes too), for frames, an output without a frame, a first frame's stats and an error; none at all."""
+    rng = np.random.default_rng(0)
+    outputs = [StepOutput(("s", 1), rng.integers(0, 2048, (1, 16)), rng.random(1920, np.float32),
+                          stats={"first_frame": 1.5}),
+               StepOutput(2, np.zeros((0, 16), np.int64), np.zeros(0, np.float32), True, "error", "bad text"),
+               StepOutput("c", rng.integers(0, 2048, (2, 16)), rng.random(2 * 1920, np.float32), True, "eos")]
+    for sent in (outputs, []):
+        got = unpack_outputs(pickle.loads(pickle.dumps(pack_outputs(sent), protocol=5)))
+        assert len(got) == len(sent)
+        for a, b in zip(got, sent):
+            assert (a.seq_id, a.finished, a.reason, a.error, a.stats) == (b.seq_id, b.finished, b.reason, b.error,
+                                                                          b.stats)
+            for x, y in ((a.codes, b.codes), (a.pcm, b.pcm)):
+                assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
