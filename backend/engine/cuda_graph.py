@@ -68,9 +68,10 @@ class DecodeMeta:
         # slot and page ids are valid by construction (SlotPool / KVPool hand out range ids); the slot and
         # the table width are asserted here, where they meet the device indexes
         assert all(0 <= r.slot < self.dummy_slot and len(r.pages) <= self.max_pages for r in rows)
-        meta[:n] = [DecodeColumns(slot=r.slot, position=r.position,
-                                  slot_mapping=r.pages[r.position // ps] * ps + r.position % ps,
-                                  context_len=r.position + 1, frame=r.frame) for r in rows]
+        # plain tuples in DecodeColumns' order: numpy converts a list of namedtuples ~6x slower (0.1 ms at 64 rows
+        # on a 2-core CPU, on the path between a step landing and the next launch)
+        meta[:n] = [(r.slot, r.position, r.pages[r.position // ps] * ps + r.position % ps, r.position + 1, r.frame)
+                    for r in rows]
         for i, r in enumerate(rows):
             tables[i, :len(r.pages)] = r.pages
 
