@@ -43,9 +43,9 @@ def test_step_gaps_are_the_device_idle_between_steps_while_there_is_work(engines
     stamps are wall time); none across the second wait, the engine having no work then."""
     engine = engines[pipelined]
     before = engine.stats()
-    _steps_with_pauses(engine, req("g1", speaker, max_frames=4), 0.01)
+    _steps_with_pauses(engine, req("g1", speaker, seed=1, max_frames=4), 0.01)
     time.sleep(1.0)  # idle: no gap
-    _steps_with_pauses(engine, req("g2", speaker, max_frames=3), 0.01)
+    _steps_with_pauses(engine, req("g2", speaker, seed=2, max_frames=3), 0.01)
     after = engine.stats()
     decodes = after["decode_steps"] - before["decode_steps"]
     assert decodes == 7 and after["step_gaps"] - before["step_gaps"] == decodes - 2
