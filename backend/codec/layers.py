@@ -51,18 +51,27 @@ class StateSpec:
     def zeros_packed(self, batch: int, dtype: torch.dtype, device: torch.device | str
                      ) -> tuple[list[Tensor], list[Tensor]]:
         """`zeros`' states as views into one buffer [batch, n] per dtype (returned second, with the states):
-        a stream's rows of every state are one row of each buffer, so they are zeroed in one launch per
-        dtype. Each state starts at a multiple of `_PACK_ALIGN` elements of its buffer."""
+        a stream's rows of every state are one row of each buffer, so they are zeroed, gathered or loaded in
+        one launch per dtype. Each state starts at a multiple of `_PACK_ALIGN` elements of its buffer."""
+        buffers = [torch.zeros(batch, n, dtype=dt, device=device) for dt, n in self._layout(dtype)[0].items()]
+        return self.views(buffers, dtype), buffers
+
+    def views(self, buffers: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+        """The states as views into packed `buffers` (`zeros_packed`'s layout, any number of rows)."""
+        sizes, places = self._layout(dtype)
+        by_dtype, batch = dict(zip(sizes, buffers)), buffers[0].shape[0]
+        return [by_dtype[dt][:, col:col + math.prod(shape)].view(batch, *shape)
+                for (shape, _), (dt, col) in zip(self.entries, places)]
+
+    def _layout(self, dtype: torch.dtype) -> tuple[dict[torch.dtype, int], list[tuple[torch.dtype, int]]]:
+        """The packed layout: columns per dtype buffer (in buffer order), and each entry's (dtype, first column)."""
         sizes: dict[torch.dtype, int] = {}
-        places = []  # (dtype, first column) per entry
+        places = []
         for shape, dt in self.entries:
             dt = dt or dtype
             places.append((dt, sizes.get(dt, 0)))
             sizes[dt] = sizes.get(dt, 0) + -(-math.prod(shape) // _PACK_ALIGN) * _PACK_ALIGN
-        buffers = {dt: torch.zeros(batch, n, dtype=dt, device=device) for dt, n in sizes.items()}
-        states = [buffers[dt][:, col:col + math.prod(shape)].view(batch, *shape)
-                  for (shape, _), (dt, col) in zip(self.entries, places)]
-        return states, list(buffers.values())
+        return sizes, places
 
 
 States = list[Tensor]  # one tensor per StateSpec entry, each [B, ...]; updated in place of the list

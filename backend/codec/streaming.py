@@ -40,6 +40,7 @@ class StreamingDecoder:
         self.max_streams = max_streams
         self.scratch_slot = max_streams
         self.samples_per_frame = decoder.config.samples_per_frame
+        self.dtype = dtype
         # [slots + 1, ...] each, views into one buffer [slots + 1, n] per dtype (`buffers`: what `reset` zeroes)
         self.pool, self.buffers = decoder.spec.zeros_packed(max_streams + 1, dtype, device)
 
@@ -67,7 +68,8 @@ class StreamingDecoder:
         if rows > num:
             slots = torch.cat([slots, slots.new_full((rows - num,), self.scratch_slot)])
             codes = torch.cat([codes, codes.new_zeros((rows - num, *codes.shape[1:]))])
-        states = [state.index_select(0, slots) for state in self.pool]
+        # the streams' states, gathered one launch per packed buffer (not one per state tensor), as views
+        states = self.decoder.spec.views([rows.index_select(0, slots) for rows in self.buffers], self.dtype)
         pcm = self.decoder.forward_chunk(codes, states)
         for state, new in zip(self.pool, states):
             state.index_copy_(0, slots, new)
@@ -86,7 +88,7 @@ class StreamingDecoder:
         zero state: bit for bit the state that `reset` + `decode_chunk` of the same call shape leave."""
         rows = self.padded_rows(rows)
         codes = torch.cat((codes[None], codes.new_zeros((rows - 1, *codes.shape))))  # [rows, 16, F]
-        dtype, device = self.pool[0].dtype, self.pool[0].device
+        dtype, device = self.dtype, self.buffers[0].device
         with _side_stream(device) as side:
             states = self.decoder.spec.zeros(rows, dtype, device)
             self.decoder.forward_chunk(codes.to(device), states)

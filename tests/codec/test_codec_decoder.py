@@ -117,6 +117,20 @@ def test_unpadded_batch_sizes_differ_only_by_gemm_blocking(codec, codes):
     assert _max_err(together, alone) <= 1e-6
 
 
+def test_a_frame_gathers_the_states_one_launch_per_packed_buffer(codec, codes):
+    """decode_frame reads the streams' states with one index_select per packed buffer (dtype), not one per
+    state tensor (38 state tensors at the released size: 38 launches on every codec step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    stream = StreamingDecoder(codec.decoder, max_streams=3)
+    slots = torch.arange(3)
+    stream.reset(slots)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        stream.decode_frame(slots, codes[:, :, 0])
+    gathers = sum(e.name == "aten::index_select" and e.cpu_parent is None for e in prof.events())  # not inside ops
+    assert len(stream.buffers) == 2 < len(stream.pool) and gathers == len(stream.buffers)
+
+
 def test_padding_rows_use_the_scratch_slot(codec, codes):
     stream = StreamingDecoder(codec.decoder, max_streams=2)
     pad = stream.scratch_slot
