@@ -13,8 +13,12 @@
 # underrun rows (perf_analyzer.md, and CSV rows of mode perf_analyzer when CSV is set).
 # What its own numbers mean: perf/pa_export.py's docstring and the README's "Load testing".
 #
+# A level whose export is not whole JSON although perf_analyzer exited 0 runs again (up to PA_ATTEMPTS times):
+# 2.51 exports, for an output that a response does not carry (an acknowledgement has no AUDIO, no TIMING), one
+# value read from memory it never set. When those bytes are a NaN its JSON writer stops, and the export
+# stays empty (or cut off at a 64 KiB buffer).
 # Env: CONCURRENCY (1,8,16,32,64,128)  SEQUENCES_PER_STREAM (2)  STEPS (4 requests per sequence)
-#      MAX_FRAMES (48)  LEVEL_TIMEOUT_S (300)  OUT (run/perf; results dir)  CSV (append rows here)
+#      MAX_FRAMES (48)  LEVEL_TIMEOUT_S (300)  PA_ATTEMPTS (3)  OUT (run/perf)  CSV (append rows here)
 #      PY (.venv/bin/python, else python3)  PERF_ANALYZER (.venv/bin/perf_analyzer)
 #      PA_LIBS (folder with the pytriton wheel's libb64 / libcudart; default: PY's nvidia_pytriton.libs)
 # The libshim: perf_analyzer NEEDs libb64.so.0d and libcudart.so.12, both already in the pytriton wheel under
@@ -29,6 +33,7 @@ SEQUENCES_PER_STREAM="${SEQUENCES_PER_STREAM:-2}"
 STEPS="${STEPS:-4}"
 MAX_FRAMES="${MAX_FRAMES:-48}"
 LEVEL_TIMEOUT_S="${LEVEL_TIMEOUT_S:-300}"
+PA_ATTEMPTS="${PA_ATTEMPTS:-3}"
 MODEL=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -36,7 +41,7 @@ while [ $# -gt 0 ]; do
     *) echo "usage: $0 [--model CKPT]  (or GRPC_URL=host:port)" >&2; exit 2 ;;
   esac
 done
-for v in SEQUENCES_PER_STREAM STEPS MAX_FRAMES LEVEL_TIMEOUT_S; do
+for v in SEQUENCES_PER_STREAM STEPS MAX_FRAMES LEVEL_TIMEOUT_S PA_ATTEMPTS; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "$v='${!v}': give a whole number > 0" >&2; exit 2; }
 done
 [[ "$CONCURRENCY" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || { echo "CONCURRENCY='$CONCURRENCY': give e.g. 1,8,16" >&2; exit 2; }
@@ -70,21 +75,35 @@ if [ -z "${GRPC_URL:-}" ]; then
 fi
 
 "$PY" "$ROOT/perf/make_inputs.py" --out "$OUT/inputs.json" --sequences 32 --steps "$STEPS"
-failed=""
-exports=()
-for n in ${CONCURRENCY//,/ }; do
-  echo "== perf_analyzer: concurrency $n, $((n * SEQUENCES_PER_STREAM)) sequences of $STEPS requests, max_frames $MAX_FRAMES"
+# run_level N: one perf_analyzer run at concurrency N (its exit status)
+run_level() {
+  local n="$1"
   rm -f "$OUT/pa_c$n.json" "$OUT/pa_c$n.csv"
-  rc=0
   timeout "$LEVEL_TIMEOUT_S" "$PA" -m qwen3_tts -i grpc --streaming -u "$GRPC_URL" \
     --input-data "$OUT/inputs.json" --sequence-id-range 1:1000000000 --serial-sequences \
     --concurrency-range "$n:$n" --request-count "$((n * SEQUENCES_PER_STREAM * STEPS))" \
     --request-parameter "max_frames:$MAX_FRAMES:int" --request-parameter "seed:0:int" \
     --request-parameter "ack_pieces:true:bool" \
-    -f "$OUT/pa_c$n.csv" --profile-export-file "$OUT/pa_c$n.json" > "$OUT/pa_c$n.txt" 2>&1 || rc=$?
+    -f "$OUT/pa_c$n.csv" --profile-export-file "$OUT/pa_c$n.json" > "$OUT/pa_c$n.txt" 2>&1
+}
+whole_json() { "$PY" -c 'import json, sys; json.load(open(sys.argv[1]))' "$1" 2>/dev/null; }
+
+failed=""
+exports=()
+for n in ${CONCURRENCY//,/ }; do
+  echo "== perf_analyzer: concurrency $n, $((n * SEQUENCES_PER_STREAM)) sequences of $STEPS requests, max_frames $MAX_FRAMES"
+  why=""
+  for attempt in $(seq "$PA_ATTEMPTS"); do
+    rc=0
+    run_level "$n" || rc=$?
+    if [ "$rc" -ne 0 ]; then why="rc $rc$([ "$rc" = 124 ] && echo ": over LEVEL_TIMEOUT_S=$LEVEL_TIMEOUT_S s")"; break; fi
+    whole_json "$OUT/pa_c$n.json" && { why=""; break; }
+    why="rc 0, but no whole profile export in $attempt run(s)"
+    echo "perf_analyzer at concurrency $n: its profile export is not whole JSON (run $attempt of $PA_ATTEMPTS; see the header)" >&2
+  done
   grep -vE '^\s*$' "$OUT/pa_c$n.txt" | sed -n '/^Request concurrency/,$p'
-  if [ "$rc" -ne 0 ] || [ ! -s "$OUT/pa_c$n.json" ]; then
-    echo "perf_analyzer failed at concurrency $n (rc $rc$([ "$rc" = 124 ] && echo ": over LEVEL_TIMEOUT_S=$LEVEL_TIMEOUT_S s")):" >&2
+  if [ -n "$why" ]; then
+    echo "perf_analyzer failed at concurrency $n ($why):" >&2
     tail -5 "$OUT/pa_c$n.txt" >&2
     failed="$failed $n"
   else

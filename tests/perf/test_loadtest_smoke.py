@@ -90,3 +90,40 @@ def test_plots_write_the_pngs(results, tmp_path):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
     assert "| perf_analyzer | 1 |" in (tmp_path / "t.md").read_text()
+
+
+# perf_analyzer 2.51 sometimes exits 0 with an empty profile export (a NaN read from unset memory stops its JSON
+# writer): this stand-in does that for its first BREAK calls, then runs the real binary
+FLAKY_PA = """#!/usr/bin/env bash
+n=$(cat "$PA_CALLS" 2>/dev/null || echo 0); echo $((n + 1)) > "$PA_CALLS"
+if [ "$n" -lt "$PA_BREAK" ]; then
+  while [ $# -gt 0 ]; do [ "$1" = --profile-export-file ] && : > "$2"; shift; done
+  echo "Request concurrency: 1"
+  exit 0
+fi
+exec "$PA_REAL" "$@"
+"""
+
+
+@pytest.mark.parametrize(("breaks", "attempts", "rc", "calls"), [(1, 3, 0, 2), (5, 2, 1, 2)])
+def test_perf_analyzer_runs_a_level_again_when_its_export_is_not_json(server, tmp_path, breaks, attempts, rc,  # noqa: F811
+                                                                      calls):
+    fake = tmp_path / "perf_analyzer"
+    fake.write_text(FLAKY_PA)
+    fake.chmod(0o755)
+    env = {**os.environ, "GRPC_URL": server.grpc_url, "CONCURRENCY": "1", "SEQUENCES_PER_STREAM": "1",
+           "MAX_FRAMES": "2", "OUT": str(tmp_path / "pa"), "CSV": str(tmp_path / "pa.csv"), "PY": sys.executable,
+           "PA_ATTEMPTS": str(attempts), "PERF_ANALYZER": str(fake), "PA_BREAK": str(breaks),
+           "PA_CALLS": str(tmp_path / "calls"), "PA_REAL": str(Path(sys.executable).parent / "perf_analyzer")}
+    out = subprocess.run(["bash", "perf/run_perf_analyzer.sh"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert out.returncode == rc, out.stdout[-2000:] + out.stderr[-2000:]
+    assert int((tmp_path / "calls").read_text()) == calls
+    assert f"not whole JSON (run 1 of {attempts}" in out.stderr
+    if rc == 0:
+        (row,) = read(tmp_path / "pa.csv")[1]
+        assert row["mode"] == "perf_analyzer" and row["streams"] == "1"
+    else:
+        assert f"perf_analyzer failed at concurrency 1 (rc 0, but no whole profile export in {attempts} run(s))" \
+            in out.stderr
+        assert not (tmp_path / "pa.csv").exists()
