@@ -110,6 +110,14 @@ class EngineConfig:
                          Same bits either way. Off by default: on the H200 it made the bench step 3-6 % faster
                          (6.92 / 8.33 / 11.58 -> 6.70 / 7.92 / 10.94 ms at batch 1 / 16 / 64) but served 16 and 64
                          streams no better in two interleaved A/B rounds (perf/results/RESULTS.md)
+    run_ahead            the engine process (serving/engine_process.py) runs its next step as soon as it has
+                         answered one, before the serving loop asks for it, so that the device's next step does
+                         not wait for the serving loop to route the last step's outputs (nor for that step's
+                         audio); the serving loop's calls that come meanwhile reach the step after the one they
+                         precede only when they come after its wait for the device. Same bits either way. Off
+                         by default until an H200 A/B: on the 2-core CPU (tiny checkpoint, 8 streams) the step
+                         ahead takes the cores the serving loop routes with, and first audio came ~45 ms later
+                         at p50 in 3 of 3 interleaved runs (perf/results/RESULTS.md)
     voice_cache_bytes    device memory for the Base voices kept prepared (engine/voice_cache.py: x-vector,
                          reference codes, an ICL voice's primed codec stream; least recently used first
                          out). 256 MiB holds about 60 ICL voices of the released 1.7B in bfloat16 (a
@@ -144,6 +152,7 @@ class EngineConfig:
     fp32_residual: bool = False
     batch_invariant: bool = False
     programmatic_launch: bool = False
+    run_ahead: bool = False
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
 
@@ -181,7 +190,7 @@ class EngineConfig:
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
                  f"{name} must be an int >= 0 (a batch size), got {getattr(self, name)!r}")
         for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
-                     "programmatic_launch"):
+                     "programmatic_launch", "run_ahead"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # --- derived values ---------------------------------------------------------------------------

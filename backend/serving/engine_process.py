@@ -12,10 +12,19 @@ answer carries `has_work`, so asking it costs nothing.
 
 A step overlaps the calls made while it runs: `step(while_waiting)` runs `while_waiting` (a `WhileStepping`)
 whenever its file is readable while the step's answer is not in, and the calls it makes go out at once
-(messages carry ids; an answer that comes first waits for its caller). The child answers them while its step waits for the device (`Engine.step`'s `while_waiting`) when
-every call of the message may run then (MID_STEP: a new sequence's add), so an arrival joins the admission of
-the step in flight instead of waiting for it to end; a message with another call, and every message after it,
-waits for the step.
+(messages carry ids; an answer that comes first waits for its caller). The child answers them while its step
+waits for the device (`Engine.step`'s `while_waiting`) when every call of the message may run then (MID_STEP:
+a sequence's add, text, end and abort), so an arrival joins the admission of the step in flight instead of
+waiting for it to end; a message with another call, and every message after it, waits for the step.
+
+The child steps ahead (`EngineConfig.run_ahead`): once it has answered a step and no message waits, it runs
+the next step at once and keeps its answer for the parent's next `step` call. So the device's next step waits
+neither for the parent to take in and route the last step's outputs (unpickling, routing, the response
+threads) nor for the last step's audio: the parent's turn overlaps the device work. A call the parent makes
+meanwhile reaches the step after the one it precedes only when it comes after that step's wait for the device
+(MID_STEP calls during the wait run in it). The parent may learn of a sequence's end one answer after the
+engine forgot it: text, end and abort of such a sequence are answered as the engine answers them for an ended
+sequence it still knows (quietly, no error).
 
 When a call fails with an error that poisons the device context (engine/faults.py), or the child dies, the
 call raises `DeviceFault` and the child is gone; the serving loop then ends every open request and starts a
@@ -32,7 +41,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -43,8 +52,12 @@ import numpy as np
 from q3tts.core import EngineError, StepOutput
 
 STOP_TIMEOUT_S = 10.0
-# calls the child runs mid-step: the serving loop sends new sequences' adds during a step (EngineLoop._between)
-MID_STEP = frozenset({"add"})
+# calls the child runs mid-step: the serving loop sends new sequences' adds during a step (EngineLoop._between),
+# and everything else while the child steps ahead (a sequence's text then joins the step it precedes)
+MID_STEP = frozenset({"add", "append_text", "end_text", "abort"})
+# a sequence's calls the child answers itself once the engine forgot the sequence (see the module's doc)
+ENDED_QUIET = frozenset({"append_text", "end_text", "abort"})
+ENDED_KEPT = 4096  # how many of the last sequences to end the child remembers for that
 Call = tuple[str, tuple, dict]  # (engine method, args, kwargs)
 Result = tuple[bool, Any]  # (True, the call's result) | (False, its exception)
 
@@ -279,15 +292,18 @@ def child_main(conn, checkpoint: str, engine_config: dict[str, Any]) -> None:
         send(conn, ("start_error", f"{type(e).__name__}: {e}"))
         return
     send(conn, ("ready", engine.default_sampling, engine.checkpoint.config))
-    serve(conn, engine)
+    serve(conn, engine, engine.config.run_ahead)
 
 
-def serve(conn, engine) -> None:
-    """Answer the messages (id, calls) in order, each with (id, kind, value, has_work) (`_answer_all`), until
-    told to stop (None) or the parent goes away. While a step waits for the device, a message that came
+def serve(conn, engine, run_ahead: bool = False) -> None:
+    """Answer the messages (id, calls) in order, each with (id, kind, value, has_work) (`_Child.answer_all`),
+    until told to stop (None) or the parent goes away. While a step waits for the device, a message that came
     meanwhile is answered at once when all its calls are MID_STEP; else it, and every message after it, is
-    held until the step is answered."""
+    held until the step is answered. `run_ahead`: when no message waits and the engine has work, the next step
+    runs before it is asked for; its answer goes to the next message that asks for a step alone (a fault in
+    it: to the next message)."""
     held: deque = deque()
+    child = _Child(engine)
 
     def while_waiting(timeout_s: float) -> None:
         if held:  # the rest waits for the step
@@ -297,20 +313,64 @@ def serve(conn, engine) -> None:
             return
         message = _next(conn)
         if message is not None and all(method in MID_STEP for method, _, _ in message[1]):
-            _reply(conn, engine, message)
+            _reply(conn, message, child.answer_all(message[1]))
         else:
             held.append(message)
 
-    while (message := held.popleft() if held else _next(conn)) is not None:
-        _reply(conn, engine, message, while_waiting)
+    while True:
+        if run_ahead and child.ahead is None and not held and engine.has_work() and not conn.poll(0):
+            child.ahead = child.answer_all([STEP], while_waiting)
+            continue
+        message = held.popleft() if held else _next(conn)
+        if message is None:
+            return
+        ahead = child.ahead
+        if ahead is not None and (message[1] == [STEP] or ahead[0] == "fault"):
+            child.ahead = None
+            _reply(conn, message, ahead[:2] + (child.has_work(),))
+        else:
+            _reply(conn, message, child.answer_all(message[1], while_waiting))
 
 
-def _reply(conn, engine, message: tuple[int, list[Call]], while_waiting=None) -> None:
-    msg_id, calls = message
-    answer = _answer_all(engine, calls, while_waiting)
-    send(conn, (msg_id, *answer))
+STEP: Call = ("step", (), {})
+
+
+def _reply(conn, message: tuple[int, list[Call]], answer: tuple) -> None:
+    send(conn, (message[0], *answer))
     if answer[0] == "fault":
         os._exit(1)  # the context is poisoned: nothing of this process can be trusted
+
+
+class _Child:
+    """The child's engine as its messages reach it: calls in order, a step's `while_waiting` passed on, the
+    answer of a step run ahead, and the sequences that ended lately (`ENDED_QUIET`)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.ahead: tuple | None = None  # the answer of the step run ahead, until a message asks for it
+        self.ended: OrderedDict = OrderedDict()  # the last ENDED_KEPT sequence ids that ended, oldest first
+
+    def has_work(self) -> bool:
+        return self.ahead is not None or self.engine.has_work()
+
+    def answer_all(self, calls: list[Call], while_waiting=None) -> tuple:
+        """Calls in order -> ("ok", [Result per call], has_work), or ("fault", text, False) at the first call
+        that poisoned the device context (the rest do not run). A step gets `while_waiting`."""
+        try:
+            results = [self.answer(*call, while_waiting) for call in calls]
+        except _Poisoned as e:
+            return "fault", str(e), False
+        return "ok", results, self.has_work()
+
+    def answer(self, method: str, args: tuple, kwargs: dict, while_waiting=None) -> Result:
+        if method in ENDED_QUIET and args and args[0] in self.ended:
+            return True, None
+        ok, value = _answer(self.engine, method, args, kwargs, while_waiting)
+        if ok and method == "step":
+            self.ended.update((seq_id, None) for seq_id, _, _, finished, *_ in value[0] if finished)
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
+        return ok, value
 
 
 def _next(conn):
@@ -318,16 +378,6 @@ def _next(conn):
         return receive(conn)
     except (EOFError, OSError):
         return None
-
-
-def _answer_all(engine, calls: list[Call], while_waiting=None) -> tuple:
-    """Calls in order -> ("ok", [Result per call], has_work), or ("fault", text, False) at the first call that
-    poisoned the device context (the rest do not run). A step gets `while_waiting`."""
-    try:
-        results = [_answer(engine, *call, while_waiting) for call in calls]
-    except _Poisoned as e:
-        return "fault", str(e), False
-    return "ok", results, engine.has_work()
 
 
 class _Poisoned(Exception):

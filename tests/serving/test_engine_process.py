@@ -11,6 +11,7 @@ import pickle
 import signal
 import socket
 import threading
+import time
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
 
@@ -18,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from q3tts.core import InvalidRequest, SamplingParams, StepOutput, VoiceSpec
+from q3tts.core import InvalidRequest, SamplingParams, StepOutput, UnknownSequence, VoiceSpec
+from q3tts.engine.config import TEST_HOOKS_ENV
 from q3tts.serving.commands import CommandQueue, Shutdown
 from q3tts.serving.engine_process import (DeviceFault, EngineProcess, WhileStepping, pack_outputs, receive, send, serve,
                                          unpack_outputs)
@@ -160,3 +162,117 @@ def test_step_outputs_cross_the_pipe_packed_and_come_back_equal():
                                                                           b.stats)
             for x, y in ((a.codes, b.codes), (a.pcm, b.pcm)):
                 assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
+
+
+class CountingEngine(WaitingEngine):
+    """A child's engine with work for `steps` steps, each one output (its step number as seq_id; the last one
+    ends sequence "x"); a sequence it does not know (any but "x" before its end) is an UnknownSequence."""
+
+    def __init__(self, steps: int):
+        super().__init__(polls=1)
+        self.steps, self.made = steps, 0
+
+    def step(self, while_waiting=None):
+        super().step(while_waiting)
+        self.made += 1
+        last = self.made == self.steps
+        return [StepOutput("x" if last else self.made, np.zeros((1, 16), np.int64), np.zeros(1920, np.float32),
+                           finished=last, reason="eos" if last else None)]
+
+    def has_work(self):
+        return self.made < self.steps
+
+    def append_text(self, seq_id, text):
+        self.log.append(("append_text", seq_id))
+        raise UnknownSequence(f"unknown sequence {seq_id!r}")
+
+
+def test_the_child_runs_the_next_step_ahead_and_answers_the_next_step_call_with_it():
+    """`serve(run_ahead=True)`: after answering a step the child runs the next one unasked (nothing else
+    waiting); the next step call gets that step's answer without another step; a call the parent makes while
+    the step ran ahead is answered in order; text for a sequence that ended in a step the parent has not asked
+    for yet is answered quietly (the engine, which forgot it, is not asked), for any other unknown one as the
+    engine answers."""
+    parent, child = (Connection(s.detach()) for s in socket.socketpair())
+    engine = CountingEngine(steps=3)
+    thread = threading.Thread(target=serve, args=(child, engine, True))
+    thread.start()
+    step = [("step", (), {})]
+    send(parent, (1, step))
+    first = receive(parent)
+    assert first[:2] == (1, "ok") and unpack_outputs(first[2][0][1])[0].seq_id == 1 and first[3]
+    for _ in range(200):  # the child steps again, asked by no message
+        if engine.made == 2:
+            break
+        threading.Event().wait(0.01)
+    assert engine.made == 2
+    send(parent, (2, step))
+    second = receive(parent)
+    assert unpack_outputs(second[2][0][1])[0].seq_id == 2 and engine.made >= 2
+    send(parent, (3, step))
+    third = receive(parent)
+    (last,) = unpack_outputs(third[2][0][1])
+    assert (last.seq_id, last.finished) == ("x", True) and engine.made == 3 and third[3] is False
+    send(parent, (4, [("append_text", ("x", "more"), {}), ("append_text", ("y", "more"), {})]))
+    _, kind, (ended, unknown), work = receive(parent)
+    assert kind == "ok" and ended == (True, None) and not work
+    assert unknown[0] is False and isinstance(unknown[1], UnknownSequence)
+    assert ("append_text", "x") not in engine.log and ("append_text", "y") in engine.log
+    send(parent, None)
+    thread.join(10)
+    assert engine.log.count("step begins") == 3
+
+
+@pytest.fixture(scope="module")
+def both(tiny_checkpoint):  # noqa: F811
+    """Two engine processes: run_ahead off, on."""
+    engines = [EngineProcess(str(tiny_checkpoint), {**CONFIG, "run_ahead": on}).start() for on in (False, True)]
+    for engine in engines:
+        engine.wait_ready()
+    yield engines
+    for engine in engines:
+        engine.close()
+
+
+def _stream(engine, seq_id, speaker, pieces: list[str], sampling: SamplingParams) -> list[StepOutput]:
+    """One sequence through an EngineProcess, its text in pieces (one per step, then the end)."""
+    engine.add(seq_id, VoiceSpec(speaker=speaker), sampling, text=pieces[0], text_done=len(pieces) == 1)
+    outputs, rest = [], list(pieces[1:])
+    while engine.has_work():
+        outputs += engine.step()
+        if rest:
+            engine.append_text(seq_id, rest.pop(0))
+            if not rest:
+                engine.end_text(seq_id)
+    return outputs
+
+
+def test_a_child_that_runs_ahead_gives_the_same_audio(both):
+    """run_ahead changes when the steps run, not what they make: a sequence fed in pieces between steps (with
+    the child ahead, its text and end come while a step runs) gives the same codes and PCM, bit for bit."""
+    speaker = sorted(both[0].checkpoint.config.talker.speaker_ids)[0]
+    sampling = SamplingParams(seed=7, max_frames=12)
+    pieces = ["Hello there, ", "this text ", "comes in ", "pieces."]
+    runs = [_stream(engine, "pieces", speaker, pieces, sampling) for engine in both]
+    (codes, pcm), (codes_ahead, pcm_ahead) = ((np.concatenate([o.codes for o in run]),
+                                              np.concatenate([o.pcm for o in run])) for run in runs)
+    assert len(codes) > 1 and runs[1][-1].finished
+    assert np.array_equal(codes, codes_ahead) and np.array_equal(pcm, pcm_ahead)
+
+
+def test_a_device_fault_in_a_step_run_ahead_answers_the_next_call(tiny_checkpoint, monkeypatch):  # noqa: F811
+    """The fault of a step that ran ahead reaches the parent with its next call of any kind (here `stats`):
+    a DeviceFault, and the child is gone."""
+    monkeypatch.setenv(TEST_HOOKS_ENV, "1")
+    engine = EngineProcess(str(tiny_checkpoint), {**CONFIG, "run_ahead": True, "fault_injection_seed": 13}).start()
+    engine.wait_ready()
+    speaker = sorted(engine.checkpoint.config.talker.speaker_ids)[0]
+    engine.add("fine", VoiceSpec(speaker=speaker), SamplingParams(seed=1, max_frames=50), text="Hi.", text_done=True)
+    engine.step()
+    time.sleep(1.0)  # the child ran the next step ahead and holds its answer
+    engine.add("faulty", VoiceSpec(speaker=speaker), SamplingParams(seed=13), text="Hi.", text_done=True)
+    engine.step()  # that answer; the child then runs ahead the step that starts the faulty sequence
+    time.sleep(1.0)
+    with pytest.raises(DeviceFault):
+        engine.stats()
+    assert not engine.alive()
