@@ -29,6 +29,8 @@ from collections import deque
 import numpy as np
 import torch
 
+from .cuda_graph import WhileWaiting, wait_for
+
 
 class AudioPipeline:
     """The codec's inputs, graphs (one per decode bucket), stream, events and host audio buffers."""
@@ -90,12 +92,12 @@ class AudioPipeline:
                 done.record(self.stream)
         self.pending.append((rows, host, done))
 
-    def collect(self) -> np.ndarray:
-        """pcm [rows, samples] float32 of the oldest launch not yet collected (waits for its codec): a
-        view of a host buffer, valid until the launch after next."""
+    def collect(self, while_waiting: WhileWaiting | None = None) -> np.ndarray:
+        """pcm [rows, samples] float32 of the oldest launch not yet collected (waits for its codec, running
+        `while_waiting` meanwhile): a view of a host buffer, valid until the launch after next."""
         rows, host, done = self.pending.popleft()
         if done is not None:
-            done.synchronize()
+            wait_for(done, while_waiting)
         return self.host[host][:rows].numpy()
 
     @contextlib.contextmanager

@@ -24,6 +24,13 @@ WhileWaiting = Callable[[float], None]
 WAIT_POLL_S = 2e-4  # the longest a step's end may go unnoticed while the host waits with while_waiting
 
 
+def wait_for(event, while_waiting: WhileWaiting | None) -> None:
+    """Block until the device reached `event` (a torch.cuda.Event); `while_waiting` runs meanwhile."""
+    while while_waiting is not None and not event.query():
+        while_waiting(WAIT_POLL_S)
+    event.synchronize()
+
+
 @dataclass
 class DecodeRow:
     """One sequence of a decode step, as the engine gives it."""
@@ -144,9 +151,7 @@ class GraphBuffers:
             for name in names:
                 self.host[name][:n].copy_(getattr(self, name)[:n], non_blocking=True)
             self._record()
-            while while_waiting is not None and not self.copied.query():
-                while_waiting(WAIT_POLL_S)
-            self._wait()
+            wait_for(self.copied, while_waiting)
         elif while_waiting is not None:
             while_waiting(0.0)
         return tuple(self.arrays[name][:n] if name in names else np.zeros((n, 0), np.float32)

@@ -94,7 +94,9 @@ class Engine(RequestIntake):
         """One engine step: the outputs of the sequences that made a frame or ended.
 
         Pipelined, the step first waits for the step in flight to finish on the device; `while_waiting`
-        (timeout_s) is called meanwhile, and may add, feed, end and abort sequences (this step admits them)."""
+        (timeout_s) is called meanwhile, and may add, feed, end and abort sequences (this step admits them).
+        It is called again while the step, its next one launched, waits for the landed frames' audio (the
+        next step admits what it adds then)."""
         self._admit_prepared(idle=not (self.scheduler.has_work() or self._outbox or self._flight))
         outputs, self._outbox = self._outbox, []
         outputs += self._land(while_waiting)  # pipelined: the frames of the step the last call launched
@@ -117,7 +119,7 @@ class Engine(RequestIntake):
             if decode:
                 outputs += self._decode(decode)
             self._observe(started, t_prefill, t_decode, self.clock.stamp() if decode else None)
-        self._hear()
+        self._hear(while_waiting)
         outputs += self._outbox
         self._outbox = []
         for out in outputs:
@@ -208,11 +210,12 @@ class Engine(RequestIntake):
         self._unheard = self._frame_outputs(flight.seqs, _row_results(out))
         return [out for _, out in self._unheard]
 
-    def _hear(self) -> None:
-        """Pipelined: the audio of the landed step into its outputs (waits for its codec)."""
+    def _hear(self, while_waiting: WhileWaiting | None = None) -> None:
+        """Pipelined: the audio of the landed step into its outputs (waits for its codec; `while_waiting`
+        runs meanwhile, as while the step lands: a sequence it ends keeps the frame it made)."""
         if self._unheard is None:
             return
-        pcm = self.runner.collect_audio()
+        pcm = self.runner.collect_audio(while_waiting)
         for row, out in self._unheard:
             out.pcm = pcm[row].copy()
         self._unheard = None

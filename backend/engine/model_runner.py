@@ -308,9 +308,10 @@ class ModelRunner:
         """The launched step's results for its `n` rows, once it has run (`while_waiting`: GraphBuffers.fetch)."""
         return DecodeOutput(*self.buf.fetch(n, self.codec is not None and self.audio is None, while_waiting))
 
-    def collect_audio(self) -> np.ndarray:
-        """Pipelined: pcm [n, samples] of the oldest launched step not collected yet (waits for it)."""
-        return self.audio.collect()
+    def collect_audio(self, while_waiting: WhileWaiting | None = None) -> np.ndarray:
+        """Pipelined: pcm [n, samples] of the oldest launched step not collected yet (waits for it, running
+        `while_waiting` meanwhile)."""
+        return self.audio.collect(while_waiting)
 
     def step_mode(self, slots: list[int]) -> str:
         """The sampling variant of a step over these slots: TOPK when every row allows it, else FULL."""

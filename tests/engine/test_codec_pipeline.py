@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from q3tts.engine.config import EngineConfig
+from q3tts.engine.cuda_graph import WAIT_POLL_S
 from q3tts.engine.engine import Engine
 from test_engine import CFG, TEXT, baseline, req, run
 
@@ -133,6 +134,51 @@ def test_calls_made_while_a_step_waits_for_its_flight_join_that_step(engines, sp
         mine = [o for o in outs if o.seq_id == rid]
         assert np.array_equal(np.concatenate([o.codes for o in mine]), want[rid][0]), rid
         assert np.array_equal(np.concatenate([o.pcm for o in mine]), want[rid][1]), rid
+    baseline(engine)
+
+
+class SlowCodec:
+    """Stands in for the codec's done event of one launch: not reached for `polls` queries."""
+
+    def __init__(self, polls: int):
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self) -> None:
+        assert self.polls < 0, "waited before the codec was done"
+
+
+def test_calls_made_while_a_step_waits_for_its_audio_run_then(engines, speaker):
+    """`step(while_waiting)` also runs the hook while it waits for the landed frames' audio (after the next
+    step is launched): a sequence aborted there keeps the frame that landed (then ends 'aborted'); the other
+    sequence's codes and audio are the synchronous engine's."""
+    reqs = [req("stays", speaker, seed=3, max_frames=5), req("leaves", speaker, seed=4, max_frames=5)]
+    want = run(engines[False], [reqs[0]])["stays"]
+    engine = engines[True]
+    for r in reqs:
+        engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
+    outs = engine.step()  # prefilled, their first frames in flight
+    rows, host, _ = engine.runner.audio.pending[0]
+    engine.runner.audio.pending[0] = (rows, host, SlowCodec(polls=2))  # the first frames' codec still runs
+    waits = []
+
+    def while_waiting(timeout_s):
+        waits.append(timeout_s)
+        if timeout_s == WAIT_POLL_S and len(waits) == 2:
+            engine.abort("leaves")
+
+    outs += engine.step(while_waiting)
+    assert waits == [0.0, WAIT_POLL_S, WAIT_POLL_S]  # landing (CPU: once), then the audio, twice
+    while engine.has_work():
+        outs += engine.step()
+    leaves = [o for o in outs if o.seq_id == "leaves"]
+    assert [(o.codes.shape[0], o.finished, o.reason) for o in leaves] == [(1, False, None), (0, True, "aborted")]
+    stays = [o for o in outs if o.seq_id == "stays"]
+    assert np.array_equal(np.concatenate([o.codes for o in stays]), want[0])
+    assert np.array_equal(np.concatenate([o.pcm for o in stays]), want[1])
     baseline(engine)
 
 
