@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Any, Callable, Sequence
 
 import torch
 
 _BEST: dict[tuple, Any] = {}
 _INVARIANT = [False]
+_TUNED_S = [0.0]  # seconds this process spent timing candidates (compiling them included)
 
 
 def set_batch_invariant(on: bool) -> None:
@@ -49,6 +51,7 @@ def pick(key: tuple, candidates: Sequence[Any], launch: Callable[[Any], None],
         return candidates[0]  # NOTE: not cached, so a later eager call on CUDA still tunes
     from triton.testing import do_bench
 
+    start = time.perf_counter()
     timings = []
     for cfg in candidates:
         try:
@@ -57,6 +60,7 @@ def pick(key: tuple, candidates: Sequence[Any], launch: Callable[[Any], None],
             continue
     assert timings, f"no launch config ran for {key}"
     _BEST[key] = min(timings, key=lambda t: t[0])[1]
+    _TUNED_S[0] += time.perf_counter() - start
     return _BEST[key]
 
 
@@ -85,3 +89,8 @@ def choose(key: tuple, candidates: Sequence[Any], launch: Callable[[Any], None],
 def tuned_configs() -> dict[tuple, Any]:
     """A copy of the tuned table (for logs and the bench report)."""
     return dict(_BEST)
+
+
+def tuning_seconds() -> float:
+    """Seconds this process spent timing launch configs so far (their compiles included)."""
+    return _TUNED_S[0]

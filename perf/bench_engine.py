@@ -208,9 +208,8 @@ def build_engine(args, frames: int) -> Engine:
                        fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant,
                        programmatic_launch=args.programmatic_launch)
     model = make_model(args)
-    t0 = time.perf_counter()
     engine = Engine(model, cfg)
-    print(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.config.num_pages} KV pages, graphs "
+    print(f"engine up in {engine.startup}: {engine.config.num_pages} KV pages, graphs "
           f"{list(engine.runner.graph_buckets) or 'off (eager)'}", flush=True)
     return engine
 

@@ -64,10 +64,9 @@ def make_engine(args) -> Engine:
                        max_queue=most, max_frames=64, max_prompt_tokens=512, max_text_tokens=256,
                        num_pages=None if cuda else most * 40,
                        graph_batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * most))
-    t0 = time.perf_counter()
     engine = Engine(path, cfg)
     graphs = engine.runner.prefill_graphs
-    print(f"engine up in {time.perf_counter() - t0:.1f} s; prefill graphs "
+    print(f"engine up in {engine.startup}; prefill graphs "
           f"{sorted(graphs.graphs.graphs) if graphs and graphs.graphs else 'off (eager)'}", flush=True)
     return engine
 

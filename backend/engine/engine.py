@@ -35,7 +35,7 @@ from .requests import RequestIntake
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .setup import make_codec, resolve_config
-from .timing import PhaseClock, StepTimes
+from .timing import PhaseClock, Startup, StepTimes
 from .voice_cache import VoiceCache
 
 
@@ -49,19 +49,23 @@ class Engine(RequestIntake):
 
         config = config or EngineConfig()
         dtype = getattr(torch, config.dtype)
-        ckpt = checkpoint_or_path
-        if not isinstance(ckpt, Checkpoint):
-            ckpt = load_checkpoint(ckpt, dtype=dtype, device=config.device)
-        self.checkpoint = ckpt
-        check_token_ids(ckpt.tokenizer.vocab_size, ckpt.config.talker.text_vocab_size)
-        self.model = Qwen3TTS.from_checkpoint(ckpt).to(device=config.device, dtype=dtype)
-        self.inputs = InputProcessor(self.model, ckpt, config)
+        self.startup = Startup()  # where the construction's time went (the bench and the server log print it)
+        with self.startup.phase("weights"):
+            ckpt = checkpoint_or_path
+            if not isinstance(ckpt, Checkpoint):
+                ckpt = load_checkpoint(ckpt, dtype=dtype, device=config.device)
+            self.checkpoint = ckpt
+            check_token_ids(ckpt.tokenizer.vocab_size, ckpt.config.talker.text_vocab_size)
+            self.model = Qwen3TTS.from_checkpoint(ckpt).to(device=config.device, dtype=dtype)
+            self.inputs = InputProcessor(self.model, ckpt, config)
         self.codec_eos_id = ckpt.config.talker.codec_eos_id
-        codec = make_codec(ckpt, config) if with_codec else None
+        with self.startup.phase("codec"):
+            codec = make_codec(ckpt, config) if with_codec else None
         self.config = resolve_config(self.model, config)  # after the codec: KV takes a share of what is left
         self.scheduler = Scheduler(self.config)
-        self.runner = ModelRunner(self.model, codec, self.config, self.inputs.pad_row, uniform_source)
-        self.runner.capture_graphs()
+        with self.startup.phase("runner"):
+            self.runner = ModelRunner(self.model, codec, self.config, self.inputs.pad_row, uniform_source)
+        self.runner.capture_graphs(self.startup)
         # voices are encoded and prepared (an ICL codec stream primed) on their own thread, never during capture
         self.voices = VoiceCache(self.config.voice_cache_bytes,
                                  lambda voice: self.inputs.prepare(voice, self.runner.prime_state))

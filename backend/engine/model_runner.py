@@ -48,6 +48,7 @@ from .config import EngineConfig
 from .cuda_graph import DecodeMeta, DecodeRow, GraphBuffers, GraphRunner, WhileWaiting
 from .prefill_graph import PrefillGraphs, token_buckets
 from .slots import SlotState
+from .timing import Startup
 
 
 @dataclass
@@ -136,28 +137,32 @@ class ModelRunner:
         sampling variants; e.g. to compare the two on the same rows. No effect when none were captured."""
         self._graphs_on = on
 
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, startup: Startup) -> None:
         """Capture the prefill for every token bucket (`prefill_graphs`) and the decode step for every
-        bucket and both sampling variants (`use_cuda_graphs`); CUDA only."""
+        bucket and both sampling variants (`use_cuda_graphs`); CUDA only. Each part's time goes into
+        `startup`."""
         if self.device.type != "cuda":
             return
         if self.config.prefill_graphs:
-            self.prefill_graphs = self.packed_prefill()
-            self.prefill_graphs.capture()
+            with startup.phase("prefill graphs"):
+                self.prefill_graphs = self.packed_prefill()
+                self.prefill_graphs.capture()
         if not self.config.use_cuda_graphs:
             return
         # NOTE: kernels tune on their first launch; GraphRunner.capture warms every bucket up first
         pool = None
         with torch.no_grad():
             for mode in GRAPH_VARIANTS:
-                graphs = GraphRunner(lambda bs, mode=mode: self.decode_rows(bs, mode), self._fill_padding,
-                                     self.buckets)
-                graphs.pool = pool  # one variant replays at a time: they share one pool
-                graphs.capture()
+                with startup.phase(f"decode graphs {mode}"):
+                    graphs = GraphRunner(lambda bs, mode=mode: self.decode_rows(bs, mode), self._fill_padding,
+                                         self.buckets)
+                    graphs.pool = pool  # one variant replays at a time: they share one pool
+                    graphs.capture()
                 pool = graphs.pool
                 self.graphs[mode] = graphs
         if self.audio is not None:
-            self.audio.capture(self.buckets)
+            with startup.phase("codec graphs"):
+                self.audio.capture(self.buckets)
 
     def packed_prefill(self) -> PrefillGraphs:
         """The token-bucketed prefill over this runner's talker, KV and slots, for up to max_slots

@@ -7,11 +7,14 @@ stamp is the wall clock. `StepTimes` keeps the running totals that `Engine.stats
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from q3tts.kernels.autotune import tuning_seconds
 
 
 class PhaseClock:
@@ -64,3 +67,26 @@ class StepTimes:
 
     def as_stats(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+@dataclass
+class Startup:
+    """Where an engine's construction went: wall seconds per phase (in the order they ran; phases do not
+    overlap) and, of all of them, the seconds spent timing kernel launch configs (their compiles included)."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+    tuning_s: float = 0.0
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start, tuned = time.perf_counter(), tuning_seconds()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+            self.tuning_s += tuning_seconds() - tuned
+
+    def __str__(self) -> str:
+        """E.g. "12.3 s (weights 4.1, codec 0.3, runner 0.2, decode graphs 7.7; kernel tuning 5.0 of it)"."""
+        parts = ", ".join(f"{name} {s:.1f}" for name, s in self.phases.items())
+        return f"{sum(self.phases.values()):.1f} s ({parts}; kernel tuning {self.tuning_s:.1f} of it)"

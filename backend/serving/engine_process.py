@@ -291,6 +291,7 @@ def child_main(conn, checkpoint: str, engine_config: dict[str, Any]) -> None:
     except BaseException as e:  # noqa: BLE001 - the parent raises it from wait_ready
         send(conn, ("start_error", f"{type(e).__name__}: {e}"))
         return
+    sys.stderr.write(f"[q3tts] engine process {os.getpid()}: engine up in {engine.startup}\n")
     send(conn, ("ready", engine.default_sampling, engine.checkpoint.config))
     serve(conn, engine, engine.config.run_ahead)
 
