@@ -7,16 +7,23 @@
 # under $OUT at the end (the tool brings back 8) are packed into $OUT/round.tgz. COMMIT=<sha> names the snapshot's
 # commit in the CSV rows the benches append (LOADTEST_COMMIT): the snapshot has no .git (one in the archive, e.g. a
 # tar of the device's copy of the tree, is removed: it may be stale).
+# Triton's compile cache: a fresh machine compiles every kernel variant again (part of an engine's 70-134 s start).
+# Carry .gpu/triton_cache.tgz (from an earlier call's $OUT) and the steps start from it; the cache as it stands at
+# the end comes back as $OUT/triton_cache.tgz when it is under 15 MiB (kernels the commit did not change hit).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SRC="$PWD"; S=/tmp/s; rm -rf $S; mkdir -p $S; tar -xzf ${SNAP:-.gpu/snap.tar.gz} -C $S; mkdir -p $S/.gpu; cp -r .gpu/site $S/.gpu/site
 for f in .gpu/pytriton_slim.tgz; do [ -f $f ] && ln -s $SRC/$f $S/.gpu/; done; [ -d .whl ] && ln -s $SRC/.whl $S/.whl
 rm -rf $S/.git; cd $S; export PYTHONPATH="$S/.gpu/site" LOADTEST_COMMIT="${COMMIT:-unknown}"
+export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
+[ -f "$SRC/.gpu/triton_cache.tgz" ] && tar -xzf "$SRC/.gpu/triton_cache.tgz" -C $TRITON_CACHE_DIR
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
 T0=$SECONDS
 run() { local name=$1; local lim=$2; shift 2; echo "=== $name (+$((SECONDS-T0))s): $*"
   timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -${TAILN:-25} "$OUT/$name.log"; echo "=== $name rc=$rc (+$((SECONDS-T0))s)"; }
 for step in "$@"; do eval "$step"; done
-# the device tool brings back at most 8 files: past 7, everything under $OUT travels as one round.tgz
-if [ "$(find "$OUT" -type f | wc -l)" -gt 7 ]; then
+# the device tool brings back at most 8 files: past 6 (the cache takes the 8th), everything else as one round.tgz
+if [ "$(find "$OUT" -type f | wc -l)" -gt 6 ]; then
   tar -czf /tmp/round.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/round.tgz "$OUT/"; fi
+tar -czf /tmp/triton_cache.tgz -C $TRITON_CACHE_DIR . && [ "$(stat -c %s /tmp/triton_cache.tgz)" -lt $((15 << 20)) ] \
+  && mv /tmp/triton_cache.tgz "$OUT/" || echo "triton cache not brought back ($(du -sh $TRITON_CACHE_DIR | cut -f1))"
