@@ -10,13 +10,19 @@ first (heuristic) candidate is used. `Q3TTS_TUNE=0` disables tuning.
 `set_batch_invariant(True)` (process-wide) makes the kernels that would key a choice on the batch
 (the skinny GEMMs' row classes, the codec conv's kernel-vs-cuDNN choice, paged attention's split
 count) take their batch-independent choice instead (see q3tts.kernels' docstring).
+`save_tuned` / `load_tuned` keep the table in a file between processes (an engine process that replaces one
+after a device fault tunes nothing again), valid only for the same device name, torch, triton and kernel sources.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import pickle
 import time
+import warnings
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -94,3 +100,56 @@ def tuned_configs() -> dict[tuple, Any]:
 def tuning_seconds() -> float:
     """Seconds this process spent timing launch configs so far (their compiles included)."""
     return _TUNED_S[0]
+
+
+def fingerprint(device: torch.device) -> tuple[str, str, str, str]:
+    """What a saved table holds for: the device's name, torch, triton, and a digest of the kernels' sources."""
+    import triton
+
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.read_bytes())
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return name, str(torch.__version__), str(triton.__version__), digest.hexdigest()
+
+
+def save_tuned(path: str | os.PathLike, device: torch.device) -> None:
+    """Write the tuned table, with `fingerprint(device)`, to `path` (replaced whole, never half-written). It
+    is only a cache: a failure to write is a warning."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(pickle.dumps({"fingerprint": fingerprint(device), "best": dict(_BEST)}, protocol=5))
+        os.replace(tmp, path)
+    except OSError as e:
+        warnings.warn(f"the kernel tuning cache was not saved to {path}: {e}", stacklevel=2)
+        tmp.unlink(missing_ok=True)
+
+
+def load_tuned(path: str | os.PathLike, device: torch.device) -> int:
+    """Take the table saved at `path` when it was saved with this `fingerprint(device)` -> how many entries
+    it held (0: no file, or one for another device or version). A file that cannot be read is a warning."""
+    try:
+        with open(path, "rb") as f:
+            saved = _TableUnpickler(f).load()
+    except FileNotFoundError:
+        return 0
+    except Exception as e:  # noqa: BLE001 - only a cache: any unreadable file is skipped
+        warnings.warn(f"the kernel tuning cache {path} was not read: {e}", stacklevel=2)
+        return 0
+    if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint(device):
+        return 0
+    _BEST.update(saved["best"])
+    return len(saved["best"])
+
+
+class _TableUnpickler(pickle.Unpickler):
+    """Unpickles a tuned table and nothing else: its keys and configs are built from tuples, strings, numbers,
+    torch dtypes and sizes, and the kernels' own config classes."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("q3tts.kernels.") or (module == "torch" and (
+                name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} has no place in a tuning table")

@@ -118,6 +118,11 @@ class EngineConfig:
                          by default until an H200 A/B: on the 2-core CPU (tiny checkpoint, 8 streams) the step
                          ahead takes the cores the serving loop routes with, and first audio came ~45 ms later
                          at p50 in 3 of 3 interleaved runs (perf/results/RESULTS.md)
+    tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
+                         `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
+                         sources): an engine takes what it holds and writes back what it tuned, so an engine
+                         process that replaces one after a device fault, or a restarted server, times nothing
+                         again. None: off. `q3tts serve` on GPUs sets it (render.default_tune_cache)
     voice_cache_bytes    device memory for the Base voices kept prepared (engine/voice_cache.py: x-vector,
                          reference codes, an ICL voice's primed codec stream; least recently used first
                          out). 256 MiB holds about 60 ICL voices of the released 1.7B in bfloat16 (a
@@ -153,6 +158,7 @@ class EngineConfig:
     batch_invariant: bool = False
     programmatic_launch: bool = False
     run_ahead: bool = False
+    tune_cache: str | None = None
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
 
@@ -184,6 +190,8 @@ class EngineConfig:
         need(list(bs) == sorted(set(bs)), f"graph_batch_sizes must be strictly increasing, got {bs}")
         need(self.fault_injection_seed is None or os.environ.get(TEST_HOOKS_ENV) == "1",
              f"fault_injection_seed is a test hook: refused unless {TEST_HOOKS_ENV}=1")
+        need(self.tune_cache is None or (isinstance(self.tune_cache, str) and self.tune_cache != ""),
+             f"tune_cache must be a file path or null, got {self.tune_cache!r}")
         need(self.codec_pipeline is None or isinstance(self.codec_pipeline, bool),
              f"codec_pipeline must be true, false or null, got {self.codec_pipeline!r}")
         for name in ("fused_code_predictor", "fused_talker"):

@@ -22,6 +22,7 @@ import torch
 
 from q3tts.codec.audio import SAMPLE_RATE
 from q3tts.core import SamplingParams, StepOutput
+from q3tts.kernels.autotune import load_tuned, save_tuned
 from q3tts.models.sampling import UniformSource
 
 from .config import EngineConfig
@@ -63,9 +64,14 @@ class Engine(RequestIntake):
             codec = make_codec(ckpt, config) if with_codec else None
         self.config = resolve_config(self.model, config)  # after the codec: KV takes a share of what is left
         self.scheduler = Scheduler(self.config)
+        device = torch.device(self.config.device)
+        if self.config.tune_cache:
+            self.startup.cached_configs = load_tuned(self.config.tune_cache, device)
         with self.startup.phase("runner"):
             self.runner = ModelRunner(self.model, codec, self.config, self.inputs.pad_row, uniform_source)
         self.runner.capture_graphs(self.startup)
+        if self.config.tune_cache:
+            save_tuned(self.config.tune_cache, device)
         # voices are encoded and prepared (an ICL codec stream primed) on their own thread, never during capture
         self.voices = VoiceCache(self.config.voice_cache_bytes,
                                  lambda voice: self.inputs.prepare(voice, self.runner.prime_state))

@@ -76,6 +76,7 @@ class Startup:
 
     phases: dict[str, float] = field(default_factory=dict)
     tuning_s: float = 0.0
+    cached_configs: int = 0  # launch configs taken from `EngineConfig.tune_cache` (not timed again)
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -87,6 +88,8 @@ class Startup:
             self.tuning_s += tuning_seconds() - tuned
 
     def __str__(self) -> str:
-        """E.g. "12.3 s (weights 4.1, codec 0.3, runner 0.2, decode graphs 7.7; kernel tuning 5.0 of it)"."""
+        """E.g. "12.3 s (weights 4.1, codec 0.3, runner 0.2, decode graphs 7.7; kernel tuning 5.0 of it)", and
+        ", 80 configs from the tuning cache" when it took some."""
         parts = ", ".join(f"{name} {s:.1f}" for name, s in self.phases.items())
-        return f"{sum(self.phases.values()):.1f} s ({parts}; kernel tuning {self.tuning_s:.1f} of it)"
+        cached = f", {self.cached_configs} configs from the tuning cache" if self.cached_configs else ""
+        return f"{sum(self.phases.values()):.1f} s ({parts}; kernel tuning {self.tuning_s:.1f} of it{cached})"

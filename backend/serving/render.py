@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +76,8 @@ class RepositorySettings:
     def values(self) -> dict[str, str]:
         """The template values of model_repository/*/config.pbtxt.tmpl."""
         engine_cfg = {"max_slots": self.slots, "dtype": self.dtype or ("bfloat16" if self.on_gpu else "float32"),
-                      "device": "cuda" if self.on_gpu else "cpu", **self.pool}
+                      "device": "cuda" if self.on_gpu else "cpu",
+                      **({"tune_cache": str(default_tune_cache())} if self.on_gpu else {}), **self.pool}
         env = pbtxt_string(self.execution_env or "")
         env_param = f',\n  {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: {env} }} }}' if self.execution_env else ""
         return {
@@ -125,6 +127,14 @@ def add_settings_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=1,
                    help="CPU engine instances (with --gpus none), each its own engine process; a sequence "
                         "stays on the instance that started it (on GPUs: one instance per GPU)")
+
+
+def default_tune_cache() -> Path:
+    """Where GPU engines keep their tuned kernel configs (EngineConfig.tune_cache): $Q3TTS_TUNE_CACHE, else
+    $XDG_CACHE_HOME/q3tts/tuning.pkl (~/.cache/q3tts/tuning.pkl). `--pool tune_cache=null` turns it off."""
+    if os.environ.get("Q3TTS_TUNE_CACHE"):
+        return Path(os.environ["Q3TTS_TUNE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "q3tts" / "tuning.pkl"
 
 
 def parse_pool(spec: str | None) -> dict:

@@ -3,6 +3,7 @@ accepts, and one clear error (exit status 2) naming a bad flag."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -63,3 +64,18 @@ def test_bad_flags_get_one_clear_error(tmp_path, capsys, flags, needle):
     assert main(["render-repository", str(tmp_path / "repo"), "--model", "ckpt", *flags]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1 and not (tmp_path / "repo").exists()
+
+
+def engine_config(config: str) -> dict:
+    raw = re.search(r'key: "engine_config" value: \{ string_value: (".*") \}', config).group(1)
+    return json.loads(json.loads(raw))
+
+
+def test_gpu_engines_keep_their_kernel_tuning_in_the_user_cache_unless_told_otherwise(tmp_path, monkeypatch):
+    monkeypatch.delenv("Q3TTS_TUNE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert engine_config(render(tmp_path)[P.MODEL])["tune_cache"] == str(tmp_path / "cache" / "q3tts" / "tuning.pkl")
+    monkeypatch.setenv("Q3TTS_TUNE_CACHE", "/srv/tuning.pkl")
+    assert engine_config(render(tmp_path)[P.MODEL])["tune_cache"] == "/srv/tuning.pkl"
+    assert engine_config(render(tmp_path, "--pool", "tune_cache=null")[P.MODEL])["tune_cache"] is None
+    assert "tune_cache" not in engine_config(render(tmp_path, "--gpus", "none")[P.MODEL])  # CPU: nothing to tune
