@@ -50,9 +50,13 @@ class StreamingDecoder:
 
         One index_fill_ per state dtype over the packed buffers, no host sync (this runs on the time-to-first-audio
         path of every admitted batch: zeroing each state's row of each stream took milliseconds of host time)."""
-        ids = upload(torch.as_tensor(slots, dtype=torch.int64), self.buffers[0].device)
+        ids = self._slot_ids(slots)
         for rows in self.buffers:
             rows.index_fill_(0, ids, 0)
+
+    def _slot_ids(self, slots: Tensor | list[int]) -> Tensor:
+        """`slots` as int64 ids on the pool's device, uploaded without waiting for the work queued there."""
+        return upload(torch.as_tensor(slots, dtype=torch.int64), self.buffers[0].device)
 
     def padded_rows(self, num: int) -> int:
         """The rows a call for `num` streams runs with (`pad_to`)."""
@@ -103,7 +107,7 @@ class StreamingDecoder:
     def load_states(self, slots: list[int], states: list[list[Tensor]]) -> None:
         """Copy `prime_state` results into `slots` (replaces `reset` for those streams): one index copy per
         pool buffer, no host sync."""
-        ids = upload(torch.tensor(slots, dtype=torch.int64), self.buffers[0].device)
+        ids = self._slot_ids(slots)
         for k, dst in enumerate(self.buffers):
             dst.index_copy_(0, ids, torch.cat([state[k] for state in states]))  # [n slots, width]
         for src in (t for state in states for t in state if t.is_cuda):
