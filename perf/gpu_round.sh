@@ -22,8 +22,8 @@ T0=$SECONDS
 run() { local name=$1; local lim=$2; shift 2; echo "=== $name (+$((SECONDS-T0))s): $*"
   timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -${TAILN:-25} "$OUT/$name.log"; echo "=== $name rc=$rc (+$((SECONDS-T0))s)"; }
 for step in "$@"; do eval "$step"; done
-# the device tool brings back at most 8 files: past 6 (the cache takes the 8th), everything else as one round.tgz
-if [ "$(find "$OUT" -type f | wc -l)" -gt 6 ]; then
+# the device tool brings back at most 8 files: past 7 (the 8th is the cache), everything else as one round.tgz
+if [ "$(find "$OUT" -type f | wc -l)" -gt 7 ]; then
   tar -czf /tmp/round.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/round.tgz "$OUT/"; fi
 tar -czf /tmp/triton_cache.tgz -C $TRITON_CACHE_DIR . && [ "$(stat -c %s /tmp/triton_cache.tgz)" -lt $((15 << 20)) ] \
   && mv /tmp/triton_cache.tgz "$OUT/" || echo "triton cache not brought back ($(du -sh $TRITON_CACHE_DIR | cut -f1))"
