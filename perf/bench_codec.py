@@ -4,12 +4,16 @@
     OUT=/some/dir python perf/bench_codec.py        # also writes $OUT/codec_bench.md
     python perf/bench_codec.py --kernels            # convs / SnakeBeta through q3tts.kernels
     python perf/bench_codec.py --scale tiny --batches 1,4 --frames 30   # CPU smoke run
+    python perf/bench_codec.py --kernels --stages --batches 1,64         # + where a call's time goes
 
 Quality: SNR (dB) of the bf16 frame-by-frame streaming decode against the fp32 full decode of the
 same codes (one stream, `--frames` frames), and the fp32 streaming-vs-full max error as a sanity check.
 Latency: one `decode_frame` call for a batch of B streams (bf16), after the streams hold a full
 attention window; CUDA events around `--iters` calls, eager and CUDA-graph replayed. "RTF" is the
 audio produced per second of decoding: B · 80 ms / time per call.
+--stages: then, per batch, each part of one call (the state gather and scatter, the quantizer and pre-conv,
+the transformer, each upsampler, each decoder block) captured as its own CUDA graph (eager on CPU) and timed,
+and the kernels of one eager call under torch.profiler by CUDA time (`codec_stages.md`).
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from collections.abc import Callable
 
 from report import emit
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from q3tts import kernels
 from q3tts.codec import CodecDecoder, StreamingDecoder, read_speech_tokenizer, write_speech_tokenizer
+from q3tts.codec.layers import SnakeBeta
 
 FRAME_MS = 80.0
 
@@ -96,6 +102,63 @@ def latency(decoder: CodecDecoder, batch: int, iters: int, device: str, use_grap
     return row
 
 
+def _parts(stream: StreamingDecoder, slots: torch.Tensor, codes: torch.Tensor
+           ) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    """`decode_frame`'s work for slots [B] and codes [B, 16] as named steps x -> y, each step's input the output
+    of the one before (the first takes the codes): the same kernels `decode_chunk` launches."""
+    dec, states = stream.decoder, [None] * len(stream.pool)
+
+    def gather(_: torch.Tensor) -> torch.Tensor:
+        states[:] = dec.spec.views([rows.index_select(0, slots) for rows in stream.buffers], stream.dtype)
+        return codes[:, :, None]  # [B, 16, 1]
+
+    def scatter(pcm: torch.Tensor) -> torch.Tensor:
+        for state, new in zip(stream.pool, states):
+            state.index_copy_(0, slots, new)
+        return pcm
+
+    parts = [("gather states", gather),
+             ("quantizer + pre_conv", lambda x: dec.pre_conv(dec.quantizer(x), states)),
+             ("pre_transformer", lambda x: dec.pre_transformer(x.transpose(1, 2), states).transpose(1, 2))]
+    for i, (up, convnext) in enumerate(dec.upsample):
+        parts.append((f"upsample {i} (transposed conv + ConvNeXt)", lambda x, u=up, c=convnext: c(u(x, states), states)))
+    for i, layer in enumerate(dec.decoder):
+        name = f"decoder {i} ({type(layer).__name__})"
+        parts.append((name, layer if isinstance(layer, SnakeBeta) else lambda x, m=layer: m(x, states)))
+    return parts + [("clamp + scatter states", lambda x: scatter(x.clamp(-1.0, 1.0)[:, 0]))]
+
+
+def stages(stream: StreamingDecoder, batch: int, iters: int, device: str) -> tuple[str, str]:
+    """Markdown: ms per part of one `decode_frame` call of `batch` warm streams (see `_parts`), and the
+    call's kernels under torch.profiler (CUDA) or ops (CPU) by time."""
+    from profile_step import kernel_table  # the step profiler's table (a heavier import: only here)
+
+    cuda = device.startswith("cuda")
+    slots = torch.arange(batch, device=device)
+    codes = torch.randint(0, stream.decoder.config.codebook_size, (batch, 16), device=device)
+    rows, x, total = [], codes, 0.0
+    with torch.no_grad():
+        for name, fn in _parts(stream, slots, codes):
+            inp = x
+            x = fn(inp)
+            call = (lambda f=fn, i=inp: f(i))
+            ms = _time_ms(_graphed(call) if cuda else call, iters, cuda)
+            rows.append((name, tuple(x.shape), ms))
+            total += ms
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        stream.decode_frame(slots, codes)
+        with profile(activities=acts) as prof:
+            stream.decode_frame(slots, codes)
+            if cuda:
+                torch.cuda.synchronize()
+    lines = [f"### B={batch}: the parts of one call ({'graph' if cuda else 'eager'} ms each)", "",
+             "| part | output shape | ms | % of the parts' sum |", "|---|---|---:|---:|"]
+    lines += [f"| {n} | {list(s)} | {ms:.3f} | {100 * ms / total:.1f} |" for n, s, ms in rows]
+    lines.append(f"| sum of the parts | | {total:.3f} | 100.0 |")
+    table, summary = kernel_table(prof, cuda, "in one eager call")
+    return "\n".join(lines) + "\n", "\n".join([summary, "", *table]) + "\n"
+
+
 def _table(scale: str, device: str, q: dict[str, float], rows: dict[int, dict[str, float]], kernels_on: bool) -> str:
     lines = [f"# Codec bench ({scale} codec, {device}, convs/SnakeBeta: {'q3tts.kernels' if kernels_on else 'torch'})", "",
              f"- bf16 streaming vs fp32 full decode: SNR {q['snr_bf16_db']:.1f} dB",
@@ -119,6 +182,7 @@ def main() -> None:
     parser.add_argument("--no-graph", action="store_true", help="skip CUDA-graph timing")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--kernels", action="store_true", help="convs and SnakeBeta through q3tts.kernels")
+    parser.add_argument("--stages", action="store_true", help="also time each part of a call (codec_stages.md)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -130,6 +194,16 @@ def main() -> None:
             for b in map(int, args.batches.split(","))}
     emit(_table(args.scale, args.device, q, rows, args.kernels),
          "codec_bench_kernels.md" if args.kernels else "codec_bench.md")
+    if args.stages:
+        md = []
+        for b in map(int, args.batches.split(",")):
+            stream = StreamingDecoder(decoder, b, torch.bfloat16, args.device, use_kernels=args.kernels)
+            latency(decoder, b, 3, args.device, False, args.kernels)  # tunes the kernel choices of this batch
+            parts, kernels_md = stages(stream, b, args.iters, args.device)
+            md += [parts, f"torch.profiler: {kernels_md}"]
+        emit(f"# Codec call by part ({args.scale} codec, {args.device}, "
+             f"convs/SnakeBeta: {'q3tts.kernels' if args.kernels else 'torch'})\n\n" + "\n".join(md),
+             "codec_stages.md")
 
 
 if __name__ == "__main__":
