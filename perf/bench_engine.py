@@ -189,8 +189,6 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.programmatic_launch,
                    help="EngineConfig.programmatic_launch (the fused kernels start while the one before runs)")
-    p.add_argument("--step-priority", action=argparse.BooleanOptionalAction, default=EngineConfig.step_priority,
-                   help="EngineConfig.step_priority (the frames' work on a stream of the highest priority)")
 
 
 def build_engine(args, frames: int) -> Engine:
@@ -208,7 +206,7 @@ def build_engine(args, frames: int) -> Engine:
                        codec_pipeline=args.codec_pipeline,
                        fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker,
                        fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant,
-                       programmatic_launch=args.programmatic_launch, step_priority=args.step_priority)
+                       programmatic_launch=args.programmatic_launch)
     model = make_model(args)
     engine = Engine(model, cfg)
     print(f"engine up in {engine.startup}: {engine.config.num_pages} KV pages, graphs "

@@ -18,8 +18,8 @@ H200 (the default): python3 perf/profile_step.py            (~2-4 min with the c
       overlap         (CUDA) the frame's work (cp_generate + talker_layers/head/sample) as one graph and
                       codec_frame as another, replayed --iters times one after the other on one stream vs
                       the codec on a second stream that waits only for its own frame's work (the next
-                      frame's work does not wait for the codec), and the same with the frame's work on a
-                      stream of the highest priority (EngineConfig.step_priority): ms per frame each way
+                      frame's work does not wait for the codec): ms per frame each way, what running the
+                      codec off the critical path can give
     each as its own captured CUDA graph (replay timed with CUDA events, median of --iters) and eager
     (wall clock around a synchronized call, median), plus graph == eager (bit-exact) per component;
     then a torch.profiler trace of one eager step aggregated by kernel name (top 25 by CUDA time,
@@ -245,10 +245,8 @@ def profile_components(engine: Engine, bs: int, timer: Timer) -> list[dict]:
 
 
 def overlap_probe(engine: Engine, bs: int, iters: int) -> dict | None:
-    """ms per frame of (frame work; codec) serial on one stream ("serial"), vs the codec on a second stream
-    that waits for its own frame's work only ("overlapped"), vs the same with the frame work on a stream of
-    the highest priority ("prioritized": `EngineConfig.step_priority`). Values are not checked (state is
-    overwritten repeatedly)."""
+    """ms per frame of (frame work; codec) serial on one stream vs the codec on a second stream that waits
+    for its own frame's work only (values are not checked: state is overwritten repeatedly)."""
     if engine.runner.device.type != "cuda" or engine.runner.codec is None:
         return None
     comps = {c.name: c for c in components(engine, bs)}
@@ -257,31 +255,26 @@ def overlap_probe(engine: Engine, bs: int, iters: int) -> dict | None:
         g_work = capture(lambda: [fn() for fn in work])
         g_codec = capture(comps["codec_frame"].fn)
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    high = torch.cuda.Stream(priority=-(1 << 10))  # the highest priority torch has
 
-    def timed(how: str) -> float:
-        frames = high if how == "prioritized" else main
+    def timed(concurrent: bool) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        start.record(frames)
-        with torch.cuda.stream(frames):
-            for _ in range(iters):
-                g_work.replay()
-                if how == "serial":
-                    g_codec.replay()
-                    continue
-                side.wait_stream(frames)
+        start.record(main)
+        for _ in range(iters):
+            g_work.replay()
+            if concurrent:
+                side.wait_stream(main)
                 with torch.cuda.stream(side):
                     g_codec.replay()
-        frames.wait_stream(side)
-        end.record(frames)
+            else:
+                g_codec.replay()
+        main.wait_stream(side)
+        end.record(main)
         torch.cuda.synchronize()
         return start.elapsed_time(end) / iters
 
-    hows = ("serial", "overlapped", "prioritized")
-    for how in hows:  # warm
-        timed(how)
-    result = {how: min(timed(how) for _ in range(3)) for how in hows}
+    timed(False), timed(True)  # warm
+    result = dict(serial=min(timed(False) for _ in range(3)), overlapped=min(timed(True) for _ in range(3)))
     del g_work, g_codec
     return result
 
@@ -439,8 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         probe = overlap_probe(engine, bucket, args.iters)
         if probe is not None:
             md += ["", f"overlap (frame work ‖ codec on a second stream, {args.iters} frames): serial "
-                   f"{probe['serial']:.3f} ms/frame, overlapped {probe['overlapped']:.3f} ms/frame, the frame work at "
-                   f"the highest priority {probe['prioritized']:.3f} ms/frame"]
+                   f"{probe['serial']:.3f} ms/frame, overlapped {probe['overlapped']:.3f} ms/frame"]
         if b in trace_b:
             try:
                 lines, summary = trace_step(engine, bucket)

@@ -118,13 +118,6 @@ class EngineConfig:
                          by default until an H200 A/B: on the 2-core CPU (tiny checkpoint, 8 streams) the step
                          ahead takes the cores the serving loop routes with, and first audio came ~45 ms later
                          at p50 in 3 of 3 interleaved runs (perf/results/RESULTS.md)
-    step_priority        on CUDA, the engine's thread queues its device work (steps, prefills, uploads) on a stream
-                         of the device's highest priority (`cuda_graph.prioritize_thread`: that thread's current
-                         stream is switched when the engine is built), while the pipelined codec (`codec_pipeline`)
-                         keeps its stream of the lowest: where frame t's codec and frame t+1's talker and code
-                         predictor compete for the SMs, the block scheduler gives the SMs that free up to the
-                         frame's chain of small kernels first, and the codec fills the rest. Same bits either
-                         way. Off by default until an H200 A/B
     tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
                          `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
                          sources): an engine takes what it holds and writes back what it tuned, so an engine
@@ -165,7 +158,6 @@ class EngineConfig:
     batch_invariant: bool = False
     programmatic_launch: bool = False
     run_ahead: bool = False
-    step_priority: bool = False
     tune_cache: str | None = None
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
@@ -206,7 +198,7 @@ class EngineConfig:
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
                  f"{name} must be an int >= 0 (a batch size), got {getattr(self, name)!r}")
         for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
-                     "programmatic_launch", "run_ahead", "step_priority"):
+                     "programmatic_launch", "run_ahead"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # --- derived values ---------------------------------------------------------------------------

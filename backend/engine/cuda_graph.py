@@ -31,18 +31,6 @@ def wait_for(event, while_waiting: WhileWaiting | None) -> None:
     event.synchronize()
 
 
-def prioritize_thread(device: torch.device) -> torch.cuda.Stream:
-    """Make a new stream of the device's highest priority the calling thread's current stream, ordered after
-    the work queued on the old one (no host wait), and return it: the device work this thread queues from
-    now on, graph replays included (a graph runs at the priority of the stream it is launched into), gets
-    free SMs before the work of lower-priority streams (the codec's: engine/audio_pipeline.py)."""
-    old = torch.cuda.current_stream(device)
-    stream = torch.cuda.Stream(device, priority=-(1 << 10))  # torch maps it to the highest it has
-    stream.wait_stream(old)
-    torch.cuda.set_stream(stream)
-    return stream
-
-
 @dataclass
 class DecodeRow:
     """One sequence of a decode step, as the engine gives it."""

@@ -45,7 +45,7 @@ from q3tts.models.transfer import upload
 
 from .audio_pipeline import AudioPipeline
 from .config import EngineConfig
-from .cuda_graph import DecodeMeta, DecodeRow, GraphBuffers, GraphRunner, WhileWaiting, prioritize_thread
+from .cuda_graph import DecodeMeta, DecodeRow, GraphBuffers, GraphRunner, WhileWaiting
 from .prefill_graph import PrefillGraphs, token_buckets
 from .slots import SlotState
 from .timing import Startup
@@ -85,8 +85,6 @@ class ModelRunner:
         self.talker.use_fused(config.fused_talker_batch)
         tc = model.config.talker
         self.device = torch.device(config.device)
-        if config.step_priority and self.device.type == "cuda":
-            prioritize_thread(self.device)
         self.dtype = getattr(torch, config.dtype)
         self.groups = tc.num_code_groups
         self.samples_per_frame = codec.samples_per_frame if codec is not None else 0

@@ -192,40 +192,6 @@ def test_codec_pipeline_setting():
             EngineConfig(codec_pipeline=bad)
 
 
-def test_step_priority_setting():
-    assert EngineConfig(step_priority=True).step_priority and not EngineConfig().step_priority
-    with pytest.raises(ValueError, match="step_priority must be true or false"):
-        EngineConfig(step_priority="yes")
-
-
-@pytest.mark.gpu
-def test_step_priority_runs_the_engine_thread_above_the_codec_with_the_same_bits(tiny_ckpt_dir, speaker):
-    """EngineConfig.step_priority: the engine's thread queues its work on a stream of the highest priority,
-    above the pipelined codec's stream, and the sequences' codes and audio are those of an engine without
-    it, bit for bit (batch_invariant: no per-engine conv algorithm choice)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True,
-                              graph_batch_sizes=(1, 2, 4, 8), batch_invariant=True)
-    highest = torch.cuda.Stream(priority=-(1 << 10)).priority
-    results = {}
-    try:
-        for on in (False, True):
-            engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, step_priority=on))
-            step_stream = torch.cuda.current_stream()
-            assert (step_stream.priority == highest) == on
-            assert engine.runner.audio.stream.priority > highest  # the codec's stream: below the steps'
-            results[on] = run(engine, _requests(speaker))
-            assert torch.cuda.current_stream() == step_stream and engine.runner.num_graph_replays > 0
-            baseline(engine)
-            del engine
-    finally:
-        torch.cuda.set_stream(torch.cuda.default_stream())
-    for rid, (codes, pcm, reason) in results[False].items():
-        got = results[True][rid]
-        assert np.array_equal(got[0], codes) and np.array_equal(got[1], pcm) and got[2] == reason, rid
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("invariant", [True, False], ids=["batch_invariant", "default"])
 def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_dir, speaker, invariant):
