@@ -29,7 +29,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from q3tts import kernels
 from q3tts.codec import CodecDecoder, StreamingDecoder, read_speech_tokenizer, write_speech_tokenizer
-from q3tts.codec.layers import SnakeBeta
 
 FRAME_MS = 80.0
 
@@ -105,27 +104,18 @@ def latency(decoder: CodecDecoder, batch: int, iters: int, device: str, use_grap
 def _parts(stream: StreamingDecoder, slots: torch.Tensor, codes: torch.Tensor
            ) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
     """`decode_frame`'s work for slots [B] and codes [B, 16] as named steps x -> y, each step's input the output
-    of the one before (the first takes the codes): the same kernels `decode_chunk` launches."""
-    dec, states = stream.decoder, [None] * len(stream.pool)
+    of the one before (the first takes the codes): the state gather, `CodecDecoder.chunk_steps`, the scatter."""
+    states: list[torch.Tensor] = []
 
     def gather(_: torch.Tensor) -> torch.Tensor:
-        states[:] = dec.spec.views([rows.index_select(0, slots) for rows in stream.buffers], stream.dtype)
+        states[:] = stream.gather_states(slots)
         return codes[:, :, None]  # [B, 16, 1]
 
     def scatter(pcm: torch.Tensor) -> torch.Tensor:
-        for state, new in zip(stream.pool, states):
-            state.index_copy_(0, slots, new)
+        stream.scatter_states(slots, states)
         return pcm
 
-    parts = [("gather states", gather),
-             ("quantizer + pre_conv", lambda x: dec.pre_conv(dec.quantizer(x), states)),
-             ("pre_transformer", lambda x: dec.pre_transformer(x.transpose(1, 2), states).transpose(1, 2))]
-    for i, (up, convnext) in enumerate(dec.upsample):
-        parts.append((f"upsample {i} (transposed conv + ConvNeXt)", lambda x, u=up, c=convnext: c(u(x, states), states)))
-    for i, layer in enumerate(dec.decoder):
-        name = f"decoder {i} ({type(layer).__name__})"
-        parts.append((name, layer if isinstance(layer, SnakeBeta) else lambda x, m=layer: m(x, states)))
-    return parts + [("clamp + scatter states", lambda x: scatter(x.clamp(-1.0, 1.0)[:, 0]))]
+    return [("gather states", gather), *stream.decoder.chunk_steps(states), ("scatter states", scatter)]
 
 
 def stages(stream: StreamingDecoder, batch: int, iters: int, device: str) -> tuple[str, str]:

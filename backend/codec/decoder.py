@@ -9,6 +9,8 @@ keeps the states of many streams in a preallocated pool.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -254,13 +256,22 @@ class CodecDecoder(nn.Module):
     def forward_chunk(self, codes: Tensor, states: States) -> Tensor:
         """Decode T new frames per stream. codes [B, 16, T] (int64, >= 0) -> pcm [B, T·1920];
         `states` (from `zero_states` or a previous call) is updated in place of the list."""
-        x = self.pre_conv(self.quantizer(codes), states)  # [B, latent, T]
-        x = self.pre_transformer(x.transpose(1, 2), states).transpose(1, 2)  # [B, latent, T]
-        for up, convnext in self.upsample:
-            x = convnext(up(x, states), states)  # [B, latent, T·r]
-        for layer in self.decoder:
-            x = layer(x) if isinstance(layer, SnakeBeta) else layer(x, states)
-        return x.clamp(-1.0, 1.0)[:, 0]  # [B, T·1920]
+        x = codes
+        for _, step in self.chunk_steps(states):
+            x = step(x)
+        return x
+
+    def chunk_steps(self, states: States) -> list[tuple[str, Callable[[Tensor], Tensor]]]:
+        """`forward_chunk` as its named steps in order, each x -> y over `states`: the first takes the codes
+        [B, 16, T], the last returns the pcm [B, T·1920] (perf/bench_codec.py --stages times them one by one)."""
+        steps = [("quantizer + pre_conv", lambda x: self.pre_conv(self.quantizer(x), states)),  # [B, latent, T]
+                 ("pre_transformer", lambda x: self.pre_transformer(x.transpose(1, 2), states).transpose(1, 2))]
+        steps += [(f"upsample {i} (transposed conv + ConvNeXt)", lambda x, u=up, c=convnext: c(u(x, states), states))
+                  for i, (up, convnext) in enumerate(self.upsample)]  # [B, latent, T·r]
+        steps += [(f"decoder {i} ({type(layer).__name__})",
+                   layer if isinstance(layer, SnakeBeta) else (lambda x, m=layer: m(x, states)))
+                  for i, layer in enumerate(self.decoder)]
+        return steps + [("clamp", lambda x: x.clamp(-1.0, 1.0)[:, 0])]  # [B, T·1920]
 
     @torch.inference_mode()
     def decode(self, codes: Tensor) -> Tensor:

@@ -72,12 +72,20 @@ class StreamingDecoder:
         if rows > num:
             slots = torch.cat([slots, slots.new_full((rows - num,), self.scratch_slot)])
             codes = torch.cat([codes, codes.new_zeros((rows - num, *codes.shape[1:]))])
-        # the streams' states, gathered one launch per packed buffer (not one per state tensor), as views
-        states = self.decoder.spec.views([rows.index_select(0, slots) for rows in self.buffers], self.dtype)
+        states = self.gather_states(slots)
         pcm = self.decoder.forward_chunk(codes, states)
+        self.scatter_states(slots, states)
+        return pcm[:num]
+
+    def gather_states(self, slots: Tensor) -> list[Tensor]:
+        """The states of streams `slots` [B] (distinct but for the scratch slot), gathered one launch per packed
+        buffer (not one per state tensor), as views: what `decode_chunk` hands the decoder."""
+        return self.decoder.spec.views([rows.index_select(0, slots) for rows in self.buffers], self.dtype)
+
+    def scatter_states(self, slots: Tensor, states: list[Tensor]) -> None:
+        """Write `states` (`gather_states`' list after a decoder call) back into the pool rows of `slots`."""
         for state, new in zip(self.pool, states):
             state.index_copy_(0, slots, new)
-        return pcm[:num]
 
     def decode_frame(self, slots: Tensor, codes: Tensor) -> Tensor:
         """Decode the newest frame of each stream: slots [B], codes [B, 16] -> pcm [B, 1920]."""
