@@ -44,6 +44,7 @@ try:
     from . import conv1d as _cv
     from . import paged_attention as _pa
     from . import prefill_attention as _pf
+    from . import ring_attention as _ra
     from . import rmsnorm as _rn
     from . import rotary as _rt
     from . import snake as _sn
@@ -57,7 +58,8 @@ except ImportError:  # CPU-only install without triton: the references serve eve
     HAS_TRITON = False
 
 __all__ = ["HAS_TRITON", "PagedPrefix", "QKNorm", "apply_rotary", "batch_invariant", "causal_conv1d",
-           "linear", "paged_decode_attention", "prefill_attention", "rms_norm", "conv_kernel_weight",
+           "linear", "paged_decode_attention", "prefill_attention", "ring_attention", "rms_norm",
+           "conv_kernel_weight",
            "set_batch_invariant", "set_programmatic_launch", "silu_mul", "snake_beta", "store_kv", "tuning",
            "use_triton", "warmup"]
 
@@ -134,6 +136,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                 scale)
 
 
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
+                   pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """One frame's attention per stream: q [B, H, D] at positions pos [B] over the rings k_ring / v_ring
+    [B, W, KVH, D] (position p in row p % W; W = the window) after writing k, v [B, KVH, D] into row pos % W
+    -> [B, H, D]. See kernels/ring_attention.py."""
+    if use_triton(q):
+        return _ra.ring_attention(q, k, v, k_ring, v_ring, pos, scale)
+    return reference.ring_attention_ref(q, k, v, k_ring, v_ring, pos, scale)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                       scale: float, prefix: PagedPrefix | None = None) -> torch.Tensor:
     """Causal attention of q [T, NH, D] over k, v [T, KVH, D] within each packed sequence
@@ -145,12 +157,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,
-                  residual: torch.Tensor | None = None, weight_oik: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, weight_oik: torch.Tensor | None = None,
+                  history: torch.Tensor | None = None) -> torch.Tensor:
     """Valid conv1d of x [B, C_in, L] (history included), weight [C_out, C_in, K], bias [C_out] or None
     -> [B, C_out, L - (K-1)·dilation] (+ residual); weight_oik: `conv_kernel_weight(weight)`, optional.
+    history [B, C_in, (K-1)·dilation]: the samples before x (then new samples only): the conv of
+    cat(history, x) -> [B, C_out, L], the same bits, without the cat on the kernel path.
     See kernels/conv1d.py."""
     if use_triton(x):
-        return _cv.causal_conv1d(x, weight, bias, dilation, residual, weight_oik)
+        return _cv.causal_conv1d(x, weight, bias, dilation, residual, weight_oik, history=history)
+    if history is not None:
+        x = torch.cat([history, x], dim=-1)
     return reference.causal_conv1d_ref(x, weight, bias, dilation, residual)
 
 

@@ -171,6 +171,22 @@ def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
     return rotary_ref(q, cos_t, sin_t).to(q.dtype), rotary_ref(k, cos_t, sin_t).to(k.dtype)
 
 
+def ring_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ring: torch.Tensor,
+                       v_ring: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """`ring_attention`: q [B, H, D] at positions pos [B] over rings [B, W, KVH, D] (position p in row p % W)
+    after k, v [B, KVH, D] are written into row pos % W (in place) -> [B, H, D]; softmax in fp32."""
+    window = k_ring.shape[1]
+    rows = torch.arange(q.shape[0], device=q.device)
+    k_ring[rows, pos % window] = k
+    v_ring[rows, pos % window] = v
+    held = pos[:, None] - (pos[:, None] - torch.arange(window, device=q.device)) % window  # [B, W] positions
+    group = q.shape[1] // k.shape[1]
+    keys, vals = (t.repeat_interleave(group, dim=2).float() for t in (k_ring, v_ring))  # [B, W, H, D]
+    scores = torch.einsum("bhd,bwhd->bhw", q.float(), keys) * scale
+    scores = scores.masked_fill((held < 0)[:, None, :], float("-inf"))
+    return torch.einsum("bhw,bwhd->bhd", scores.softmax(-1), vals).to(q.dtype)
+
+
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
     """Valid conv1d of x [B, C_in, L] (causal history included) with weight [C_out, C_in, K] and bias

@@ -87,14 +87,19 @@ class SplitRVQ(nn.Module):
 
 
 class Attention(AttentionProjections):
-    """MHA (no bias, no QK-norm), RoPE, causal sliding window; streams keep the last window-1 K/V."""
+    """MHA (no bias, no QK-norm), RoPE, causal sliding window of W = sliding_window positions. A stream keeps
+    its last W keys and values in a ring (position p in row p % W), so a frame adds its key and value in
+    place instead of shifting the window. `use_kernels` (`CodecDecoder.use_kernels`): a one-frame call runs
+    `kernels.ring_attention` where the kernels serve the device (one launch, no copy of the window)."""
+
+    use_kernels = False
 
     def __init__(self, spec: StateSpec, cfg: CodecDecoderConfig) -> None:
         super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         nkv, hd = cfg.num_kv_heads, cfg.head_dim
-        self.past = cfg.sliding_window - 1
-        self.k_state = spec.add((self.past, nkv, hd))
-        self.v_state = spec.add((self.past, nkv, hd))
+        self.window = cfg.sliding_window
+        self.k_state = spec.add((self.window, nkv, hd))
+        self.v_state = spec.add((self.window, nkv, hd))
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], q_pos: Tensor, k_pos: Tensor,
                 states: States) -> Tensor:  # [B, T, h]
@@ -102,14 +107,29 @@ class Attention(AttentionProjections):
         q = apply_rope(self.q_proj(x).view(b, t, self.heads, self.head_dim), *rope)
         k = apply_rope(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim), *rope)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        k = torch.cat([states[self.k_state], k], dim=1)  # [B, past + T, KVH, D]
-        v = torch.cat([states[self.v_state], v], dim=1)
-        states[self.k_state], states[self.v_state] = k[:, -self.past:], v[:, -self.past:]
-        if self.kv_heads != self.heads:
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=2)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=2)
-        out = sliding_window_attention(q, k, v, q_pos, k_pos, self.past + 1)  # [B, T, H, D]
+        rings = states[self.k_state], states[self.v_state]  # [B, W, KVH, D] each
+        if t == 1 and self.use_kernels and kernels.use_triton(x):
+            out = kernels.ring_attention(q[:, 0], k[:, 0], v[:, 0], *rings, q_pos[:, 0], self.head_dim ** -0.5)
+            out = out[:, None]  # [B, 1, H, D]
+        else:
+            out = self._window(q, k, v, *rings, q_pos, k_pos)
         return self.o_proj(out.reshape(b, t, -1))
+
+    def _window(self, q: Tensor, k: Tensor, v: Tensor, k_ring: Tensor, v_ring: Tensor, q_pos: Tensor,
+                k_pos: Tensor) -> Tensor:
+        """Any number of frames T: the ring's past W-1 rows in position order, then the new keys
+        (`sliding_window_attention`); the last W new keys and values go into the ring. q [B, T, H, D],
+        k, v [B, T, KVH, D], k_pos [B, W-1+T] (the past positions first) -> [B, T, H, D]."""
+        t, batch = q.shape[1], torch.arange(q.shape[0], device=q.device)[:, None]
+        past = k_pos[:, :self.window - 1] % self.window  # [B, W-1] rows (negative positions: masked)
+        k_all, v_all = torch.cat([k_ring[batch, past], k], dim=1), torch.cat([v_ring[batch, past], v], dim=1)
+        last = slice(max(0, t - self.window), t)
+        k_ring[batch, q_pos[:, last] % self.window] = k[:, last]
+        v_ring[batch, q_pos[:, last] % self.window] = v[:, last]
+        if self.kv_heads != self.heads:
+            k_all = k_all.repeat_interleave(self.heads // self.kv_heads, dim=2)
+            v_all = v_all.repeat_interleave(self.heads // self.kv_heads, dim=2)
+        return sliding_window_attention(q, k_all, v_all, q_pos, k_pos, self.window)  # [B, T, H, D]
 
 
 class TransformerLayer(nn.Module):
@@ -240,12 +260,12 @@ class CodecDecoder(nn.Module):
         return model
 
     def use_kernels(self, on: bool) -> None:
-        """Route the convs and SnakeBeta activations through `q3tts.kernels` (on) or torch (off).
-        Call after the decoder's last `.to()` (the convs copy their weights into the kernel layout)."""
+        """Route the convs, SnakeBeta activations and one-frame attention through `q3tts.kernels` (on) or
+        torch (off). Call after the decoder's last `.to()` (the convs copy their weights into the kernel layout)."""
         for m in self.modules():
             if isinstance(m, CausalConv1d):
                 m.set_use_kernels(on)
-            elif isinstance(m, SnakeBeta):
+            elif isinstance(m, (SnakeBeta, Attention)):
                 m.use_kernels = on
 
     def zero_states(self, batch: int) -> States:

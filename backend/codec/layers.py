@@ -95,12 +95,20 @@ class CausalConv1d(nn.Module):
 
     def forward(self, x: Tensor, states: States, residual: Tensor | None = None) -> Tensor:
         """[B, C, T] -> [B, C', T] (+ residual [B, C', T], fused into the conv when it is a kernel)."""
+        if self.conv.groups == 1 and (self.use_kernels or kernels.batch_invariant()):
+            # the kernel reads the state in front of x in place: no cat of the history (cuDNN, if the
+            # tuner picks it, does the cat); the new state is the last `history` samples of cat(state, x)
+            x = x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+            history = states[self.state] if self.history else None
+            if history is not None:
+                t = x.shape[-1]
+                states[self.state] = (x[..., -self.history:] if t >= self.history
+                                      else torch.cat([history[..., t:], x], dim=-1))
+            return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual,
+                                         self.weight_oik, history=history)
         if self.history:
             x = torch.cat([states[self.state], x], dim=-1)  # [B, C, hist + T]
             states[self.state] = x[..., -self.history:]
-        if self.conv.groups == 1 and (self.use_kernels or kernels.batch_invariant()):
-            return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual,
-                                         self.weight_oik)
         if self.conv.groups == self.conv.in_channels == self.conv.out_channels and kernels.batch_invariant():
             out = depthwise_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0])
         else:

@@ -168,6 +168,50 @@ def test_frame_by_frame_through_triton_kernels_matches_reference(codec, codes, r
     assert _max_err(pcm, ref_pcm[:2, : frames * SPF]) <= TOL
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+def test_kernel_convs_reading_the_history_in_place_match_concatenating_it(codec, codes, monkeypatch):
+    """Streaming with the conv kernel reading each conv's state in place (`history=`) gives, bit for bit,
+    the pcm and states of the former path, which concatenated the state in front of the new samples.
+    Frame by frame, both branches of the state update run: T < history (pre-conv, first conv) and
+    T >= history."""
+    from q3tts import kernels
+    from q3tts.codec.layers import CausalConv1d
+
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
+    split_forward = CausalConv1d.forward
+
+    def cat_forward(self, x, states, residual=None):  # CausalConv1d.forward's kernel branch before `history=`
+        if self.conv.groups != 1:
+            return split_forward(self, x, states, residual)
+        if self.history:
+            x = torch.cat([states[self.state], x], dim=-1)
+            states[self.state] = x[..., -self.history:]
+        return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual,
+                                     self.weight_oik)
+
+    def run(frames=2):
+        stream = StreamingDecoder(codec.decoder, max_streams=3, use_kernels=True)
+        slots = torch.tensor([1])  # one stream: the interpreter runs a program per batch row
+        stream.reset(slots)
+        pcm, states = [], []
+        for t in range(frames):
+            pcm.append(stream.decode_frame(slots, codes[1:2, :, t]))
+            states.append([buf.clone() for buf in stream.buffers])
+        return torch.cat(pcm, dim=1), states
+
+    try:
+        pcm, states = run()
+        with monkeypatch.context() as m:
+            m.setattr(CausalConv1d, "forward", cat_forward)
+            want_pcm, want_states = run()
+    finally:
+        codec.decoder.use_kernels(False)  # the session's codec fixture is shared
+    assert pcm.shape == (1, 2 * SPF) and torch.equal(pcm, want_pcm)
+    for got, want in zip(states, want_states):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_reset_zeroes_exactly_the_given_slots(codec):
     stream = StreamingDecoder(codec.decoder, max_streams=3)
     for state in stream.pool:
