@@ -137,13 +137,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
-                   pos: torch.Tensor, scale: float) -> torch.Tensor:
+                   rows: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
     """One frame's attention per stream: q [B, H, D] at positions pos [B] over the rings k_ring / v_ring
-    [B, W, KVH, D] (position p in row p % W; W = the window) after writing k, v [B, KVH, D] into row pos % W
-    -> [B, H, D]. See kernels/ring_attention.py."""
+    [N, W, KVH, D] at rows [B] (position p in ring row p % W; W = the window) after writing k, v [B, KVH, D]
+    into ring row pos % W -> [B, H, D]. See kernels/ring_attention.py."""
     if use_triton(q):
-        return _ra.ring_attention(q, k, v, k_ring, v_ring, pos, scale)
-    return reference.ring_attention_ref(q, k, v, k_ring, v_ring, pos, scale)
+        return _ra.ring_attention(q, k, v, k_ring, v_ring, rows, pos, scale)
+    return reference.ring_attention_ref(q, k, v, k_ring, v_ring, rows, pos, scale)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

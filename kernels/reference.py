@@ -172,16 +172,16 @@ def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
 
 
 def ring_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ring: torch.Tensor,
-                       v_ring: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """`ring_attention`: q [B, H, D] at positions pos [B] over rings [B, W, KVH, D] (position p in row p % W)
-    after k, v [B, KVH, D] are written into row pos % W (in place) -> [B, H, D]; softmax in fp32."""
+                       v_ring: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """`ring_attention`: q [B, H, D] at positions pos [B] over the rings [N, W, KVH, D] at rows [B] (position p
+    in ring row p % W) after k, v [B, KVH, D] are written into ring row pos % W (in place) -> [B, H, D];
+    softmax in fp32."""
     window = k_ring.shape[1]
-    rows = torch.arange(q.shape[0], device=q.device)
     k_ring[rows, pos % window] = k
     v_ring[rows, pos % window] = v
     held = pos[:, None] - (pos[:, None] - torch.arange(window, device=q.device)) % window  # [B, W] positions
     group = q.shape[1] // k.shape[1]
-    keys, vals = (t.repeat_interleave(group, dim=2).float() for t in (k_ring, v_ring))  # [B, W, H, D]
+    keys, vals = (t[rows].repeat_interleave(group, dim=2).float() for t in (k_ring, v_ring))  # [B, W, H, D]
     scores = torch.einsum("bhd,bwhd->bhw", q.float(), keys) * scale
     scores = scores.masked_fill((held < 0)[:, None, :], float("-inf"))
     return torch.einsum("bhw,bwhd->bhd", scores.softmax(-1), vals).to(q.dtype)

@@ -115,7 +115,7 @@ def _parts(stream: StreamingDecoder, slots: torch.Tensor, codes: torch.Tensor
         stream.scatter_states(slots, states)
         return pcm
 
-    return [("gather states", gather), *stream.decoder.chunk_steps(states), ("scatter states", scatter)]
+    return [("gather states", gather), *stream.decoder.chunk_steps(states, slots), ("scatter states", scatter)]
 
 
 def stages(stream: StreamingDecoder, batch: int, iters: int, device: str) -> tuple[str, str]:

@@ -98,29 +98,30 @@ class Attention(AttentionProjections):
         super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         nkv, hd = cfg.num_kv_heads, cfg.head_dim
         self.window = cfg.sliding_window
-        self.k_state = spec.add((self.window, nkv, hd))
-        self.v_state = spec.add((self.window, nkv, hd))
+        self.k_state = spec.add((self.window, nkv, hd), resident=True)
+        self.v_state = spec.add((self.window, nkv, hd), resident=True)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], q_pos: Tensor, k_pos: Tensor,
-                states: States) -> Tensor:  # [B, T, h]
+                states: States, rows: Tensor) -> Tensor:  # [B, T, h]; rows [B]: the streams' ring rows
         b, t, _ = x.shape
         q = apply_rope(self.q_proj(x).view(b, t, self.heads, self.head_dim), *rope)
         k = apply_rope(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim), *rope)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        rings = states[self.k_state], states[self.v_state]  # [B, W, KVH, D] each
+        rings = states[self.k_state], states[self.v_state]  # [N, W, KVH, D] each (resident: N >= B)
         if t == 1 and self.use_kernels and kernels.use_triton(x):
-            out = kernels.ring_attention(q[:, 0], k[:, 0], v[:, 0], *rings, q_pos[:, 0], self.head_dim ** -0.5)
-            out = out[:, None]  # [B, 1, H, D]
+            out = kernels.ring_attention(q[:, 0], k[:, 0], v[:, 0], *rings, rows, q_pos[:, 0],
+                                         self.head_dim ** -0.5)[:, None]  # [B, 1, H, D]
         else:
-            out = self._window(q, k, v, *rings, q_pos, k_pos)
+            out = self._window(q, k, v, *rings, rows, q_pos, k_pos)
         return self.o_proj(out.reshape(b, t, -1))
 
-    def _window(self, q: Tensor, k: Tensor, v: Tensor, k_ring: Tensor, v_ring: Tensor, q_pos: Tensor,
-                k_pos: Tensor) -> Tensor:
+    def _window(self, q: Tensor, k: Tensor, v: Tensor, k_ring: Tensor, v_ring: Tensor, rows: Tensor,
+                q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """Any number of frames T: the ring's past W-1 rows in position order, then the new keys
         (`sliding_window_attention`); the last W new keys and values go into the ring. q [B, T, H, D],
-        k, v [B, T, KVH, D], k_pos [B, W-1+T] (the past positions first) -> [B, T, H, D]."""
-        t, batch = q.shape[1], torch.arange(q.shape[0], device=q.device)[:, None]
+        k, v [B, T, KVH, D], rings [N, W, KVH, D] at rows [B], k_pos [B, W-1+T] (the past positions first)
+        -> [B, T, H, D]."""
+        t, batch = q.shape[1], rows[:, None]
         past = k_pos[:, :self.window - 1] % self.window  # [B, W-1] rows (negative positions: masked)
         k_all, v_all = torch.cat([k_ring[batch, past], k], dim=1), torch.cat([v_ring[batch, past], v], dim=1)
         last = slice(max(0, t - self.window), t)
@@ -146,8 +147,9 @@ class TransformerLayer(nn.Module):
         self.mlp_layer_scale = LayerScale(h, cfg.layer_scale_initial_scale)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], q_pos: Tensor, k_pos: Tensor,
-                states: States) -> Tensor:
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), rope, q_pos, k_pos, states))
+                states: States, rows: Tensor) -> Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, q_pos, k_pos, states, rows)
+        x = x + self.self_attn_layer_scale(attn)
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -163,7 +165,7 @@ class Transformer(nn.Module):
         self.head_dim, self.theta, self.past = cfg.head_dim, cfg.rope_theta, cfg.sliding_window - 1
         self.pos_state = spec.add((), torch.int64)
 
-    def forward(self, x: Tensor, states: States) -> Tensor:  # [B, T, latent] -> [B, T, latent]
+    def forward(self, x: Tensor, states: States, rows: Tensor) -> Tensor:  # [B, T, latent] -> [B, T, latent]
         t = x.shape[1]
         start = states[self.pos_state]  # [B] frames decoded so far
         steps = torch.arange(t, device=x.device)
@@ -173,7 +175,7 @@ class Transformer(nn.Module):
         x = self.input_proj(x)
         rope = rope_cos_sin(q_pos, self.head_dim, self.theta, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, q_pos, k_pos, states)
+            x = layer(x, rope, q_pos, k_pos, states, rows)
         return self.output_proj(self.norm(x))
 
 
@@ -273,19 +275,26 @@ class CodecDecoder(nn.Module):
         p = next(self.parameters())
         return self.spec.zeros(batch, p.dtype, p.device)
 
-    def forward_chunk(self, codes: Tensor, states: States) -> Tensor:
+    def forward_chunk(self, codes: Tensor, states: States, rows: Tensor | None = None) -> Tensor:
         """Decode T new frames per stream. codes [B, 16, T] (int64, >= 0) -> pcm [B, T·1920];
-        `states` (from `zero_states` or a previous call) is updated in place of the list."""
+        `states` (from `zero_states` or a previous call) is updated in place of the list. rows [B] (int64):
+        the streams' rows of the resident states (`StateSpec.add`), which may hold more streams than the
+        call; None: rows 0..B-1 (every state has the call's B rows)."""
         x = codes
-        for _, step in self.chunk_steps(states):
+        for _, step in self.chunk_steps(states, rows):
             x = step(x)
         return x
 
-    def chunk_steps(self, states: States) -> list[tuple[str, Callable[[Tensor], Tensor]]]:
-        """`forward_chunk` as its named steps in order, each x -> y over `states`: the first takes the codes
-        [B, 16, T], the last returns the pcm [B, T·1920] (perf/bench_codec.py --stages times them one by one)."""
+    def chunk_steps(self, states: States, rows: Tensor | None = None) -> list[tuple[str, Callable[[Tensor], Tensor]]]:
+        """`forward_chunk` as its named steps in order, each x -> y over `states` (and the resident states' `rows`):
+        the first takes the codes [B, 16, T], the last returns the pcm [B, T·1920] (perf/bench_codec.py --stages
+        times them one by one)."""
+        def transformer(x: Tensor) -> Tensor:
+            at = rows if rows is not None else torch.arange(x.shape[0], device=x.device)
+            return self.pre_transformer(x.transpose(1, 2), states, at).transpose(1, 2)  # [B, latent, T]
+
         steps = [("quantizer + pre_conv", lambda x: self.pre_conv(self.quantizer(x), states)),  # [B, latent, T]
-                 ("pre_transformer", lambda x: self.pre_transformer(x.transpose(1, 2), states).transpose(1, 2))]
+                 ("pre_transformer", transformer)]
         steps += [(f"upsample {i} (transposed conv + ConvNeXt)", lambda x, u=up, c=convnext: c(u(x, states), states))
                   for i, (up, convnext) in enumerate(self.upsample)]  # [B, latent, T·r]
         steps += [(f"decoder {i} ({type(layer).__name__})",

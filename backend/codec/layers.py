@@ -37,37 +37,52 @@ class StateSpec:
     """Collects the per-stream state shapes of a model while it is being built."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[tuple[int, ...], torch.dtype | None]] = []
+        self.entries: list[tuple[tuple[int, ...], torch.dtype | None, bool]] = []
 
-    def add(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> int:
-        """Register one state tensor of `shape` (no batch dim); `dtype=None` means the model dtype."""
-        self.entries.append((tuple(shape), dtype))
+    def add(self, shape: tuple[int, ...], dtype: torch.dtype | None = None, resident: bool = False) -> int:
+        """Register one state tensor of `shape` (no batch dim); `dtype=None` means the model dtype. A `resident`
+        state is a tensor of its own in `zeros_packed`, outside the packed buffers: the streaming decoder
+        neither gathers nor scatters it, its layer reads and writes its streams' rows in place (the `rows` of
+        `CodecDecoder.forward_chunk`)."""
+        self.entries.append((tuple(shape), dtype, resident))
         return len(self.entries) - 1
 
     def zeros(self, batch: int, dtype: torch.dtype, device: torch.device | str) -> list[Tensor]:
         """Zero states (= causal zero padding) for `batch` streams."""
-        return [torch.zeros((batch, *shape), dtype=dt or dtype, device=device) for shape, dt in self.entries]
+        return [torch.zeros((batch, *shape), dtype=dt or dtype, device=device) for shape, dt, _ in self.entries]
 
     def zeros_packed(self, batch: int, dtype: torch.dtype, device: torch.device | str
                      ) -> tuple[list[Tensor], list[Tensor]]:
-        """`zeros`' states as views into one buffer [batch, n] per dtype (returned second, with the states):
-        a stream's rows of every state are one row of each buffer, so they are zeroed, gathered or loaded in
-        one launch per dtype. Each state starts at a multiple of `_PACK_ALIGN` elements of its buffer."""
+        """`zeros`' states, and their storage (returned second): one buffer [batch, n] per dtype holding every
+        state that is not resident as a view (a stream's rows of them are one row of each buffer, so they
+        are zeroed, gathered or loaded in one launch per dtype; each starts at a multiple of `_PACK_ALIGN`
+        elements), then the resident states themselves."""
         buffers = [torch.zeros(batch, n, dtype=dt, device=device) for dt, n in self._layout(dtype)[0].items()]
-        return self.views(buffers, dtype), buffers
+        resident = [torch.zeros((batch, *shape), dtype=dt or dtype, device=device)
+                    for shape, dt, res in self.entries if res]
+        return self.views(buffers, dtype, resident), buffers + resident
 
-    def views(self, buffers: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
-        """The states as views into packed `buffers` (`zeros_packed`'s layout, any number of rows)."""
+    def num_packed(self, dtype: torch.dtype) -> int:
+        """How many packed buffers lead `zeros_packed`'s storage (one per dtype of the states not resident)."""
+        return len(self._layout(dtype)[0])
+
+    def views(self, buffers: list[Tensor], dtype: torch.dtype, resident: list[Tensor]) -> list[Tensor]:
+        """The states in entry order: views into packed `buffers` (`zeros_packed`'s layout, any number of rows),
+        and the `resident` tensors as they are."""
         sizes, places = self._layout(dtype)
-        by_dtype, batch = dict(zip(sizes, buffers)), buffers[0].shape[0]
-        return [by_dtype[dt][:, col:col + math.prod(shape)].view(batch, *shape)
-                for (shape, _), (dt, col) in zip(self.entries, places)]
+        by_dtype, own = dict(zip(sizes, buffers)), iter(resident)
+        return [next(own) if res else by_dtype[place[0]][:, place[1]:place[1] + math.prod(shape)].view(-1, *shape)
+                for (shape, _, res), place in zip(self.entries, places)]
 
-    def _layout(self, dtype: torch.dtype) -> tuple[dict[torch.dtype, int], list[tuple[torch.dtype, int]]]:
-        """The packed layout: columns per dtype buffer (in buffer order), and each entry's (dtype, first column)."""
+    def _layout(self, dtype: torch.dtype) -> tuple[dict[torch.dtype, int], list[tuple[torch.dtype, int] | None]]:
+        """The packed layout: columns per dtype buffer (in buffer order), and each entry's (dtype, first column)
+        (None: resident)."""
         sizes: dict[torch.dtype, int] = {}
         places = []
-        for shape, dt in self.entries:
+        for shape, dt, resident in self.entries:
+            if resident:
+                places.append(None)
+                continue
             dt = dt or dtype
             places.append((dt, sizes.get(dt, 0)))
             sizes[dt] = sizes.get(dt, 0) + -(-math.prod(shape) // _PACK_ALIGN) * _PACK_ALIGN

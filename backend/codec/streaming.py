@@ -3,7 +3,8 @@
 `StreamingDecoder` preallocates the per-stream decoder state for `max_streams` slots (every state tensor
 has a leading slot dim; one extra scratch slot, `scratch_slot`, takes padding rows). A call gathers the
 states of the given slots, runs the decoder's chunk path on the new frames only, and scatters the
-states back: nothing is ever re-decoded, shapes are static per batch size, and there is no host sync,
+states back, except the resident ones (the transformer's key/value windows, 2.4 MB a stream at the
+released size), which the decoder reads and writes in the pool's rows of those slots: nothing is ever re-decoded, shapes are static per batch size, and there is no host sync,
 so `decode_frame` can be captured in a CUDA graph. Each stream sits at its own frame position.
 
 A stream that starts after a context (Base ICL: the reference frames) gets its state from `prime_state`,
@@ -41,8 +42,10 @@ class StreamingDecoder:
         self.scratch_slot = max_streams
         self.samples_per_frame = decoder.config.samples_per_frame
         self.dtype = dtype
-        # [slots + 1, ...] each, views into one buffer [slots + 1, n] per dtype (`buffers`: what `reset` zeroes)
+        # [slots + 1, ...] each: views into one buffer [slots + 1, n] per dtype, and the resident states; `buffers`
+        # holds them all (what `reset` zeroes and `load_states` fills), the first `_packed` are the packed ones
         self.pool, self.buffers = decoder.spec.zeros_packed(max_streams + 1, dtype, device)
+        self._packed = decoder.spec.num_packed(dtype)
 
     @torch.no_grad()
     def reset(self, slots: Tensor | list[int]) -> None:
@@ -73,19 +76,22 @@ class StreamingDecoder:
             slots = torch.cat([slots, slots.new_full((rows - num,), self.scratch_slot)])
             codes = torch.cat([codes, codes.new_zeros((rows - num, *codes.shape[1:]))])
         states = self.gather_states(slots)
-        pcm = self.decoder.forward_chunk(codes, states)
+        pcm = self.decoder.forward_chunk(codes, states, rows=slots)
         self.scatter_states(slots, states)
         return pcm[:num]
 
     def gather_states(self, slots: Tensor) -> list[Tensor]:
-        """The states of streams `slots` [B] (distinct but for the scratch slot), gathered one launch per packed
-        buffer (not one per state tensor), as views: what `decode_chunk` hands the decoder."""
-        return self.decoder.spec.views([rows.index_select(0, slots) for rows in self.buffers], self.dtype)
+        """The states of streams `slots` [B] (distinct but for the scratch slot) as views, what `decode_chunk` hands
+        the decoder: the packed ones gathered one launch per packed buffer (not one per state tensor), the resident
+        ones the pool's own tensors, read and written in place at rows `slots`."""
+        packed, resident = self.buffers[:self._packed], self.buffers[self._packed:]
+        return self.decoder.spec.views([rows.index_select(0, slots) for rows in packed], self.dtype, resident)
 
     def scatter_states(self, slots: Tensor, states: list[Tensor]) -> None:
         """Write `states` (`gather_states`' list after a decoder call) back into the pool rows of `slots`."""
         for state, new in zip(self.pool, states):
-            state.index_copy_(0, slots, new)
+            if new is not state:  # a resident state is its pool tensor, already written
+                state.index_copy_(0, slots, new)
 
     def decode_frame(self, slots: Tensor, codes: Tensor) -> Tensor:
         """Decode the newest frame of each stream: slots [B], codes [B, 16] -> pcm [B, 1920]."""

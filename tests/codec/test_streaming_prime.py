@@ -66,7 +66,7 @@ def test_prime_state_leaves_the_pool_alone(codec, codes):
     before = [state.clone() for state in stream.pool]
     state = stream.prime_state(codes[2, :, :50])
     assert all(torch.equal(a, b) for a, b in zip(before, stream.pool))
-    assert [(s.shape, s.dtype) for s in state] == [((1, b.shape[1]), b.dtype) for b in stream.buffers]  # packed
+    assert [(s.shape, s.dtype) for s in state] == [((1, *b.shape[1:]), b.dtype) for b in stream.buffers]  # packed
 
 
 def test_states_load_together_as_each_alone(codec, codes):
