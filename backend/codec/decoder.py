@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from q3tts import kernels
 from q3tts.kernels.reference import rope_cos_sin
-from q3tts.models.layers import MLP, Linear, linear
+from q3tts.models.layers import MLP, FusedRows, Linear, linear
 
 from ..config import CodecConfig, CodecDecoderConfig
 from .layers import (AttentionProjections, CausalConv1d, CausalTransConv1d, LayerScale, RMSNorm, SnakeBeta, StateSpec, States,
@@ -86,13 +86,17 @@ class SplitRVQ(nn.Module):
         return self.rvq_first(codes[:, :1]) + self.rvq_rest(codes[:, 1:])
 
 
-class Attention(AttentionProjections):
+class Attention(FusedRows, AttentionProjections):
     """MHA (no bias, no QK-norm), RoPE, causal sliding window of W = sliding_window positions. A stream keeps
     its last W keys and values in a ring (position p in row p % W), so a frame adds its key and value in
-    place instead of shifting the window. `use_kernels` (`CodecDecoder.use_kernels`): a one-frame call runs
-    `kernels.ring_attention` where the kernels serve the device (one launch, no copy of the window)."""
+    place instead of shifting the window. q/k/v run as one GEMM over `qkv_weight` (rows q | k | v, `fuse_`).
+    `use_kernels` (`CodecDecoder.use_kernels`): a one-frame call, where the kernels serve the device, runs RoPE
+    on q and k in one launch (`kernels.apply_rotary`) and `kernels.ring_attention` (one launch, no copy of the
+    window)."""
 
     use_kernels = False
+    _buffer = "qkv_weight"
+    _fused_names = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, spec: StateSpec, cfg: CodecDecoderConfig) -> None:
         super().__init__(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -100,19 +104,22 @@ class Attention(AttentionProjections):
         self.window = cfg.sliding_window
         self.k_state = spec.add((self.window, nkv, hd), resident=True)
         self.v_state = spec.add((self.window, nkv, hd), resident=True)
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self._split = (cfg.num_heads * hd, nkv * hd, nkv * hd)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], q_pos: Tensor, k_pos: Tensor,
                 states: States, rows: Tensor) -> Tensor:  # [B, T, h]; rows [B]: the streams' ring rows
         b, t, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(b, t, self.heads, self.head_dim), *rope)
-        k = apply_rope(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim), *rope)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        q, k, v = (y.view(b, t, -1, self.head_dim)  # [B, T, H | KVH, D], views of [B, T, (H + 2·KVH)·D]
+                   for y in linear(x, self.fused_weight()).split(self._split, dim=-1))
         rings = states[self.k_state], states[self.v_state]  # [N, W, KVH, D] each (resident: N >= B)
         if t == 1 and self.use_kernels and kernels.use_triton(x):
-            out = kernels.ring_attention(q[:, 0], k[:, 0], v[:, 0], *rings, rows, q_pos[:, 0],
+            cos, sin = (r[:, 0] for r in rope)  # [B, D]: row b is stream b's position
+            q, k = kernels.apply_rotary(q[:, 0], k[:, 0], torch.arange(b, device=x.device), cos, sin)
+            out = kernels.ring_attention(q, k, v[:, 0], *rings, rows, q_pos[:, 0],
                                          self.head_dim ** -0.5)[:, None]  # [B, 1, H, D]
         else:
-            out = self._window(q, k, v, *rings, rows, q_pos, k_pos)
+            out = self._window(apply_rope(q, *rope), apply_rope(k, *rope), v, *rings, rows, q_pos, k_pos)
         return self.o_proj(out.reshape(b, t, -1))
 
     def _window(self, q: Tensor, k: Tensor, v: Tensor, k_ring: Tensor, v_ring: Tensor, rows: Tensor,
@@ -257,17 +264,18 @@ class CodecDecoder(nn.Module):
         model = cls(cfg)
         model.load_state_dict(own, strict=True)
         model.to(device=device, dtype=dtype).eval()
-        for layer in model.pre_transformer.layers:
-            layer.mlp.fuse_()  # gate/up as one GEMM, fused now: never inside a CUDA graph capture
+        for layer in model.pre_transformer.layers:  # fused now: never inside a CUDA graph capture
+            layer.self_attn.fuse_()  # q/k/v as one GEMM
+            layer.mlp.fuse_()  # gate/up as one GEMM
         return model
 
     def use_kernels(self, on: bool) -> None:
-        """Route the convs, SnakeBeta activations and one-frame attention through `q3tts.kernels` (on) or
+        """Route the convs, SnakeBeta activations, RMSNorms and one-frame attention through `q3tts.kernels` (on) or
         torch (off). Call after the decoder's last `.to()` (the convs copy their weights into the kernel layout)."""
         for m in self.modules():
             if isinstance(m, CausalConv1d):
                 m.set_use_kernels(on)
-            elif isinstance(m, (SnakeBeta, Attention)):
+            elif isinstance(m, (SnakeBeta, Attention, RMSNorm)):
                 m.use_kernels = on
 
     def zero_states(self, batch: int) -> States:

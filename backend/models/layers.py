@@ -124,8 +124,9 @@ def _is_fused(fused: torch.Tensor | None, linears: list[Linear]) -> bool:
     return start == fused.shape[0]
 
 
-class _FusedRows(nn.Module):
-    """A module whose Linear children `_fused_names` run as one GEMM over `<_buffer>`."""
+class FusedRows(nn.Module):
+    """A module whose Linear children `_fused_names` run as one GEMM over `<_buffer>` (the talker's and code
+    predictor's q/k/v and gate/up, the codec transformer's q/k/v: see this module's docstring)."""
 
     _buffer: str
     _fused_names: tuple[str, ...]
@@ -164,7 +165,7 @@ class _FusedRows(nn.Module):
         return self
 
 
-class SelfAttention(_FusedRows):
+class SelfAttention(FusedRows):
     """GQA self-attention with QK-norm (RMSNorm over head_dim before RoPE), no biases.
 
     q/k/v run as one GEMM over `qkv_weight` (rows q | k | v), split by views."""
@@ -201,7 +202,7 @@ class SelfAttention(_FusedRows):
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
-class MLP(_FusedRows):
+class MLP(FusedRows):
     """SwiGLU: down(silu(gate(x)) * up(x)) over x [..., H]; gate/up as one GEMM over `gate_up_weight`.
     The one SwiGLU of the package: the talker, the code predictor and the codec decoder's transformer."""
 
