@@ -17,13 +17,14 @@ Two tilings of the GEMM [C_out, K·C_in] x [K·C_in, columns]:
   col = b·T_out + t, so one tile spans several batch rows when T_out is small. A streamed frame's
   early layers have T_out = 1..32: there the row tiling leaves most of a 16+ wide tile empty (T_out = 4:
   75%) and reads the whole weight once per batch row (22 MB for 1024->1536 k7). Its reduction is one
-  loop over (tap, channel block), which the pipeliner overlaps across taps. With the same BLOCK_I it
-  adds the same products in the same order as the row tiling.
+  loop over (tap, channel block): the pipeliner stages the weight tiles across taps, and each step loads
+  the next step's x tile before its own dot. With the same BLOCK_I it adds the same products in the same
+  order as the row tiling, hence the same bits.
 
 Why a kernel: cuDNN's heuristics pick a non-tensor-core implicit GEMM for some of the codec's layer and
 batch shapes (~1 ms per conv at batch 64 on the H200, 10x its neighbours), and the pointwise (K=1)
 convs are 2-3x faster here. On CUDA `causal_conv1d` times `candidates()` (cuDNN, the row tiling and
-two flat configs for the shape's column count) once per shape inside `autotune.tuning()` (the
+two flat configs for the shape's column class) once per shape inside `autotune.tuning()` (the
 CUDA-graph warm-up of each batch bucket) and keeps the fastest; untuned CUDA shapes run cuDNN;
 elsewhere (the interpreter) the row kernel runs. Under `autotune.batch_invariant()` the row kernel
 always runs (cuDNN's algorithm and the flat tiles, hence the arithmetic, may change with the batch).
@@ -129,6 +130,22 @@ def _conv1d_kernel(
 
 
 @triton.jit
+def _step_channels(step, chunks, BLOCK_I: tl.constexpr):
+    """(tap, input channels [BLOCK_I]) of reduction step `step` of the flat kernel, `chunks` channel blocks a tap."""
+    k = step // chunks
+    return k, (step - k * chunks) * BLOCK_I + tl.arange(0, BLOCK_I)
+
+
+@triton.jit
+def _flat_x_tile(x_cols, h_cols, t, n_ok, step, steps, chunks, c_in, stride_xc, stride_hc, DILATION: tl.constexpr,
+                 HIST: tl.constexpr, BLOCK_I: tl.constexpr):
+    """[BLOCK_I, BLOCK_N] input tile of reduction step `step` of the flat kernel; zeros from step `steps` on."""
+    k, i = _step_channels(step, chunks, BLOCK_I)
+    return _x_tile(x_cols, h_cols, t, n_ok, i, (i < c_in) & (step < steps), stride_xc, stride_hc, k * DILATION,
+                   HIST, HIST > 0)
+
+
+@triton.jit
 def _conv1d_flat_kernel(
     x_ptr, h_ptr, w_ptr, b_ptr, r_ptr, out_ptr,
     c_in, c_out, t_out, n_cols,
@@ -148,15 +165,19 @@ def _conv1d_flat_kernel(
     x_cols = x_ptr + b * stride_xb + t  # [BLOCK_N]
     h_cols = h_ptr + b * stride_hb + t  # [BLOCK_N]
     chunks = tl.cdiv(c_in, BLOCK_I)  # input channel blocks per tap
+    steps = K * chunks  # (tap, channel block), taps outer: the row kernel's order
     acc = tl.zeros((BLOCK_O, BLOCK_N), dtype=tl.float32)
-    for step in range(0, K * chunks):  # (tap, channel block), taps outer: the row kernel's order
-        k = step // chunks
-        i = (step - k * chunks) * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_ok = i < c_in
-        w = _w_tile(w_ptr, o, o_ok, i, i_ok, k, stride_wo, stride_wi, stride_wk)  # [BLOCK_O, BLOCK_I]
-        x = _x_tile(x_cols, h_cols, t, n_ok, i, i_ok, stride_xc, stride_hc, k * DILATION, HIST,
-                    HIST > 0)  # [BLOCK_I, BLOCK_N]
+    # x's loads are per element (a column's address comes from a division), too narrow for the pipeliner's
+    # async copies: each step loads the next step's x tile into registers before its own dot instead
+    x = _flat_x_tile(x_cols, h_cols, t, n_ok, 0, steps, chunks, c_in, stride_xc, stride_hc, DILATION, HIST,
+                     BLOCK_I)  # [BLOCK_I, BLOCK_N]
+    for step in range(0, steps):
+        k, i = _step_channels(step, chunks, BLOCK_I)
+        w = _w_tile(w_ptr, o, o_ok, i, i < c_in, k, stride_wo, stride_wi, stride_wk)  # [BLOCK_O, BLOCK_I]
+        x_next = _flat_x_tile(x_cols, h_cols, t, n_ok, step + 1, steps, chunks, c_in, stride_xc, stride_hc,
+                              DILATION, HIST, BLOCK_I)
         acc += dot(w, x, DOT_PRECISION)
+        x = x_next
     _epilogue(acc, b_ptr, r_ptr + b * stride_rb + t, out_ptr + b * stride_ob + t, o, o_ok, n_ok, stride_rc,
               stride_oc, HAS_BIAS, HAS_RESIDUAL)
 
@@ -182,20 +203,21 @@ def _blocks(c_in: int, c_out: int, t_out: int) -> tuple[int, int, int]:
 
 
 def _flat_configs(bsz: int, c_in: int, c_out: int, t_out: int) -> list[FlatTiles]:
-    """Two flat configs for B·t_out columns: few columns (weight-bound: the weights stream once per column
-    tile, so the tile takes them all and the programs split the output channels), a few hundred (T_out 4
-    and 32 at batch 8-64: 64 or 32 wide, ~100-200 programs over 132 SMs), many (wide tiles, 64 or 128
-    output channels). Blocks are clamped to the shape, BLOCK_I to a divisor of c_in where one fits."""
-    cols = bsz * t_out
-    if cols <= 64:
-        configs = [FlatTiles(32, 64, cols, 4, 4), FlatTiles(64, 64, cols, 4, 4)]
-    elif cols <= 512:
-        configs = [FlatTiles(64, 64, 64, 4, 4), FlatTiles(64, 64, 32, 4, 4)]
+    """Two flat configs for B·t_out columns. Up to 512 (a streamed frame's T_out 1..32 up to batch 16-128):
+    the weights stream once per column tile, so one 64-column tile takes them all and the programs split
+    the output channels (64 or 32 per program: ~100-200 programs over 132 SMs at 1024->1536). More: wide
+    tiles of 64 or 128 output channels (128 or 256 columns for the 1-channel output conv). The configs
+    depend on the class only, not the batch, so the batch buckets share their compiles (at most four per
+    conv shape). Blocks are clamped to the shape, BLOCK_I to a divisor of c_in where one fits."""
+    if bsz * t_out <= 512:
+        configs = [FlatTiles(64, 64, 64, 4, 4), FlatTiles(32, 64, 64, 4, 4)]
+    elif c_out <= 16:  # the output conv: memory-bound, wider column tiles instead
+        configs = [FlatTiles(16, 64, 128, 4, 3), FlatTiles(16, 64, 256, 4, 3)]
     else:
         configs = [FlatTiles(64, 64, 128, 4, 3), FlatTiles(128, 64, 128, 8, 3)]
     block_i = 64 if c_in % 64 == 0 else min(32, max(16, triton.next_power_of_2(c_in)))
-    fitted = (FlatTiles(min(c.block_o, max(16, triton.next_power_of_2(c_out))), block_i,
-                        max(16, triton.next_power_of_2(c.block_n)), c.num_warps, c.num_stages) for c in configs)
+    fitted = (FlatTiles(min(c.block_o, max(16, triton.next_power_of_2(c_out))), block_i, c.block_n, c.num_warps,
+                        c.num_stages) for c in configs)
     return list(dict.fromkeys(fitted))  # a small c_out can make both the same
 
 

@@ -202,8 +202,9 @@ def test_flat_tiling_gives_the_row_tilings_bits(dtype, case, residual, bias, spl
     assert torch.equal(got, want), f"max diff {(got.float() - want.float()).abs().max().item()}"
 
 
-# columns B·T_out in each of the candidate classes: ≤ 64, ≤ 512, more
-CANDIDATE_CASES = [(3, 40, 72, 7, 3, 4), (4, 24, 20, 7, 1, 32), (4, 96, 20, 3, 1, 160)]
+# columns B·T_out in each of the candidate classes: ≤ 512 (one tile; two, a row straddling them), more (and
+# the 1-channel output conv's)
+CANDIDATE_CASES = [(3, 40, 72, 7, 3, 4), (4, 24, 20, 7, 1, 24), (4, 96, 20, 3, 1, 160), (3, 24, 1, 7, 1, 200)]
 
 
 @pytest.mark.parametrize("case", CANDIDATE_CASES, ids=lambda c: "b{}_ci{}_co{}_k{}_d{}_t{}".format(*c))
