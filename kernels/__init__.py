@@ -19,8 +19,9 @@ depends neither on how many rows share a launch nor on what they hold. Per kerne
                    BLOCK_M 16 and the config per weight shape, where off a batch of 17+ rows takes
                    its row class's tiles and split count; paged_decode_attention and the talker's
                    decode attention: batch 1's split count of each row's context (off, it shrinks
-                   as the batch grows); causal_conv1d: always the Triton kernel (tiles set by
-                   channels and length, one batch row per program), never cuDNN
+                   as the batch grows); causal_conv1d: always the row-tiled Triton kernel (tiles
+                   set by channels and length, one batch row per program), never cuDNN or the flat
+                   tiling (its tiles span batch rows)
 
 Programmatic dependent launch (`set_programmatic_launch(True)`, process-wide; off by default): the code
 predictor's and the fused talker's kernels start while the kernel before them runs (kernels/_launch.py).

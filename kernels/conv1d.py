@@ -5,21 +5,34 @@ out[b, o, t] = bias[o] + Σ_{k, i} w[o, i, k] · x[b, i, t + k·dilation] (+ res
 The conv input is the causal history followed by the new samples, nothing is padded here. Either `x`
 holds both, and T_out = L - (K - 1)·dilation, or (`history=`, the streaming layer's state) `x` holds the
 new samples only and `history` [B, C_in, (K - 1)·dilation] the samples before them: the input is then
-cat(history, x) without the copy (the kernel reads positions before the history length from `history`,
-the rest from `x`; cuDNN gets the cat) and T_out = T. Both forms give the same bits, on the kernel's
-path too. Products accumulate in fp32 over all taps and input channels and are rounded once, where
-cuDNN (the torch reference) rounds the conv before the residual add.
+cat(history, x) without the copy (the kernels read positions before the history length from `history`,
+the rest from `x`; cuDNN gets the cat) and T_out = T. Both forms give the same bits, on the kernels'
+paths too. Products accumulate in fp32 over all taps and input channels (taps outer, channels inner) and
+are rounded once, where cuDNN (the torch reference) rounds the conv before the residual add.
+
+Two tilings of the GEMM [C_out, K·C_in] x [K·C_in, columns]:
+- rows (`_conv1d_kernel`, impl "triton"): one batch row per program, columns = the row's output
+  positions, tiles set by channels and length only, so a row's result does not depend on the batch.
+- flat (`_conv1d_flat_kernel`, impl a `FlatTiles`): columns = (batch row, output position) flattened,
+  col = b·T_out + t, so one tile spans several batch rows when T_out is small. A streamed frame's
+  early layers have T_out = 1..32: there the row tiling leaves most of a 16+ wide tile empty (T_out = 4:
+  75%) and reads the whole weight once per batch row (22 MB for 1024->1536 k7). Its reduction is one
+  loop over (tap, channel block): the pipeliner stages the weight tiles across taps, and each step loads
+  the next step's x tile before its own dot. With the same BLOCK_I it adds the same products in the same
+  order as the row tiling, hence the same bits.
 
 Why a kernel: cuDNN's heuristics pick a non-tensor-core implicit GEMM for some of the codec's layer and
 batch shapes (~1 ms per conv at batch 64 on the H200, 10x its neighbours), and the pointwise (K=1)
-convs are 2-3x faster here. cuDNN is still faster for most K=7 shapes, so on CUDA `causal_conv1d`
-times both once per shape inside `autotune.tuning()` (the CUDA-graph warm-up of each batch bucket)
-and keeps the faster; untuned CUDA shapes run cuDNN; elsewhere (the interpreter) the kernel runs.
-Under `autotune.batch_invariant()` the kernel always runs (cuDNN's algorithm, hence its arithmetic,
-may change with the batch): its tiles depend on channels and length only, one batch row per program.
+convs are 2-3x faster here. On CUDA `causal_conv1d` times `candidates()` (cuDNN, the row tiling and
+two flat configs for the shape's column class) once per shape inside `autotune.tuning()` (the
+CUDA-graph warm-up of each batch bucket) and keeps the fastest; untuned CUDA shapes run cuDNN;
+elsewhere (the interpreter) the row kernel runs. Under `autotune.batch_invariant()` the row kernel
+always runs (cuDNN's algorithm and the flat tiles, hence the arithmetic, may change with the batch).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -32,18 +45,53 @@ from .reference import causal_conv1d_ref
 
 
 @triton.jit
-def _tap_from_x(acc, x_row, w_ptr, o, o_ok, t, t_ok, c_in, stride_xc, stride_wo, stride_wi, stride_wk,
-                k: tl.constexpr, OFFSET: tl.constexpr, BLOCK_I: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + tap k over all input channels, every input position of the tile in x (at t + OFFSET)."""
+def _w_tile(w_ptr, o, o_ok, i, i_ok, k, stride_wo, stride_wi, stride_wk):
+    """[BLOCK_O, BLOCK_I] weights of tap k: output channels o, input channels i."""
+    return tl.load(w_ptr + o[:, None] * stride_wo + i[None, :] * stride_wi + k * stride_wk,
+                   mask=o_ok[:, None] & i_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _x_tile(x_cols, h_cols, t, n_ok, i, i_ok, stride_xc, stride_hc, shift, HIST: tl.constexpr,
+            SPLIT: tl.constexpr):
+    """[BLOCK_I, BLOCK_N] conv input cat(history, x) at input channels i, positions t + shift of the columns.
+    x_cols / h_cols [BLOCK_N]: each column's batch row of x / history, advanced by its t. SPLIT: some
+    columns may read the history (positions < HIST); otherwise all read x at t + shift - HIST."""
+    mask = i_ok[:, None] & n_ok[None, :]
+    x_at = x_cols[None, :] + i[:, None] * stride_xc + (shift - HIST)
+    if SPLIT:
+        in_h = (t + shift < HIST)[None, :]
+        return tl.load(tl.where(in_h, h_cols[None, :] + i[:, None] * stride_hc + shift, x_at), mask=mask, other=0.0)
+    else:
+        return tl.load(x_at, mask=mask, other=0.0)
+
+
+@triton.jit
+def _tap(acc, x_cols, h_cols, w_ptr, o, o_ok, t, t_ok, c_in, stride_xc, stride_hc, stride_wo, stride_wi,
+         stride_wk, k: tl.constexpr, DILATION: tl.constexpr, HIST: tl.constexpr, SPLIT: tl.constexpr,
+         BLOCK_I: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + tap k over all input channels (the row kernel's loop, one per tap)."""
     for i0 in range(0, c_in, BLOCK_I):  # the loop the pipeliner stages
         i = i0 + tl.arange(0, BLOCK_I)
         i_ok = i < c_in
-        w = tl.load(w_ptr + o[:, None] * stride_wo + i[None, :] * stride_wi + k * stride_wk,
-                    mask=o_ok[:, None] & i_ok[None, :], other=0.0)  # [BLOCK_O, BLOCK_I]
-        x = tl.load(x_row + i[:, None] * stride_xc + (t + OFFSET)[None, :],
-                    mask=i_ok[:, None] & t_ok[None, :], other=0.0)  # [BLOCK_I, BLOCK_T]
+        w = _w_tile(w_ptr, o, o_ok, i, i_ok, k, stride_wo, stride_wi, stride_wk)  # [BLOCK_O, BLOCK_I]
+        x = _x_tile(x_cols, h_cols, t, t_ok, i, i_ok, stride_xc, stride_hc, k * DILATION, HIST,
+                    SPLIT)  # [BLOCK_I, BLOCK_T]
         acc += dot(w, x, DOT_PRECISION)
     return acc
+
+
+@triton.jit
+def _epilogue(acc, b_ptr, r_cols, out_cols, o, o_ok, n_ok, stride_rc, stride_oc, HAS_BIAS: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr):
+    """Store acc [BLOCK_O, BLOCK_N] (+ bias, + residual) at output channels o of the columns, rounded once.
+    r_cols / out_cols [BLOCK_N]: each column's address in the residual / output at channel 0."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + o, mask=o_ok, other=0.0).to(tl.float32)[:, None]
+    mask = o_ok[:, None] & n_ok[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(r_cols[None, :] + o[:, None] * stride_rc, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_cols[None, :] + o[:, None] * stride_oc, cast(acc, out_cols.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -56,58 +104,132 @@ def _conv1d_kernel(
     HIST: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """The row tiling: program (time tile, output channel tile, batch row)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # output positions
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)  # output channels
     b = tl.program_id(2).to(tl.int64)
     t_ok, o_ok = t < t_out, o < c_out
-    x_row = x_ptr + b * stride_xb
+    x_cols = x_ptr + b * stride_xb + t  # [BLOCK_T]
     # input position t + k·DILATION: with a split history (HIST > 0), positions < HIST are read from
-    # h_row, the others from x at t + k·DILATION - HIST; HIST = 0: all from x
-    h_row = h_ptr + b * stride_hb
+    # the history, the others from x at t + k·DILATION - HIST; HIST = 0: all from x
+    h_cols = h_ptr + b * stride_hb + t  # [BLOCK_T]
     acc = tl.zeros((BLOCK_O, BLOCK_T), dtype=tl.float32)
     for k in tl.static_range(K):
         if k * DILATION < HIST:  # tap k reaches into the history, for t < HIST - k·DILATION
-            if tl.program_id(0) * BLOCK_T < HIST - k * DILATION:  # this tile does: two masked loads
-                for i0 in range(0, c_in, BLOCK_I):
-                    i = i0 + tl.arange(0, BLOCK_I)
-                    i_ok = i < c_in
-                    w = tl.load(w_ptr + o[:, None] * stride_wo + i[None, :] * stride_wi + k * stride_wk,
-                                mask=o_ok[:, None] & i_ok[None, :], other=0.0)  # [BLOCK_O, BLOCK_I]
-                    p = t + k * DILATION - HIST  # position in x (negative: in the history)
-                    in_h = p < 0
-                    xh = tl.load(h_row + i[:, None] * stride_hc + (t + k * DILATION)[None, :],
-                                 mask=i_ok[:, None] & (t_ok & in_h)[None, :], other=0.0)
-                    xx = tl.load(x_row + i[:, None] * stride_xc + p[None, :],
-                                 mask=i_ok[:, None] & (t_ok & (p >= 0))[None, :], other=0.0)
-                    x = tl.where(in_h[None, :], xh, xx)  # [BLOCK_I, BLOCK_T]: the concatenated input's values
-                    acc += dot(w, x, DOT_PRECISION)
+            if tl.program_id(0) * BLOCK_T < HIST - k * DILATION:  # this tile does
+                acc = _tap(acc, x_cols, h_cols, w_ptr, o, o_ok, t, t_ok, c_in, stride_xc, stride_hc, stride_wo,
+                           stride_wi, stride_wk, k, DILATION, HIST, True, BLOCK_I, DOT_PRECISION)
             else:  # the whole tile reads x (most tiles of a long chunk)
-                acc = _tap_from_x(acc, x_row, w_ptr, o, o_ok, t, t_ok, c_in, stride_xc, stride_wo, stride_wi,
-                                  stride_wk, k, k * DILATION - HIST, BLOCK_I, DOT_PRECISION)
+                acc = _tap(acc, x_cols, h_cols, w_ptr, o, o_ok, t, t_ok, c_in, stride_xc, stride_hc, stride_wo,
+                           stride_wi, stride_wk, k, DILATION, HIST, False, BLOCK_I, DOT_PRECISION)
         else:
-            acc = _tap_from_x(acc, x_row, w_ptr, o, o_ok, t, t_ok, c_in, stride_xc, stride_wo, stride_wi,
-                              stride_wk, k, k * DILATION - HIST, BLOCK_I, DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + o, mask=o_ok, other=0.0).to(tl.float32)[:, None]
-    mask = o_ok[:, None] & t_ok[None, :]
-    if HAS_RESIDUAL:
-        acc += tl.load(r_ptr + b * stride_rb + o[:, None] * stride_rc + t[None, :], mask=mask,
-                       other=0.0).to(tl.float32)
-    tl.store(out_ptr + b * stride_ob + o[:, None] * stride_oc + t[None, :],
-             cast(acc, out_ptr.dtype.element_ty), mask=mask)
+            acc = _tap(acc, x_cols, h_cols, w_ptr, o, o_ok, t, t_ok, c_in, stride_xc, stride_hc, stride_wo,
+                       stride_wi, stride_wk, k, DILATION, HIST, False, BLOCK_I, DOT_PRECISION)
+    _epilogue(acc, b_ptr, r_ptr + b * stride_rb + t, out_ptr + b * stride_ob + t, o, o_ok, t_ok, stride_rc,
+              stride_oc, HAS_BIAS, HAS_RESIDUAL)
+
+
+@triton.jit
+def _step_channels(step, chunks, BLOCK_I: tl.constexpr):
+    """(tap, input channels [BLOCK_I]) of reduction step `step` of the flat kernel, `chunks` channel blocks a tap."""
+    k = step // chunks
+    return k, (step - k * chunks) * BLOCK_I + tl.arange(0, BLOCK_I)
+
+
+@triton.jit
+def _flat_x_tile(x_cols, h_cols, t, n_ok, step, steps, chunks, c_in, stride_xc, stride_hc, DILATION: tl.constexpr,
+                 HIST: tl.constexpr, BLOCK_I: tl.constexpr):
+    """[BLOCK_I, BLOCK_N] input tile of reduction step `step` of the flat kernel; zeros from step `steps` on."""
+    k, i = _step_channels(step, chunks, BLOCK_I)
+    return _x_tile(x_cols, h_cols, t, n_ok, i, (i < c_in) & (step < steps), stride_xc, stride_hc, k * DILATION,
+                   HIST, HIST > 0)
+
+
+@triton.jit
+def _conv1d_flat_kernel(
+    x_ptr, h_ptr, w_ptr, b_ptr, r_ptr, out_ptr,
+    c_in, c_out, t_out, n_cols,
+    stride_xb, stride_xc, stride_hb, stride_hc, stride_wo, stride_wi, stride_wk,
+    stride_rb, stride_rc, stride_ob, stride_oc,
+    K: tl.constexpr, DILATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HIST: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The flat tiling: program (column tile, output channel tile), column = b·t_out + t of n_cols = B·t_out."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns
+    o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)  # output channels
+    n_ok, o_ok = n < n_cols, o < c_out
+    row = n // t_out
+    t = n - row * t_out  # [BLOCK_N]: each column's output position in its batch row
+    b = row.to(tl.int64)
+    x_cols = x_ptr + b * stride_xb + t  # [BLOCK_N]
+    h_cols = h_ptr + b * stride_hb + t  # [BLOCK_N]
+    chunks = tl.cdiv(c_in, BLOCK_I)  # input channel blocks per tap
+    steps = K * chunks  # (tap, channel block), taps outer: the row kernel's order
+    acc = tl.zeros((BLOCK_O, BLOCK_N), dtype=tl.float32)
+    # x's loads are per element (a column's address comes from a division), too narrow for the pipeliner's
+    # async copies: each step loads the next step's x tile into registers before its own dot instead
+    x = _flat_x_tile(x_cols, h_cols, t, n_ok, 0, steps, chunks, c_in, stride_xc, stride_hc, DILATION, HIST,
+                     BLOCK_I)  # [BLOCK_I, BLOCK_N]
+    for step in range(0, steps):
+        k, i = _step_channels(step, chunks, BLOCK_I)
+        w = _w_tile(w_ptr, o, o_ok, i, i < c_in, k, stride_wo, stride_wi, stride_wk)  # [BLOCK_O, BLOCK_I]
+        x_next = _flat_x_tile(x_cols, h_cols, t, n_ok, step + 1, steps, chunks, c_in, stride_xc, stride_hc,
+                              DILATION, HIST, BLOCK_I)
+        acc += dot(w, x, DOT_PRECISION)
+        x = x_next
+    _epilogue(acc, b_ptr, r_ptr + b * stride_rb + t, out_ptr + b * stride_ob + t, o, o_ok, n_ok, stride_rc,
+              stride_oc, HAS_BIAS, HAS_RESIDUAL)
+
+
+class FlatTiles(NamedTuple):
+    """A launch config of the flat tiling (`causal_conv1d(impl=FlatTiles(...))`; a tuning candidate)."""
+    block_o: int  # output channels per program
+    block_i: int  # input channels per reduction step
+    block_n: int  # (batch row, position) columns per program
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __str__(self) -> str:
+        return f"flat o{self.block_o} i{self.block_i} n{self.block_n} w{self.num_warps} s{self.num_stages}"
 
 
 def _blocks(c_in: int, c_out: int, t_out: int) -> tuple[int, int, int]:
-    """(BLOCK_O, BLOCK_I, BLOCK_T): tl.dot needs every block ≥ 16."""
+    """(BLOCK_O, BLOCK_I, BLOCK_T) of the row tiling: tl.dot needs every block ≥ 16."""
     block_t = min(128, max(16, triton.next_power_of_2(t_out)))
     block_o = min(64, max(16, triton.next_power_of_2(c_out)))
     block_i = min(64 if block_t <= 64 else 32, max(16, triton.next_power_of_2(c_in)))
     return block_o, block_i, block_t
 
 
+def _flat_configs(bsz: int, c_in: int, c_out: int, t_out: int) -> list[FlatTiles]:
+    """Two flat configs for B·t_out columns. Up to 512 (a streamed frame's T_out 1..32 up to batch 16-128):
+    the weights stream once per column tile, so one 64-column tile takes them all and the programs split
+    the output channels (64 or 32 per program: ~100-200 programs over 132 SMs at 1024->1536). More: wide
+    tiles of 64 or 128 output channels (128 or 256 columns for the 1-channel output conv). The configs
+    depend on the class only, not the batch, so the batch buckets share their compiles (at most four per
+    conv shape). Blocks are clamped to the shape, BLOCK_I to a divisor of c_in where one fits."""
+    if bsz * t_out <= 512:
+        configs = [FlatTiles(64, 64, 64, 4, 4), FlatTiles(32, 64, 64, 4, 4)]
+    elif c_out <= 16:  # the output conv: memory-bound, wider column tiles instead
+        configs = [FlatTiles(16, 64, 128, 4, 3), FlatTiles(16, 64, 256, 4, 3)]
+    else:
+        configs = [FlatTiles(64, 64, 128, 4, 3), FlatTiles(128, 64, 128, 8, 3)]
+    block_i = 64 if c_in % 64 == 0 else min(32, max(16, triton.next_power_of_2(c_in)))
+    fitted = (FlatTiles(min(c.block_o, max(16, triton.next_power_of_2(c_out))), block_i, c.block_n, c.num_warps,
+                        c.num_stages) for c in configs)
+    return list(dict.fromkeys(fitted))  # a small c_out can make both the same
+
+
+def candidates(bsz: int, c_in: int, c_out: int, t_out: int) -> tuple:
+    """What `causal_conv1d` times for a shape on CUDA: "cudnn", "triton" (the row tiling) and the flat tiling's
+    `FlatTiles` for its B·t_out columns (hashable and picklable: the tuned table is saved)."""
+    return ("cudnn", "triton", *_flat_configs(bsz, c_in, c_out, t_out))
+
+
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,
                   residual: torch.Tensor | None = None, weight_oik: torch.Tensor | None = None,
-                  impl: str | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
+                  impl: str | FlatTiles | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
     """Valid (unpadded) conv1d of x [B, C_in, L] (history included) with weight [C_out, C_in, K],
     bias [C_out] or None -> [B, C_out, L - (K-1)·dilation] in x.dtype, plus residual (same shape as the
     output) when given. The time dim of x (unless it has one sample), history, residual and the output
@@ -115,12 +237,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     history: [B, C_in, (K-1)·dilation], x.dtype: the samples before x [B, C_in, T] (new samples only).
     The conv then runs over cat(history, x) -> [B, C_out, T], bit for bit what the concatenated x gives,
-    but the kernel reads both in place (cuDNN gets the cat, and the tuner times it with the cat).
+    but the kernels read both in place (cuDNN gets the cat, and the tuner times it with the cat).
 
     weight_oik: optional copy of `weight` stored input-channel-fastest (`q3tts.kernels.conv_kernel_weight`), read
-    coalesced by the kernel; cuDNN keeps using `weight`. On CUDA: the faster of kernel and cuDNN for
-    shapes tuned in `autotune.tuning()`, cuDNN for the rest; the kernel under
-    `autotune.batch_invariant()`. impl="triton" | "cudnn" forces one."""
+    coalesced by the kernels; cuDNN keeps using `weight`. On CUDA: the fastest of `candidates()` for
+    shapes tuned in `autotune.tuning()`, cuDNN for the rest; the row kernel under
+    `autotune.batch_invariant()` and off CUDA. impl="triton" (row tiling) | "cudnn" | a `FlatTiles` forces one."""
     bsz, c_in, length = x.shape
     c_out, w_in, k = weight.shape
     hist = (k - 1) * dilation
@@ -136,6 +258,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert t_out >= 1, f"input length {length} < receptive field {hist + 1}"
     assert x.stride(-1) == 1 or length == 1, "x's time dim must be contiguous"
     assert weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype), "one dtype for x, weight, bias"
+    assert impl is None or impl in ("triton", "cudnn") or isinstance(impl, FlatTiles), f"unknown impl {impl!r}"
     if residual is not None:
         assert residual.shape == (bsz, c_out, t_out) and residual.stride(-1) == 1, \
             f"residual {tuple(residual.shape)} != output {(bsz, c_out, t_out)} or not contiguous in time"
@@ -144,37 +267,43 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             weight_oik.device == weight.device, "weight_oik must be a copy of weight (same shape, dtype, device)"
     w_kernel = weight if weight_oik is None else weight_oik
 
-    def launch(impl: str) -> torch.Tensor:
+    def launch(impl: str | FlatTiles) -> torch.Tensor:
         if impl == "cudnn":
             full = x if history is None else torch.cat([history, x], dim=-1)
             return causal_conv1d_ref(full, weight, bias, dilation, residual)
-        return _launch(x, w_kernel, bias, dilation, residual, t_out, history)
+        return _launch(x, w_kernel, bias, dilation, residual, t_out, history, None if impl == "triton" else impl)
 
     key = ("conv1d", tuple(x.shape), tuple(weight.shape), dilation, x.dtype, bias is not None,
            residual is not None, weight_oik is not None, history is not None)
     with device_guard(x):  # the tuning launches too: x may sit on another GPU than the current one
         if impl is not None or not x.is_cuda or batch_invariant():
             return launch(impl or "triton")
-        return launch(choose(key, ("triton", "cudnn"), launch, x.device, default="cudnn"))
+        return launch(choose(key, candidates(bsz, c_in, c_out, t_out), launch, x.device, default="cudnn"))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int,
-            residual: torch.Tensor | None, t_out: int, history: torch.Tensor | None = None) -> torch.Tensor:
+            residual: torch.Tensor | None, t_out: int, history: torch.Tensor | None,
+            flat: FlatTiles | None) -> torch.Tensor:
+    """Run the row tiling (flat None) or the flat tiling with `flat`'s config -> [B, C_out, t_out]."""
     bsz, c_in, _ = x.shape
     c_out, _, k = weight.shape
     out = torch.empty(bsz, c_out, t_out, dtype=x.dtype, device=x.device)
-    block_o, block_i, block_t = _blocks(c_in, c_out, t_out)
     r = residual if residual is not None else out
     h = history if history is not None else x  # unread without history
-    grid = (triton.cdiv(t_out, block_t), triton.cdiv(c_out, block_o), bsz)
-    _conv1d_kernel[grid](
-        x, h, weight, bias if bias is not None else weight, r, out,
-        c_in, c_out, t_out,
-        x.stride(0), x.stride(1), h.stride(0), h.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
-        r.stride(0), r.stride(1), out.stride(0), out.stride(1),
-        K=k, DILATION=dilation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        HIST=(k - 1) * dilation if history is not None else 0, BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_T=block_t,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
-    )
+    args = (x, h, weight, bias if bias is not None else weight, r, out, c_in, c_out, t_out)
+    strides = (x.stride(0), x.stride(1), h.stride(0), h.stride(1), weight.stride(0), weight.stride(1),
+               weight.stride(2), r.stride(0), r.stride(1), out.stride(0), out.stride(1))
+    meta = dict(K=k, DILATION=dilation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                HIST=(k - 1) * dilation if history is not None else 0,
+                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    if flat is None:
+        block_o, block_i, block_t = _blocks(c_in, c_out, t_out)
+        grid = (triton.cdiv(t_out, block_t), triton.cdiv(c_out, block_o), bsz)
+        _conv1d_kernel[grid](*args, *strides, **meta, BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_T=block_t,
+                             num_warps=4, num_stages=2)
+    else:
+        grid = (triton.cdiv(bsz * t_out, flat.block_n), triton.cdiv(c_out, flat.block_o))
+        _conv1d_flat_kernel[grid](*args, bsz * t_out, *strides, **meta, BLOCK_O=flat.block_o,
+                                  BLOCK_I=flat.block_i, BLOCK_N=flat.block_n, num_warps=flat.num_warps,
+                                  num_stages=flat.num_stages)
     return out

@@ -1,11 +1,16 @@
-"""Per-layer codec bench: each distinct conv of one streamed frame, cuDNN (torch) vs the Triton kernel, and
-SnakeBeta torch vs kernel, per batch size. Finds the (layer, batch) pairs where cuDNN's heuristics pick a slow
-algorithm (they drove `EngineConfig.codec_kernels`).
+"""Per-layer codec bench: each distinct conv of one streamed frame, every launch choice the conv tuner times
+(cuDNN, the row-tiled kernel, the flat-tiled kernel's configs: `kernels.conv1d.candidates`), and SnakeBeta torch
+vs kernel, per batch size. Shows which choice wins where (cuDNN's slow heuristics drove
+`EngineConfig.codec_kernels`; the tuner keeps the fastest per shape and batch bucket).
 
     python perf/bench_codec_layers.py                 # H200: real-size random codec, batches 1 8 64 256
+    python perf/bench_codec_layers.py --batches 1 64
     OUT=/some/dir python perf/bench_codec_layers.py   # also writes $OUT/codec_layers.md
 
-µs per call: a CUDA graph of 20 calls, replayed; "max |diff|" = kernel vs fp32 torch on the same bf16 inputs.
+The convs run as the streaming decoder runs them: new samples T plus the layer's history in place
+(`history=`; cuDNN gets the cat, as the tuner times it), the residual unit's k1 conv with its residual fused,
+the weights in the kernel layout. µs per call: a CUDA graph of 20 calls, replayed; "max |diff|" = the largest
+over the kernel choices of kernel vs fp32 torch on the same bf16 inputs.
 """
 
 from __future__ import annotations
@@ -20,24 +25,25 @@ from bench_codec import _graphed, _time_ms
 from q3tts.codec import CodecDecoder, StreamingDecoder, read_speech_tokenizer, write_speech_tokenizer
 from q3tts.codec.layers import CausalConv1d, SnakeBeta
 from q3tts.kernels import reference as R
-from q3tts.kernels.conv1d import causal_conv1d
+from q3tts.kernels.conv1d import candidates, causal_conv1d
 from q3tts.kernels.snake import snake_beta
 
 
 def frame_layers(decoder: CodecDecoder, device: str = "cuda") -> tuple[dict, dict]:
-    """Input shapes of one streamed frame: {(c_in, c_out, k, dilation, L): conv}, {(C, T): snake}."""
+    """Shapes of one streamed frame: {(c_in, c_out, k, dilation, T new samples, residual?): conv}, {(C, T): snake}."""
     convs, snakes = {}, {}
 
-    def on_conv(m, args):
+    def on_conv(m, args, kwargs):
         x = args[0]
         if m.conv.groups == 1:
             convs[(m.conv.in_channels, m.conv.out_channels, m.conv.kernel_size[0], m.conv.dilation[0],
-                   x.shape[-1] + m.history)] = m
+                   x.shape[-1], kwargs.get("residual") is not None)] = m
 
     def on_snake(m, args):
         snakes[tuple(args[0].shape[1:])] = m
 
-    hooks = [m.register_forward_pre_hook(on_conv if isinstance(m, CausalConv1d) else on_snake)
+    hooks = [m.register_forward_pre_hook(on_conv, with_kwargs=True) if isinstance(m, CausalConv1d)
+             else m.register_forward_pre_hook(on_snake)
              for m in decoder.modules() if isinstance(m, (CausalConv1d, SnakeBeta))]
     stream = StreamingDecoder(decoder, 1, next(decoder.parameters()).dtype, device)
     slots = torch.zeros(1, dtype=torch.int64, device=device)
@@ -51,6 +57,26 @@ def us_per_call(fn, calls: int = 20) -> float:
     return _time_ms(_graphed(lambda: [fn() for _ in range(calls)]), 10, True) * 1e3 / calls
 
 
+def conv_row(m: CausalConv1d, bsz: int, t: int, residual: bool) -> str:
+    """One table row: µs per call of each `candidates` choice for conv `m` (bf16) at batch `bsz`, T new samples."""
+    w, b, d = m.conv.weight, m.conv.bias, m.conv.dilation[0]
+    (c_out, c_in, k), hist, like = w.shape, m.history, dict(device=w.device, dtype=w.dtype)
+    x = torch.randn(bsz, c_in, t, **like)
+    h = torch.randn(bsz, c_in, hist, **like) if hist else None
+    r = torch.randn(bsz, c_out, t, **like) if residual else None
+    full = x if h is None else torch.cat([h, x], dim=-1)
+    ref = R.causal_conv1d_ref(full.float(), w.float(), b.float(), d, None if r is None else r.float())
+    us, diff = {}, 0.0
+    for impl in candidates(bsz, c_in, c_out, t):
+        call = lambda impl=impl: causal_conv1d(x, w, b, d, r, m.weight_oik, impl=impl, history=h)  # noqa: E731
+        us[impl] = us_per_call(call)
+        diff = diff if impl == "cudnn" else max(diff, (call().float() - ref).abs().max().item())
+    flat = "; ".join(f"{impl}: {v:.1f}" for impl, v in us.items() if impl not in ("cudnn", "triton"))
+    best = min(us, key=us.get)
+    return (f"| {c_in}→{c_out} k{k} d{d} T{t}{' +res' if residual else ''} | {bsz} | {us['cudnn']:.1f} | "
+            f"{us['triton']:.1f} | {flat} | {best} | {diff:.3g} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", default="full", choices=["tiny", "full"])
@@ -62,16 +88,10 @@ def main() -> None:
     decoder = CodecDecoder.from_weights(cfg, weights, torch.bfloat16, "cuda")
     convs, snakes = frame_layers(decoder)
     decoder.use_kernels(True)  # the convs' weights in the kernel layout, as the engine runs them
-    lines = ["| conv c_in→c_out k d L | batch | cuDNN µs | kernel µs | max abs diff |", "|---|---:|---:|---:|---:|"]
-    for (c_in, c_out, k, d, length), m in sorted(convs.items()):
-        w, b = m.conv.weight, m.conv.bias
-        for bsz in args.batches:
-            x = torch.randn(bsz, c_in, length, device="cuda", dtype=torch.bfloat16)
-            torch_us = us_per_call(lambda: R.causal_conv1d_ref(x, w, b, d))
-            kernel_us = us_per_call(lambda: causal_conv1d(x, w, b, d, impl="triton", weight_oik=m.weight_oik))
-            ref = R.causal_conv1d_ref(x.float(), w.float(), b.float(), d)
-            diff = (causal_conv1d(x, w, b, d, impl="triton").float() - ref).abs().max().item()
-            lines.append(f"| {c_in}→{c_out} k{k} d{d} L{length} | {bsz} | {torch_us:.1f} | {kernel_us:.1f} | {diff:.3g} |")
+    lines = ["| conv c_in→c_out k d T | batch | cuDNN µs | row kernel µs | flat kernel µs | best | max abs diff |",
+             "|---|---:|---:|---:|---|---|---:|"]
+    for (*_, t, residual), m in sorted(convs.items()):
+        lines += [conv_row(m, bsz, t, residual) for bsz in args.batches]
     lines += ["", "| SnakeBeta C×T | batch | torch µs | kernel µs |", "|---|---:|---:|---:|"]
     for (ch, t), m in sorted(snakes.items()):
         for bsz in args.batches:

@@ -167,3 +167,132 @@ def test_conv1d_rejects_a_history_of_the_wrong_length():
     with pytest.raises(AssertionError, match="history"):
         conv1d.causal_conv1d(x, torch.randn(8, 8, 3, device=DEVICE), None, dilation=2,
                              history=torch.randn(1, 8, 3, device=DEVICE))
+
+
+# the flat tiling (columns = (batch row, position) flattened, BLOCK_N wide): (batch, c_in, c_out, kernel,
+# dilation, T_out, BLOCK_N). T_out < BLOCK_N with tiles that start mid-row (5 rows of 5 in tiles of 16),
+# T_out == BLOCK_N, T_out > BLOCK_N not dividing it (rows straddle tiles), K=1 with 6 rows per tile,
+# T_out = 1, channels off the block sizes, a long dilated history
+FLAT_CASES = [(5, 24, 20, 7, 3, 5, 16), (3, 16, 20, 7, 1, 16, 16), (2, 17, 33, 7, 9, 20, 16),
+              (5, 24, 16, 1, 1, 5, 32), (3, 20, 24, 3, 2, 1, 16), (2, 16, 16, 7, 9, 40, 32)]
+
+
+def _flat_inputs(case, dtype, residual: bool, bias: bool, split: bool):
+    """-> (full x, kwargs of the call under test: x (new samples when split), history=, w, b, d, r)."""
+    bsz, c_in, c_out, k, d, t, _ = case
+    full, history, new, w, b, d, r = _split((bsz, c_in, c_out, k, d, t), dtype, residual)
+    call = dict(x=new, history=history) if split and k > 1 else dict(x=full)
+    return full, dict(call, weight=w, bias=b if bias else None, dilation=d, residual=r)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["concat", "history"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("case", FLAT_CASES, ids=lambda c: "b{}_ci{}_co{}_k{}_d{}_t{}_n{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_flat_tiling_gives_the_row_tilings_bits(dtype, case, residual, bias, split):
+    """With the row tiling's BLOCK_O and BLOCK_I (same products, same order) the flat tiling gives the
+    row kernel's bits, whichever batch rows and positions share its tiles."""
+    full, call = _flat_inputs(case, dtype, residual, bias, split)
+    bsz, c_in, c_out, _, _, t, block_n = case
+    block_o, block_i, _ = conv1d._blocks(c_in, c_out, t)
+    want = conv1d.causal_conv1d(full, call["weight"], call["bias"], call["dilation"], call["residual"], impl="triton")
+    got = conv1d.causal_conv1d(**call, impl=conv1d.FlatTiles(block_o, block_i, block_n, 4, 2))
+    assert got.shape == want.shape == (bsz, c_out, t) and got.dtype == dtype
+    assert torch.equal(got, want), f"max diff {(got.float() - want.float()).abs().max().item()}"
+
+
+# columns B·T_out in each of the candidate classes: ≤ 512 (one tile; two, a row straddling them), more (and
+# the 1-channel output conv's)
+CANDIDATE_CASES = [(3, 40, 72, 7, 3, 4), (4, 24, 20, 7, 1, 24), (4, 96, 20, 3, 1, 160), (3, 24, 1, 7, 1, 200)]
+
+
+@pytest.mark.parametrize("case", CANDIDATE_CASES, ids=lambda c: "b{}_ci{}_co{}_k{}_d{}_t{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_tuning_candidate_matches_the_reference(dtype, case):
+    """Each of `candidates()` (their own BLOCK_I: other sums than the row kernel's) within the reference's
+    tolerance, on the history-split form the codec runs, residual fused."""
+    full, history, new, w, b, d, r = _split(case, dtype, True)
+    out_pt = causal_conv1d_ref(full, w, b, d, r)
+    out_ref = causal_conv1d_ref(full.double(), w.double(), b.double(), d, r.double())
+    impls = conv1d.candidates(case[0], case[1], case[2], case[5])
+    assert impls[:2] == ("cudnn", "triton") and all(isinstance(c, conv1d.FlatTiles) for c in impls[2:])
+    for impl in impls:
+        out = conv1d.causal_conv1d(new, w, b, d, r, impl=impl, history=history)
+        assert_close_3way(out, out_pt, out_ref, dtype, f"conv1d {impl} {dtype} {case}")
+
+
+def test_flat_configs_survive_the_tuning_tables_pickle():
+    """A tuned table holding a `FlatTiles` is saved with pickle and read back by autotune's restricted
+    unpickler (only q3tts.kernels classes)."""
+    import io
+    import pickle
+
+    from q3tts.kernels import autotune
+
+    cfg = conv1d.candidates(64, 1024, 1536, 4)[-1]
+    assert hash(cfg) == hash(conv1d.FlatTiles(*cfg))
+    assert autotune._TableUnpickler(io.BytesIO(pickle.dumps({"k": cfg}, protocol=5))).load() == {"k": cfg}
+
+
+def test_conv1d_tunes_the_candidates_and_keeps_rows_when_batch_invariant(monkeypatch):
+    """On CUDA (faked) the tuner gets `candidates()`; under batch_invariant() it is not asked and the row kernel
+    runs."""
+    import contextlib
+
+    full, history, new, w, b, d, r = _split((3, 16, 20, 7, 3, 4), torch.float32, True)
+    offered = []
+
+    def fake_choose(key, impls, launch, device, default):
+        offered.append(impls)
+        return impls[-1]
+
+    monkeypatch.setattr(conv1d, "choose", fake_choose)
+    monkeypatch.setattr(conv1d, "device_guard", lambda t: contextlib.nullcontext())
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+        m.setattr(conv1d, "batch_invariant", lambda: False)
+        tuned = conv1d.causal_conv1d(new, w, b, d, r, history=history)
+        m.setattr(conv1d, "batch_invariant", lambda: True)
+        invariant = conv1d.causal_conv1d(new, w, b, d, r, history=history)
+    assert offered == [conv1d.candidates(3, 16, 20, 4)]
+    assert torch.equal(tuned, conv1d.causal_conv1d(new, w, b, d, r, history=history, impl=offered[0][-1]))
+    assert torch.equal(invariant, conv1d.causal_conv1d(full, w, b, d, r, impl="triton"))
+
+
+def test_conv1d_rejects_an_unknown_impl():
+    x = torch.randn(1, 8, 10, device=DEVICE)
+    with pytest.raises(AssertionError, match="impl"):
+        conv1d.causal_conv1d(x, torch.randn(8, 8, 3, device=DEVICE), None, impl="flat")
+
+
+# one streamed frame of the full codec (perf/bench_codec_layers.py lists them): (c_in, c_out, kernel, dilation,
+# T_out, residual): pre_conv, the first decoder conv, each decoder block's k7 d1/3/9 and k1 (+ residual), the output
+CODEC_FRAME = [(512, 1024, 3, 1, 1, False), (1024, 1536, 7, 1, 4, False),
+               *((c, c, 7, d, t, False) for c, t in ((768, 32), (384, 160), (192, 640), (96, 1920)) for d in (1, 3, 9)),
+               *((c, c, 1, 1, t, True) for c, t in ((768, 32), (384, 160), (192, 640), (96, 1920))),
+               (96, 1, 7, 1, 1920, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shape", CODEC_FRAME, ids=lambda s: "ci{}_co{}_k{}_d{}_t{}_r{:d}".format(*s))
+def test_every_candidate_at_the_codec_frame_shapes_batch64(shape):
+    """Each tuning candidate at batch 64 (bf16, history split, kernel weight layout, as the engine runs
+    them) within the reference's tolerance."""
+    import q3tts.kernels as K
+
+    c_in, c_out, k, d, t, residual = shape
+    bsz, dtype, hist = 64, torch.bfloat16, (k - 1) * d
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    full = torch.randn(bsz, c_in, hist + t, device="cuda", generator=gen).to(dtype)
+    w = (torch.randn(c_out, c_in, k, device="cuda", generator=gen) / (c_in * k) ** 0.5).to(dtype)
+    b = torch.randn(c_out, device="cuda", generator=gen).to(dtype)
+    r = torch.randn(bsz, c_out, t, device="cuda", generator=gen).to(dtype) if residual else None
+    history, new = (full[..., :hist].contiguous(), full[..., hist:].contiguous()) if hist else (None, full)
+    out_pt = causal_conv1d_ref(full, w, b, d, r)
+    out_ref = causal_conv1d_ref(full.double(), w.double(), b.double(), d, None if r is None else r.double())
+    oik = K.conv_kernel_weight(w)
+    for impl in conv1d.candidates(bsz, c_in, c_out, t):
+        out = conv1d.causal_conv1d(new, w, b, d, r, oik, impl=impl, history=history)
+        assert_close_3way(out, out_pt, out_ref, dtype, f"conv1d {impl} {shape}")
