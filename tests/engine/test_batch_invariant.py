@@ -96,7 +96,8 @@ def test_every_linear_layer_goes_through_kernels_linear(tiny_ckpt, monkeypatch, 
     assert calls["kernels"] == 0
     dcfg = tiny_ckpt.codec_config.decoder
     expected = (2 + 4 * talker.cfg.layers.num_layers + 1  # talker
-                + 2 + 2 + 6 * dcfg.num_layers + 2 * len(dcfg.upsampling_ratios))  # codec: RVQ, proj, layers, ConvNeXt
+                + 2 + 2 + 4 * dcfg.num_layers + 2 * len(dcfg.upsampling_ratios))  # codec: RVQ, proj, layers
+    # (q|k|v as one GEMM, o, gate|up, down), ConvNeXt
     calls.update(kernels=0, F=0)
     switch(True)
     got = run()
