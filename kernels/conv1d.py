@@ -24,7 +24,7 @@ Two tilings of the GEMM [C_out, K·C_in] x [K·C_in, columns]:
 Why a kernel: cuDNN's heuristics pick a non-tensor-core implicit GEMM for some of the codec's layer and
 batch shapes (~1 ms per conv at batch 64 on the H200, 10x its neighbours), and the pointwise (K=1)
 convs are 2-3x faster here. On CUDA `causal_conv1d` times `candidates()` (cuDNN, the row tiling and
-two flat configs for the shape's column class) once per shape inside `autotune.tuning()` (the
+at T_out = 1 two flat configs) once per shape inside `autotune.tuning()` (the
 CUDA-graph warm-up of each batch bucket) and keeps the fastest; untuned CUDA shapes run cuDNN;
 elsewhere (the interpreter) the row kernel runs. Under `autotune.batch_invariant()` the row kernel
 always runs (cuDNN's algorithm and the flat tiles, hence the arithmetic, may change with the batch).
@@ -59,9 +59,11 @@ def _x_tile(x_cols, h_cols, t, n_ok, i, i_ok, stride_xc, stride_hc, shift, HIST:
     columns may read the history (positions < HIST); otherwise all read x at t + shift - HIST."""
     mask = i_ok[:, None] & n_ok[None, :]
     x_at = x_cols[None, :] + i[:, None] * stride_xc + (shift - HIST)
-    if SPLIT:
+    if SPLIT:  # two masked loads, each over contiguous addresses (vectorized; a load of selected addresses
+        # would be a gather)
         in_h = (t + shift < HIST)[None, :]
-        return tl.load(tl.where(in_h, h_cols[None, :] + i[:, None] * stride_hc + shift, x_at), mask=mask, other=0.0)
+        xh = tl.load(h_cols[None, :] + i[:, None] * stride_hc + shift, mask=mask & in_h, other=0.0)
+        return tl.where(in_h, xh, tl.load(x_at, mask=mask & ~in_h, other=0.0))
     else:
         return tl.load(x_at, mask=mask, other=0.0)
 
@@ -202,29 +204,22 @@ def _blocks(c_in: int, c_out: int, t_out: int) -> tuple[int, int, int]:
     return block_o, block_i, block_t
 
 
-def _flat_configs(bsz: int, c_in: int, c_out: int, t_out: int) -> list[FlatTiles]:
-    """Two flat configs for B·t_out columns. Up to 512 (a streamed frame's T_out 1..32 up to batch 16-128):
-    the weights stream once per column tile, so one 64-column tile takes them all and the programs split
-    the output channels (64 or 32 per program: ~100-200 programs over 132 SMs at 1024->1536). More: wide
-    tiles of 64 or 128 output channels (128 or 256 columns for the 1-channel output conv). The configs
-    depend on the class only, not the batch, so the batch buckets share their compiles (at most four per
-    conv shape). Blocks are clamped to the shape, BLOCK_I to a divisor of c_in where one fits."""
-    if bsz * t_out <= 512:
-        configs = [FlatTiles(64, 64, 64, 4, 4), FlatTiles(32, 64, 64, 4, 4)]
-    elif c_out <= 16:  # the output conv: memory-bound, wider column tiles instead
-        configs = [FlatTiles(16, 64, 128, 4, 3), FlatTiles(16, 64, 256, 4, 3)]
-    else:
-        configs = [FlatTiles(64, 64, 128, 4, 3), FlatTiles(128, 64, 128, 8, 3)]
+def _flat_configs(c_in: int, c_out: int) -> list[FlatTiles]:
+    """Two flat configs of one 64-column tile: at T_out = 1 a tile holds 64 batch rows, the weights stream
+    once per column tile and the programs split the output channels (64 or 32 per program). They depend on
+    the shape only, not the batch, so the batch buckets share their compiles. Blocks are clamped to the
+    shape, BLOCK_I to a divisor of c_in where one fits."""
     block_i = 64 if c_in % 64 == 0 else min(32, max(16, triton.next_power_of_2(c_in)))
-    fitted = (FlatTiles(min(c.block_o, max(16, triton.next_power_of_2(c_out))), block_i, c.block_n, c.num_warps,
-                        c.num_stages) for c in configs)
+    fitted = (FlatTiles(min(block_o, max(16, triton.next_power_of_2(c_out))), block_i, 64, 4, 4) for block_o in (64, 32))
     return list(dict.fromkeys(fitted))  # a small c_out can make both the same
 
 
 def candidates(bsz: int, c_in: int, c_out: int, t_out: int) -> tuple:
-    """What `causal_conv1d` times for a shape on CUDA: "cudnn", "triton" (the row tiling) and the flat tiling's
-    `FlatTiles` for its B·t_out columns (hashable and picklable: the tuned table is saved)."""
-    return ("cudnn", "triton", *_flat_configs(bsz, c_in, c_out, t_out))
+    """What `causal_conv1d` times for a shape on CUDA: "cudnn", "triton" (the row tiling) and, at T_out = 1
+    (the frame's first conv, where a row tile is 1/16 full), the flat tiling's `FlatTiles` (hashable and
+    picklable: the tuned table is saved). The flat tiling lost to cuDNN or the row tiling at every T_out >= 4
+    of the codec's frame on the H200 (perf/results/RESULTS.md, thirteenth session), so it is not timed there."""
+    return ("cudnn", "triton", *(_flat_configs(c_in, c_out) if t_out == 1 else ()))
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,

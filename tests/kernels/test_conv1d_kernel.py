@@ -202,9 +202,8 @@ def test_flat_tiling_gives_the_row_tilings_bits(dtype, case, residual, bias, spl
     assert torch.equal(got, want), f"max diff {(got.float() - want.float()).abs().max().item()}"
 
 
-# columns B·T_out in each of the candidate classes: ≤ 512 (one tile; two, a row straddling them), more (and
-# the 1-channel output conv's)
-CANDIDATE_CASES = [(3, 40, 72, 7, 3, 4), (4, 24, 20, 7, 1, 24), (4, 96, 20, 3, 1, 160), (3, 24, 1, 7, 1, 200)]
+# T_out = 1 (flat candidates: one column tile; two, with a partial second), longer (cuDNN and rows only)
+CANDIDATE_CASES = [(3, 40, 72, 3, 1, 1), (70, 24, 20, 7, 3, 1), (4, 96, 20, 3, 1, 160), (3, 24, 1, 7, 1, 200)]
 
 
 @pytest.mark.parametrize("case", CANDIDATE_CASES, ids=lambda c: "b{}_ci{}_co{}_k{}_d{}_t{}".format(*c))
@@ -217,6 +216,7 @@ def test_every_tuning_candidate_matches_the_reference(dtype, case):
     out_ref = causal_conv1d_ref(full.double(), w.double(), b.double(), d, r.double())
     impls = conv1d.candidates(case[0], case[1], case[2], case[5])
     assert impls[:2] == ("cudnn", "triton") and all(isinstance(c, conv1d.FlatTiles) for c in impls[2:])
+    assert (len(impls) > 2) == (case[5] == 1)  # flat candidates at T_out = 1 only
     for impl in impls:
         out = conv1d.causal_conv1d(new, w, b, d, r, impl=impl, history=history)
         assert_close_3way(out, out_pt, out_ref, dtype, f"conv1d {impl} {dtype} {case}")
@@ -230,7 +230,7 @@ def test_flat_configs_survive_the_tuning_tables_pickle():
 
     from q3tts.kernels import autotune
 
-    cfg = conv1d.candidates(64, 1024, 1536, 4)[-1]
+    cfg = conv1d.candidates(64, 512, 1024, 1)[-1]
     assert hash(cfg) == hash(conv1d.FlatTiles(*cfg))
     assert autotune._TableUnpickler(io.BytesIO(pickle.dumps({"k": cfg}, protocol=5))).load() == {"k": cfg}
 
@@ -240,7 +240,7 @@ def test_conv1d_tunes_the_candidates_and_keeps_rows_when_batch_invariant(monkeyp
     runs."""
     import contextlib
 
-    full, history, new, w, b, d, r = _split((3, 16, 20, 7, 3, 4), torch.float32, True)
+    full, history, new, w, b, d, r = _split((3, 16, 20, 7, 3, 1), torch.float32, True)
     offered = []
 
     def fake_choose(key, impls, launch, device, default):
@@ -255,7 +255,7 @@ def test_conv1d_tunes_the_candidates_and_keeps_rows_when_batch_invariant(monkeyp
         tuned = conv1d.causal_conv1d(new, w, b, d, r, history=history)
         m.setattr(conv1d, "batch_invariant", lambda: True)
         invariant = conv1d.causal_conv1d(new, w, b, d, r, history=history)
-    assert offered == [conv1d.candidates(3, 16, 20, 4)]
+    assert offered == [conv1d.candidates(3, 16, 20, 1)] and isinstance(offered[0][-1], conv1d.FlatTiles)
     assert torch.equal(tuned, conv1d.causal_conv1d(new, w, b, d, r, history=history, impl=offered[0][-1]))
     assert torch.equal(invariant, conv1d.causal_conv1d(full, w, b, d, r, impl="triton"))
 
