@@ -59,8 +59,8 @@ def _x_tile(x_cols, h_cols, t, n_ok, i, i_ok, stride_xc, stride_hc, shift, HIST:
     columns may read the history (positions < HIST); otherwise all read x at t + shift - HIST."""
     mask = i_ok[:, None] & n_ok[None, :]
     x_at = x_cols[None, :] + i[:, None] * stride_xc + (shift - HIST)
-    if SPLIT:  # two masked loads, each over contiguous addresses (vectorized; a load of selected addresses
-        # would be a gather)
+    if SPLIT:
+        # two masked loads, each over contiguous addresses (vectorized; one load of selected addresses is a gather)
         in_h = (t + shift < HIST)[None, :]
         xh = tl.load(h_cols[None, :] + i[:, None] * stride_hc + shift, mask=mask & in_h, other=0.0)
         return tl.where(in_h, xh, tl.load(x_at, mask=mask & ~in_h, other=0.0))
@@ -210,15 +210,17 @@ def _flat_configs(c_in: int, c_out: int) -> list[FlatTiles]:
     the shape only, not the batch, so the batch buckets share their compiles. Blocks are clamped to the
     shape, BLOCK_I to a divisor of c_in where one fits."""
     block_i = 64 if c_in % 64 == 0 else min(32, max(16, triton.next_power_of_2(c_in)))
-    fitted = (FlatTiles(min(block_o, max(16, triton.next_power_of_2(c_out))), block_i, 64, 4, 4) for block_o in (64, 32))
+    fitted = (FlatTiles(min(block_o, max(16, triton.next_power_of_2(c_out))), block_i, 64, 4, 4)
+              for block_o in (64, 32))
     return list(dict.fromkeys(fitted))  # a small c_out can make both the same
 
 
-def candidates(bsz: int, c_in: int, c_out: int, t_out: int) -> tuple:
-    """What `causal_conv1d` times for a shape on CUDA: "cudnn", "triton" (the row tiling) and, at T_out = 1
-    (the frame's first conv, where a row tile is 1/16 full), the flat tiling's `FlatTiles` (hashable and
-    picklable: the tuned table is saved). The flat tiling lost to cuDNN or the row tiling at every T_out >= 4
-    of the codec's frame on the H200 (perf/results/RESULTS.md, thirteenth session), so it is not timed there."""
+def candidates(c_in: int, c_out: int, t_out: int) -> tuple:
+    """What `causal_conv1d` times for a shape on CUDA, the same at every batch: "cudnn", "triton" (the row
+    tiling) and, at T_out = 1 (the frame's first conv, where a row tile is 1/16 full), the flat tiling's
+    `FlatTiles` (hashable and picklable: the tuned table is saved). The flat tiling lost to cuDNN or the row
+    tiling at every T_out >= 4 of the codec's frame on the H200 (perf/results/RESULTS.md, thirteenth session),
+    so it is not timed there."""
     return ("cudnn", "triton", *(_flat_configs(c_in, c_out) if t_out == 1 else ()))
 
 
@@ -273,7 +275,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     with device_guard(x):  # the tuning launches too: x may sit on another GPU than the current one
         if impl is not None or not x.is_cuda or batch_invariant():
             return launch(impl or "triton")
-        return launch(choose(key, candidates(bsz, c_in, c_out, t_out), launch, x.device, default="cudnn"))
+        return launch(choose(key, candidates(c_in, c_out, t_out), launch, x.device, default="cudnn"))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int,

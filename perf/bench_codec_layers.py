@@ -1,6 +1,6 @@
 """Per-layer codec bench: each distinct conv of one streamed frame, every launch choice the conv tuner times
-(cuDNN, the row-tiled kernel, the flat-tiled kernel's configs: `kernels.conv1d.candidates`), and SnakeBeta torch
-vs kernel, per batch size. Shows which choice wins where (cuDNN's slow heuristics drove
+(cuDNN, the row-tiled kernel, at T = 1 the flat-tiled kernel's configs: `kernels.conv1d.candidates`), and
+SnakeBeta torch vs kernel, per batch size. Shows which choice wins where (cuDNN's slow heuristics drove
 `EngineConfig.codec_kernels`; the tuner keeps the fastest per shape and batch bucket).
 
     python perf/bench_codec_layers.py                 # H200: real-size random codec, batches 1 8 64 256
@@ -67,7 +67,7 @@ def conv_row(m: CausalConv1d, bsz: int, t: int, residual: bool) -> str:
     full = x if h is None else torch.cat([h, x], dim=-1)
     ref = R.causal_conv1d_ref(full.float(), w.float(), b.float(), d, None if r is None else r.float())
     us, diff = {}, 0.0
-    for impl in candidates(bsz, c_in, c_out, t):
+    for impl in candidates(c_in, c_out, t):
         call = lambda impl=impl: causal_conv1d(x, w, b, d, r, m.weight_oik, impl=impl, history=h)  # noqa: E731
         us[impl] = us_per_call(call)
         diff = diff if impl == "cudnn" else max(diff, (call().float() - ref).abs().max().item())

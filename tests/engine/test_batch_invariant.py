@@ -95,9 +95,10 @@ def test_every_linear_layer_goes_through_kernels_linear(tiny_ckpt, monkeypatch, 
     want = run()
     assert calls["kernels"] == 0
     dcfg = tiny_ckpt.codec_config.decoder
-    expected = (2 + 4 * talker.cfg.layers.num_layers + 1  # talker
-                + 2 + 2 + 4 * dcfg.num_layers + 2 * len(dcfg.upsampling_ratios))  # codec: RVQ, proj, layers
-    # (q|k|v as one GEMM, o, gate|up, down), ConvNeXt
+    # talker: text projection, 4 per layer, head; codec: RVQ, proj, 4 per layer (q|k|v as one GEMM, o,
+    # gate|up, down), ConvNeXt
+    expected = (2 + 4 * talker.cfg.layers.num_layers + 1
+                + 2 + 2 + 4 * dcfg.num_layers + 2 * len(dcfg.upsampling_ratios))
     calls.update(kernels=0, F=0)
     switch(True)
     got = run()

@@ -214,7 +214,7 @@ def test_every_tuning_candidate_matches_the_reference(dtype, case):
     full, history, new, w, b, d, r = _split(case, dtype, True)
     out_pt = causal_conv1d_ref(full, w, b, d, r)
     out_ref = causal_conv1d_ref(full.double(), w.double(), b.double(), d, r.double())
-    impls = conv1d.candidates(case[0], case[1], case[2], case[5])
+    impls = conv1d.candidates(case[1], case[2], case[5])
     assert impls[:2] == ("cudnn", "triton") and all(isinstance(c, conv1d.FlatTiles) for c in impls[2:])
     assert (len(impls) > 2) == (case[5] == 1)  # flat candidates at T_out = 1 only
     for impl in impls:
@@ -230,7 +230,7 @@ def test_flat_configs_survive_the_tuning_tables_pickle():
 
     from q3tts.kernels import autotune
 
-    cfg = conv1d.candidates(64, 512, 1024, 1)[-1]
+    cfg = conv1d.candidates(512, 1024, 1)[-1]
     assert hash(cfg) == hash(conv1d.FlatTiles(*cfg))
     assert autotune._TableUnpickler(io.BytesIO(pickle.dumps({"k": cfg}, protocol=5))).load() == {"k": cfg}
 
@@ -255,7 +255,7 @@ def test_conv1d_tunes_the_candidates_and_keeps_rows_when_batch_invariant(monkeyp
         tuned = conv1d.causal_conv1d(new, w, b, d, r, history=history)
         m.setattr(conv1d, "batch_invariant", lambda: True)
         invariant = conv1d.causal_conv1d(new, w, b, d, r, history=history)
-    assert offered == [conv1d.candidates(3, 16, 20, 1)] and isinstance(offered[0][-1], conv1d.FlatTiles)
+    assert offered == [conv1d.candidates(16, 20, 1)] and isinstance(offered[0][-1], conv1d.FlatTiles)
     assert torch.equal(tuned, conv1d.causal_conv1d(new, w, b, d, r, history=history, impl=offered[0][-1]))
     assert torch.equal(invariant, conv1d.causal_conv1d(full, w, b, d, r, impl="triton"))
 
@@ -293,6 +293,6 @@ def test_every_candidate_at_the_codec_frame_shapes_batch64(shape):
     out_pt = causal_conv1d_ref(full, w, b, d, r)
     out_ref = causal_conv1d_ref(full.double(), w.double(), b.double(), d, None if r is None else r.double())
     oik = K.conv_kernel_weight(w)
-    for impl in conv1d.candidates(bsz, c_in, c_out, t):
+    for impl in conv1d.candidates(c_in, c_out, t):
         out = conv1d.causal_conv1d(new, w, b, d, r, oik, impl=impl, history=history)
         assert_close_3way(out, out_pt, out_ref, dtype, f"conv1d {impl} {shape}")
