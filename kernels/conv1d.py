@@ -11,8 +11,8 @@ paths too. Products accumulate in fp32 over all taps and input channels (taps ou
 are rounded once, where cuDNN (the torch reference) rounds the conv before the residual add.
 
 Two tilings of the GEMM [C_out, K·C_in] x [K·C_in, columns]:
-- rows (`_conv1d_kernel`, impl "triton"): one batch row per program, columns = the row's output
-  positions, tiles set by channels and length only, so a row's result does not depend on the batch.
+- rows (`_conv1d_kernel`, impl "triton" or a `RowTiles`): one batch row per program, columns = the row's
+  output positions, tiles set by channels and length only, so a row's result does not depend on the batch.
 - flat (`_conv1d_flat_kernel`, impl a `FlatTiles`): columns = (batch row, output position) flattened,
   col = b·T_out + t, so one tile spans several batch rows when T_out is small. A streamed frame's
   early layers have T_out = 1..32: there the row tiling leaves most of a 16+ wide tile empty (T_out = 4:
@@ -23,7 +23,7 @@ Two tilings of the GEMM [C_out, K·C_in] x [K·C_in, columns]:
 
 Why a kernel: cuDNN's heuristics pick a non-tensor-core implicit GEMM for some of the codec's layer and
 batch shapes (~1 ms per conv at batch 64 on the H200, 10x its neighbours), and the pointwise (K=1)
-convs are 2-3x faster here. On CUDA `causal_conv1d` times `candidates()` (cuDNN, the row tiling and
+convs are 2-3x faster here. On CUDA `causal_conv1d` times `candidates()` (cuDNN, row tiling configs and
 at T_out = 1 two flat configs) once per shape inside `autotune.tuning()` (the
 CUDA-graph warm-up of each batch bucket) and keeps the fastest; untuned CUDA shapes run cuDNN;
 elsewhere (the interpreter) the row kernel runs. Under `autotune.batch_invariant()` the row kernel
@@ -184,6 +184,19 @@ def _conv1d_flat_kernel(
               stride_oc, HAS_BIAS, HAS_RESIDUAL)
 
 
+class RowTiles(NamedTuple):
+    """A launch config of the row tiling (`causal_conv1d(impl=RowTiles(...))`; a tuning candidate). impl "triton"
+    is the row tiling at `_blocks`' config, the batch-invariant one."""
+    block_o: int  # output channels per program
+    block_i: int  # input channels per reduction step
+    block_t: int  # output positions per program
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __str__(self) -> str:
+        return f"rows o{self.block_o} i{self.block_i} t{self.block_t} w{self.num_warps} s{self.num_stages}"
+
+
 class FlatTiles(NamedTuple):
     """A launch config of the flat tiling (`causal_conv1d(impl=FlatTiles(...))`; a tuning candidate)."""
     block_o: int  # output channels per program
@@ -196,12 +209,30 @@ class FlatTiles(NamedTuple):
         return f"flat o{self.block_o} i{self.block_i} n{self.block_n} w{self.num_warps} s{self.num_stages}"
 
 
-def _blocks(c_in: int, c_out: int, t_out: int) -> tuple[int, int, int]:
-    """(BLOCK_O, BLOCK_I, BLOCK_T) of the row tiling: tl.dot needs every block ≥ 16."""
+def _blocks(c_in: int, c_out: int, t_out: int) -> RowTiles:
+    """The row tiling's default (impl "triton") config: tl.dot needs every block ≥ 16."""
     block_t = min(128, max(16, triton.next_power_of_2(t_out)))
     block_o = min(64, max(16, triton.next_power_of_2(c_out)))
     block_i = min(64 if block_t <= 64 else 32, max(16, triton.next_power_of_2(c_in)))
-    return block_o, block_i, block_t
+    return RowTiles(block_o, block_i, block_t, 4, 2)
+
+
+def _fit(block: int, size: int) -> int:
+    """block clamped to [16, the next power of two of size]."""
+    return min(block, max(16, triton.next_power_of_2(size)))
+
+
+def _row_configs(c_in: int, c_out: int, t_out: int) -> list[RowTiles]:
+    """Row configs beside the default, the same for every batch (the buckets share their compiles): 32 output
+    channels and up to 64 positions per program (more programs: at one stream on the H200 it beat cuDNN and
+    the default on every k7 shape but 384's, 1024->1536 k7 T4 39.6 us against 101.5 and 64.2), and 64 x 128
+    with a deeper reduction step (BLOCK_I 64, 3 stages; at 64 streams the fastest kernel on the d3/d9 shapes
+    where cuDNN is slow and on the k1 convs, 4-9 % under the default). A third, 16 output channels, won
+    nothing by more than 0.2 us (perf/results/RESULTS.md, fourteenth session)."""
+    block_i = _fit(64, c_in)
+    configs = (RowTiles(_fit(32, c_out), block_i, _fit(64, t_out), 4, 3),
+               RowTiles(_fit(64, c_out), block_i, _fit(128, t_out), 4, 3))
+    return [c for c in dict.fromkeys(configs) if c != _blocks(c_in, c_out, t_out)]
 
 
 def _flat_configs(c_in: int, c_out: int) -> list[FlatTiles]:
@@ -209,24 +240,24 @@ def _flat_configs(c_in: int, c_out: int) -> list[FlatTiles]:
     once per column tile and the programs split the output channels (64 or 32 per program). They depend on
     the shape only, not the batch, so the batch buckets share their compiles. Blocks are clamped to the
     shape, BLOCK_I to a divisor of c_in where one fits."""
-    block_i = 64 if c_in % 64 == 0 else min(32, max(16, triton.next_power_of_2(c_in)))
-    fitted = (FlatTiles(min(block_o, max(16, triton.next_power_of_2(c_out))), block_i, 64, 4, 4)
-              for block_o in (64, 32))
+    block_i = 64 if c_in % 64 == 0 else _fit(32, c_in)
+    fitted = (FlatTiles(_fit(block_o, c_out), block_i, 64, 4, 4) for block_o in (64, 32))
     return list(dict.fromkeys(fitted))  # a small c_out can make both the same
 
 
 def candidates(c_in: int, c_out: int, t_out: int) -> tuple:
     """What `causal_conv1d` times for a shape on CUDA, the same at every batch: "cudnn", "triton" (the row
-    tiling) and, at T_out = 1 (the frame's first conv, where a row tile is 1/16 full), the flat tiling's
-    `FlatTiles` (hashable and picklable: the tuned table is saved). The flat tiling lost to cuDNN or the row
-    tiling at every T_out >= 4 of the codec's frame on the H200 (perf/results/RESULTS.md, thirteenth session),
-    so it is not timed there."""
-    return ("cudnn", "triton", *(_flat_configs(c_in, c_out) if t_out == 1 else ()))
+    tiling's default), the row tiling's other `RowTiles` and, at T_out = 1 (the frame's first conv, where a row
+    tile is 1/16 full), the flat tiling's `FlatTiles` (configs are hashable and picklable: the tuned table is
+    saved). The flat tiling lost to cuDNN or the row tiling at every T_out >= 4 of the codec's frame on the H200
+    (perf/results/RESULTS.md, thirteenth session), so it is not timed there."""
+    return ("cudnn", "triton", *_row_configs(c_in, c_out, t_out),
+            *(_flat_configs(c_in, c_out) if t_out == 1 else ()))
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,
                   residual: torch.Tensor | None = None, weight_oik: torch.Tensor | None = None,
-                  impl: str | FlatTiles | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
+                  impl: str | RowTiles | FlatTiles | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
     """Valid (unpadded) conv1d of x [B, C_in, L] (history included) with weight [C_out, C_in, K],
     bias [C_out] or None -> [B, C_out, L - (K-1)·dilation] in x.dtype, plus residual (same shape as the
     output) when given. The time dim of x (unless it has one sample), history, residual and the output
@@ -239,7 +270,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     weight_oik: optional copy of `weight` stored input-channel-fastest (`q3tts.kernels.conv_kernel_weight`), read
     coalesced by the kernels; cuDNN keeps using `weight`. On CUDA: the fastest of `candidates()` for
     shapes tuned in `autotune.tuning()`, cuDNN for the rest; the row kernel under
-    `autotune.batch_invariant()` and off CUDA. impl="triton" (row tiling) | "cudnn" | a `FlatTiles` forces one."""
+    `autotune.batch_invariant()` and off CUDA. impl="triton" (the row tiling's default) | "cudnn" | a `RowTiles` |
+    a `FlatTiles` forces one."""
     bsz, c_in, length = x.shape
     c_out, w_in, k = weight.shape
     hist = (k - 1) * dilation
@@ -255,7 +287,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert t_out >= 1, f"input length {length} < receptive field {hist + 1}"
     assert x.stride(-1) == 1 or length == 1, "x's time dim must be contiguous"
     assert weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype), "one dtype for x, weight, bias"
-    assert impl is None or impl in ("triton", "cudnn") or isinstance(impl, FlatTiles), f"unknown impl {impl!r}"
+    assert impl is None or impl in ("triton", "cudnn") or isinstance(impl, (RowTiles, FlatTiles)), \
+        f"unknown impl {impl!r}"
     if residual is not None:
         assert residual.shape == (bsz, c_out, t_out) and residual.stride(-1) == 1, \
             f"residual {tuple(residual.shape)} != output {(bsz, c_out, t_out)} or not contiguous in time"
@@ -264,11 +297,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             weight_oik.device == weight.device, "weight_oik must be a copy of weight (same shape, dtype, device)"
     w_kernel = weight if weight_oik is None else weight_oik
 
-    def launch(impl: str | FlatTiles) -> torch.Tensor:
+    def launch(impl: str | RowTiles | FlatTiles) -> torch.Tensor:
         if impl == "cudnn":
             full = x if history is None else torch.cat([history, x], dim=-1)
             return causal_conv1d_ref(full, weight, bias, dilation, residual)
-        return _launch(x, w_kernel, bias, dilation, residual, t_out, history, None if impl == "triton" else impl)
+        tiles = _blocks(c_in, c_out, t_out) if impl == "triton" else impl
+        return _launch(x, w_kernel, bias, dilation, residual, t_out, history, tiles)
 
     key = ("conv1d", tuple(x.shape), tuple(weight.shape), dilation, x.dtype, bias is not None,
            residual is not None, weight_oik is not None, history is not None)
@@ -280,8 +314,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int,
             residual: torch.Tensor | None, t_out: int, history: torch.Tensor | None,
-            flat: FlatTiles | None) -> torch.Tensor:
-    """Run the row tiling (flat None) or the flat tiling with `flat`'s config -> [B, C_out, t_out]."""
+            tiles: RowTiles | FlatTiles) -> torch.Tensor:
+    """Run the row or the flat tiling with `tiles`' config -> [B, C_out, t_out]."""
     bsz, c_in, _ = x.shape
     c_out, _, k = weight.shape
     out = torch.empty(bsz, c_out, t_out, dtype=x.dtype, device=x.device)
@@ -292,15 +326,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, di
                weight.stride(2), r.stride(0), r.stride(1), out.stride(0), out.stride(1))
     meta = dict(K=k, DILATION=dilation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                 HIST=(k - 1) * dilation if history is not None else 0,
-                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    if flat is None:
-        block_o, block_i, block_t = _blocks(c_in, c_out, t_out)
-        grid = (triton.cdiv(t_out, block_t), triton.cdiv(c_out, block_o), bsz)
-        _conv1d_kernel[grid](*args, *strides, **meta, BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_T=block_t,
-                             num_warps=4, num_stages=2)
+                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                BLOCK_O=tiles.block_o, BLOCK_I=tiles.block_i, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if isinstance(tiles, RowTiles):
+        grid = (triton.cdiv(t_out, tiles.block_t), triton.cdiv(c_out, tiles.block_o), bsz)
+        _conv1d_kernel[grid](*args, *strides, **meta, BLOCK_T=tiles.block_t)
     else:
-        grid = (triton.cdiv(bsz * t_out, flat.block_n), triton.cdiv(c_out, flat.block_o))
-        _conv1d_flat_kernel[grid](*args, bsz * t_out, *strides, **meta, BLOCK_O=flat.block_o,
-                                  BLOCK_I=flat.block_i, BLOCK_N=flat.block_n, num_warps=flat.num_warps,
-                                  num_stages=flat.num_stages)
+        grid = (triton.cdiv(bsz * t_out, tiles.block_n), triton.cdiv(c_out, tiles.block_o))
+        _conv1d_flat_kernel[grid](*args, bsz * t_out, *strides, **meta, BLOCK_N=tiles.block_n)
     return out

@@ -1,7 +1,8 @@
 """Per-layer codec bench: each distinct conv of one streamed frame, every launch choice the conv tuner times
-(cuDNN, the row-tiled kernel, at T = 1 the flat-tiled kernel's configs: `kernels.conv1d.candidates`), and
-SnakeBeta torch vs kernel, per batch size. Shows which choice wins where (cuDNN's slow heuristics drove
-`EngineConfig.codec_kernels`; the tuner keeps the fastest per shape and batch bucket).
+(cuDNN, the row-tiled kernel's default and other configs, at T = 1 the flat-tiled kernel's:
+`kernels.conv1d.candidates`), and SnakeBeta torch vs kernel, per batch size. Shows which choice wins where
+(cuDNN's slow heuristics drove `EngineConfig.codec_kernels`; the tuner keeps the fastest per shape and batch
+bucket).
 
     python perf/bench_codec_layers.py                 # H200: real-size random codec, batches 1 8 64 256
     python perf/bench_codec_layers.py --batches 1 64
@@ -71,10 +72,10 @@ def conv_row(m: CausalConv1d, bsz: int, t: int, residual: bool) -> str:
         call = lambda impl=impl: causal_conv1d(x, w, b, d, r, m.weight_oik, impl=impl, history=h)  # noqa: E731
         us[impl] = us_per_call(call)
         diff = diff if impl == "cudnn" else max(diff, (call().float() - ref).abs().max().item())
-    flat = "; ".join(f"{impl}: {v:.1f}" for impl, v in us.items() if impl not in ("cudnn", "triton"))
+    others = "; ".join(f"{impl}: {v:.1f}" for impl, v in us.items() if impl not in ("cudnn", "triton"))
     best = min(us, key=us.get)
     return (f"| {c_in}→{c_out} k{k} d{d} T{t}{' +res' if residual else ''} | {bsz} | {us['cudnn']:.1f} | "
-            f"{us['triton']:.1f} | {flat} | {best} | {diff:.3g} |")
+            f"{us['triton']:.1f} | {others} | {best} | {diff:.3g} |")
 
 
 def main() -> None:
@@ -88,7 +89,7 @@ def main() -> None:
     decoder = CodecDecoder.from_weights(cfg, weights, torch.bfloat16, "cuda")
     convs, snakes = frame_layers(decoder)
     decoder.use_kernels(True)  # the convs' weights in the kernel layout, as the engine runs them
-    lines = ["| conv c_in→c_out k d T | batch | cuDNN µs | row kernel µs | flat kernel µs | best | max abs diff |",
+    lines = ["| conv c_in→c_out k d T | batch | cuDNN µs | row kernel µs | other kernel configs µs | best | max abs diff |",
              "|---|---:|---:|---:|---|---|---:|"]
     for (*_, t, residual), m in sorted(convs.items()):
         lines += [conv_row(m, bsz, t, residual) for bsz in args.batches]

@@ -195,7 +195,7 @@ def test_flat_tiling_gives_the_row_tilings_bits(dtype, case, residual, bias, spl
     row kernel's bits, whichever batch rows and positions share its tiles."""
     full, call = _flat_inputs(case, dtype, residual, bias, split)
     bsz, c_in, c_out, _, _, t, block_n = case
-    block_o, block_i, _ = conv1d._blocks(c_in, c_out, t)
+    block_o, block_i = conv1d._blocks(c_in, c_out, t)[:2]
     want = conv1d.causal_conv1d(full, call["weight"], call["bias"], call["dilation"], call["residual"], impl="triton")
     got = conv1d.causal_conv1d(**call, impl=conv1d.FlatTiles(block_o, block_i, block_n, 4, 2))
     assert got.shape == want.shape == (bsz, c_out, t) and got.dtype == dtype
@@ -215,8 +215,8 @@ def test_every_tuning_candidate_matches_the_reference(dtype, case):
     out_pt = causal_conv1d_ref(full, w, b, d, r)
     out_ref = causal_conv1d_ref(full.double(), w.double(), b.double(), d, r.double())
     impls = conv1d.candidates(case[1], case[2], case[5])
-    assert impls[:2] == ("cudnn", "triton") and all(isinstance(c, conv1d.FlatTiles) for c in impls[2:])
-    assert (len(impls) > 2) == (case[5] == 1)  # flat candidates at T_out = 1 only
+    rows, flat = ([c for c in impls if isinstance(c, kind)] for kind in (conv1d.RowTiles, conv1d.FlatTiles))
+    assert impls == ("cudnn", "triton", *rows, *flat) and rows and bool(flat) == (case[5] == 1)  # flat: T_out = 1
     for impl in impls:
         out = conv1d.causal_conv1d(new, w, b, d, r, impl=impl, history=history)
         assert_close_3way(out, out_pt, out_ref, dtype, f"conv1d {impl} {dtype} {case}")
