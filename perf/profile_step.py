@@ -19,7 +19,10 @@ H200 (the default): python3 perf/profile_step.py            (~2-4 min with the c
                       codec_frame as another, replayed --iters times one after the other on one stream vs
                       the codec on a second stream that waits only for its own frame's work (the next
                       frame's work does not wait for the codec): ms per frame each way, what running the
-                      codec off the critical path can give
+                      codec off the critical path can give. --codec-sms N ...: the same with the codec's
+                      graph captured on a stream of a CUDA green context of N SMs (its kernels then run on
+                      those N SMs only, so they cannot hold the SMs the frame's chain of small kernels
+                      waits for), and the codec alone there
     each as its own captured CUDA graph (replay timed with CUDA events, median of --iters) and eager
     (wall clock around a synchronized call, median), plus graph == eager (bit-exact) per component;
     then a torch.profiler trace of one eager step aggregated by kernel name (top 25 by CUDA time,
@@ -89,16 +92,17 @@ class Timer:
             torch.cuda.synchronize()
 
 
-def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """Warm up `fn` on a side stream, then capture it (same recipe as GraphRunner.capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+def capture(fn: Callable[[], None], stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+    """Warm up `fn` on a side stream (or `stream`), then capture it (same recipe as GraphRunner.capture;
+    on `stream` when given: the graph's kernels keep that stream's green context, if it has one)."""
+    side = stream or torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
         fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         fn()
     torch.cuda.synchronize()
     return graph
@@ -244,9 +248,46 @@ def profile_components(engine: Engine, bs: int, timer: Timer) -> list[dict]:
     return rows
 
 
-def overlap_probe(engine: Engine, bs: int, iters: int) -> dict | None:
+def _timed(iters: int, g_work: torch.cuda.CUDAGraph | None, g_codec: torch.cuda.CUDAGraph,
+           side: torch.cuda.Stream | None) -> float:
+    """ms per frame of `iters` frames: g_work then g_codec on the current stream, or g_codec on `side`
+    waiting for its frame's g_work only; the best of 3 timings after one warm-up."""
+    main = torch.cuda.current_stream()
+
+    def once() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record(main)
+        for _ in range(iters):
+            if g_work is not None:
+                g_work.replay()
+            if side is None:
+                g_codec.replay()
+                continue
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                g_codec.replay()
+        if side is not None:
+            main.wait_stream(side)
+        end.record(main)
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+
+    once()
+    return min(once() for _ in range(3))
+
+
+def green_stream(num_sms: int) -> torch.cuda.Stream:
+    """A stream of a new CUDA green context of `num_sms` SMs (raises where torch or the driver has none)."""
+    from torch.cuda.green_contexts import GreenContext
+    return GreenContext.create(num_sms=num_sms).Stream()
+
+
+def overlap_probe(engine: Engine, bs: int, iters: int, codec_sms: tuple[int, ...] = ()) -> dict | None:
     """ms per frame of (frame work; codec) serial on one stream vs the codec on a second stream that waits
-    for its own frame's work only (values are not checked: state is overwritten repeatedly)."""
+    for its own frame's work only (values are not checked: state is overwritten repeatedly); for each N of
+    codec_sms, the codec captured on a green context of N SMs: alone (`alone_N`) and overlapped
+    (`overlapped_N`), or the error that stopped it (`error_N`)."""
     if engine.runner.device.type != "cuda" or engine.runner.codec is None:
         return None
     comps = {c.name: c for c in components(engine, bs)}
@@ -254,27 +295,18 @@ def overlap_probe(engine: Engine, bs: int, iters: int) -> dict | None:
     with torch.no_grad():
         g_work = capture(lambda: [fn() for fn in work])
         g_codec = capture(comps["codec_frame"].fn)
-    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-
-    def timed(concurrent: bool) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record(main)
-        for _ in range(iters):
-            g_work.replay()
-            if concurrent:
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    g_codec.replay()
-            else:
-                g_codec.replay()
-        main.wait_stream(side)
-        end.record(main)
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
-
-    timed(False), timed(True)  # warm
-    result = dict(serial=min(timed(False) for _ in range(3)), overlapped=min(timed(True) for _ in range(3)))
+    result = dict(serial=_timed(iters, g_work, g_codec, None),
+                  overlapped=_timed(iters, g_work, g_codec, torch.cuda.Stream()))
+    for n in codec_sms:
+        try:
+            stream = green_stream(n)
+            with torch.no_grad():
+                g_green = capture(comps["codec_frame"].fn, stream)
+            result[f"alone_{n}"] = _timed(iters, None, g_green, stream)
+            result[f"overlapped_{n}"] = _timed(iters, g_work, g_green, stream)
+            del g_green
+        except Exception as exc:  # noqa: BLE001 - a probe: report why it did not run
+            result[f"error_{n}"] = f"{type(exc).__name__}: {exc}"
     del g_work, g_codec
     return result
 
@@ -383,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-batches", type=int, nargs="*", default=None,
                    help="batches to trace with torch.profiler (default: all)")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--codec-sms", type=int, nargs="*", default=[],
+                   help="overlap probe: also confine the codec to a green context of N SMs, for each N")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     engine = build_engine(args, args.frames)
@@ -429,10 +463,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"uniforms + codec_frame) = {parts_sum:.3f} ms vs full_step {g['full_step']:.3f} ms; "
                       f"cp_generate - cp_passes ~ subtalker sampling in the CP = "
                       f"{g['cp_generate'] - g['cp_passes']:.3f} ms")
-        probe = overlap_probe(engine, bucket, args.iters)
+        probe = overlap_probe(engine, bucket, args.iters, tuple(args.codec_sms))
         if probe is not None:
             md += ["", f"overlap (frame work ‖ codec on a second stream, {args.iters} frames): serial "
                    f"{probe['serial']:.3f} ms/frame, overlapped {probe['overlapped']:.3f} ms/frame"]
+            md += [f"- codec on a green context of {n} SMs: " + (
+                   probe[f"error_{n}"] if f"error_{n}" in probe else
+                   f"alone {probe[f'alone_{n}']:.3f} ms/frame, overlapped {probe[f'overlapped_{n}']:.3f}")
+                   for n in args.codec_sms]
         if b in trace_b:
             try:
                 lines, summary = trace_step(engine, bucket)
