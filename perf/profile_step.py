@@ -19,10 +19,11 @@ H200 (the default): python3 perf/profile_step.py            (~2-4 min with the c
                       codec_frame as another, replayed --iters times one after the other on one stream vs
                       the codec on a second stream that waits only for its own frame's work (the next
                       frame's work does not wait for the codec): ms per frame each way, what running the
-                      codec off the critical path can give. --codec-sms N ...: the same with the codec's
-                      graph captured on a stream of a CUDA green context of N SMs (its kernels then run on
-                      those N SMs only, so they cannot hold the SMs the frame's chain of small kernels
-                      waits for), and the codec alone there
+                      codec off the critical path can give; and both in one graph, forked and joined as
+                      the engine's step graph holds them. --codec-sms N ...: the same with the codec
+                      captured on a stream of a CUDA green context of N SMs (its kernels then run on those
+                      N SMs only, so they cannot hold the SMs the frame's chain of small kernels waits
+                      for), and the codec alone there
     each as its own captured CUDA graph (replay timed with CUDA events, median of --iters) and eager
     (wall clock around a synchronized call, median), plus graph == eager (bit-exact) per component;
     then a torch.profiler trace of one eager step aggregated by kernel name (top 25 by CUDA time,
@@ -248,10 +249,9 @@ def profile_components(engine: Engine, bs: int, timer: Timer) -> list[dict]:
     return rows
 
 
-def _timed(iters: int, g_work: torch.cuda.CUDAGraph | None, g_codec: torch.cuda.CUDAGraph,
-           side: torch.cuda.Stream | None) -> float:
-    """ms per frame of `iters` frames: g_work then g_codec on the current stream, or g_codec on `side`
-    waiting for its frame's g_work only; the best of 3 timings after one warm-up."""
+def _ms_per_frame(iters: int, frame: Callable[[], None], side: torch.cuda.Stream | None = None) -> float:
+    """ms per frame of `iters` calls of frame() (each enqueues one frame's work), the current stream
+    waiting for `side` at the end; the best of 3 timings after one warm-up."""
     main = torch.cuda.current_stream()
 
     def once() -> float:
@@ -259,14 +259,7 @@ def _timed(iters: int, g_work: torch.cuda.CUDAGraph | None, g_codec: torch.cuda.
         torch.cuda.synchronize()
         start.record(main)
         for _ in range(iters):
-            if g_work is not None:
-                g_work.replay()
-            if side is None:
-                g_codec.replay()
-                continue
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                g_codec.replay()
+            frame()
         if side is not None:
             main.wait_stream(side)
         end.record(main)
@@ -277,6 +270,26 @@ def _timed(iters: int, g_work: torch.cuda.CUDAGraph | None, g_codec: torch.cuda.
     return min(once() for _ in range(3))
 
 
+def _on(stream: torch.cuda.Stream, graph: torch.cuda.CUDAGraph) -> None:
+    """Replay `graph` on `stream` after the work enqueued so far on the current stream."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.replay()
+
+
+def _forked(work: Callable[[], None], codec: Callable[[], None], side: torch.cuda.Stream) -> Callable[[], None]:
+    """One frame as the engine's step graph runs it: fork to `side` for the codec, the frame's work on
+    the current stream, join."""
+    def frame() -> None:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            codec()
+        work()
+        main.wait_stream(side)
+    return frame
+
+
 def green_stream(num_sms: int) -> torch.cuda.Stream:
     """A stream of a new CUDA green context of `num_sms` SMs (raises where torch or the driver has none)."""
     from torch.cuda.green_contexts import GreenContext
@@ -284,30 +297,38 @@ def green_stream(num_sms: int) -> torch.cuda.Stream:
 
 
 def overlap_probe(engine: Engine, bs: int, iters: int, codec_sms: tuple[int, ...] = ()) -> dict | None:
-    """ms per frame of (frame work; codec) serial on one stream vs the codec on a second stream that waits
-    for its own frame's work only (values are not checked: state is overwritten repeatedly); for each N of
-    codec_sms, the codec captured on a green context of N SMs: alone (`alone_N`) and overlapped
-    (`overlapped_N`), or the error that stopped it (`error_N`)."""
+    """ms per frame of (frame work; codec): serial on one stream, and the codec on a second stream that
+    waits for its own frame's work only (values are not checked: state is overwritten repeatedly).
+    For each N of codec_sms, with the codec on a stream of a green context of N SMs: the codec alone
+    (`alone_N`), overlapped as above (`overlapped_N`), and both in one graph forked and joined as the
+    engine's step graph holds them (`forked_N`, against `forked` on a plain stream); or the error
+    that stopped it (`error_N`)."""
     if engine.runner.device.type != "cuda" or engine.runner.codec is None:
         return None
     comps = {c.name: c for c in components(engine, bs)}
-    work = [comps[n].fn for n in ("cp_generate", "talker_layers", "talker_head", "talker_sample")]
+    parts = [comps[n].fn for n in ("cp_generate", "talker_layers", "talker_head", "talker_sample")]
+    work, codec = (lambda: [fn() for fn in parts]), comps["codec_frame"].fn
     with torch.no_grad():
-        g_work = capture(lambda: [fn() for fn in work])
-        g_codec = capture(comps["codec_frame"].fn)
-    result = dict(serial=_timed(iters, g_work, g_codec, None),
-                  overlapped=_timed(iters, g_work, g_codec, torch.cuda.Stream()))
+        g_work, g_codec = capture(work), capture(codec)
+    side = torch.cuda.Stream()
+    result = dict(serial=_ms_per_frame(iters, lambda: (g_work.replay(), g_codec.replay())),
+                  overlapped=_ms_per_frame(iters, lambda: (g_work.replay(), _on(side, g_codec)), side))
+    with torch.no_grad():
+        g_both = capture(_forked(work, codec, side))
+    result["forked"] = _ms_per_frame(iters, g_both.replay)
     for n in codec_sms:
         try:
-            stream = green_stream(n)
+            green = green_stream(n)
             with torch.no_grad():
-                g_green = capture(comps["codec_frame"].fn, stream)
-            result[f"alone_{n}"] = _timed(iters, None, g_green, stream)
-            result[f"overlapped_{n}"] = _timed(iters, g_work, g_green, stream)
-            del g_green
+                g_green = capture(codec, green)
+            result[f"alone_{n}"] = _ms_per_frame(iters, lambda: _on(green, g_green), green)
+            result[f"overlapped_{n}"] = _ms_per_frame(iters, lambda: (g_work.replay(), _on(green, g_green)),
+                                                      green)
+            with torch.no_grad():
+                g_both = capture(_forked(work, codec, green))
+            result[f"forked_{n}"] = _ms_per_frame(iters, g_both.replay)
         except Exception as exc:  # noqa: BLE001 - a probe: report why it did not run
             result[f"error_{n}"] = f"{type(exc).__name__}: {exc}"
-    del g_work, g_codec
     return result
 
 
@@ -467,9 +488,11 @@ def main(argv: list[str] | None = None) -> int:
         if probe is not None:
             md += ["", f"overlap (frame work ‖ codec on a second stream, {args.iters} frames): serial "
                    f"{probe['serial']:.3f} ms/frame, overlapped {probe['overlapped']:.3f} ms/frame"]
+            md += [f"- both in one graph, forked and joined as in the step graph: {probe['forked']:.3f} ms/frame"]
             md += [f"- codec on a green context of {n} SMs: " + (
                    probe[f"error_{n}"] if f"error_{n}" in probe else
-                   f"alone {probe[f'alone_{n}']:.3f} ms/frame, overlapped {probe[f'overlapped_{n}']:.3f}")
+                   f"alone {probe[f'alone_{n}']:.3f} ms/frame, overlapped {probe[f'overlapped_{n}']:.3f}, "
+                   f"forked in one graph {probe.get(f'forked_{n}', float('nan')):.3f}")
                    for n in args.codec_sms]
         if b in trace_b:
             try:
