@@ -20,7 +20,7 @@ H200 (the default): python3 perf/profile_step.py            (~2-4 min with the c
                       the codec on a second stream that waits only for its own frame's work (the next
                       frame's work does not wait for the codec): ms per frame each way, what running the
                       codec off the critical path can give; and both in one graph, forked and joined as
-                      the engine's step graph holds them. --codec-sms N ...: the same with the codec
+                      the engine's step graph holds them. --probe-sms N ...: the same with the codec
                       captured on a stream of a CUDA green context of N SMs (its kernels then run on those
                       N SMs only, so they cannot hold the SMs the frame's chain of small kernels waits
                       for), and the codec alone there
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-batches", type=int, nargs="*", default=None,
                    help="batches to trace with torch.profiler (default: all)")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--codec-sms", type=int, nargs="*", default=[],
+    p.add_argument("--probe-sms", type=int, nargs="*", default=[],
                    help="overlap probe: also confine the codec to a green context of N SMs, for each N")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"uniforms + codec_frame) = {parts_sum:.3f} ms vs full_step {g['full_step']:.3f} ms; "
                       f"cp_generate - cp_passes ~ subtalker sampling in the CP = "
                       f"{g['cp_generate'] - g['cp_passes']:.3f} ms")
-        probe = overlap_probe(engine, bucket, args.iters, tuple(args.codec_sms))
+        probe = overlap_probe(engine, bucket, args.iters, tuple(args.probe_sms))
         if probe is not None:
             md += ["", f"overlap (frame work ‖ codec on a second stream, {args.iters} frames): serial "
                    f"{probe['serial']:.3f} ms/frame, overlapped {probe['overlapped']:.3f} ms/frame"]
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                    probe[f"error_{n}"] if f"error_{n}" in probe else
                    f"alone {probe[f'alone_{n}']:.3f} ms/frame, overlapped {probe[f'overlapped_{n}']:.3f}, "
                    f"forked in one graph {probe.get(f'forked_{n}', float('nan')):.3f}")
-                   for n in args.codec_sms]
+                   for n in args.probe_sms]
         if b in trace_b:
             try:
                 lines, summary = trace_step(engine, bucket)
