@@ -270,24 +270,17 @@ def _ms_per_frame(iters: int, frame: Callable[[], None], side: torch.cuda.Stream
     return min(once() for _ in range(3))
 
 
-def _on(stream: torch.cuda.Stream, graph: torch.cuda.CUDAGraph) -> None:
-    """Replay `graph` on `stream` after the work enqueued so far on the current stream."""
+def _on(stream: torch.cuda.Stream, fn: Callable[[], None]) -> None:
+    """Enqueue fn() on `stream` after the work enqueued so far on the current stream."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        graph.replay()
+        fn()
 
 
 def _forked(work: Callable[[], None], codec: Callable[[], None], side: torch.cuda.Stream) -> Callable[[], None]:
     """One frame as the engine's step graph runs it: fork to `side` for the codec, the frame's work on
     the current stream, join."""
-    def frame() -> None:
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            codec()
-        work()
-        main.wait_stream(side)
-    return frame
+    return lambda: (_on(side, codec), work(), torch.cuda.current_stream().wait_stream(side))
 
 
 def green_stream(num_sms: int) -> torch.cuda.Stream:
@@ -312,7 +305,7 @@ def overlap_probe(engine: Engine, bs: int, iters: int, codec_sms: tuple[int, ...
         g_work, g_codec = capture(work), capture(codec)
     side = torch.cuda.Stream()
     result = dict(serial=_ms_per_frame(iters, lambda: (g_work.replay(), g_codec.replay())),
-                  overlapped=_ms_per_frame(iters, lambda: (g_work.replay(), _on(side, g_codec)), side))
+                  overlapped=_ms_per_frame(iters, lambda: (g_work.replay(), _on(side, g_codec.replay)), side))
     with torch.no_grad():
         g_both = capture(_forked(work, codec, side))
     result["forked"] = _ms_per_frame(iters, g_both.replay)
@@ -321,8 +314,8 @@ def overlap_probe(engine: Engine, bs: int, iters: int, codec_sms: tuple[int, ...
             green = green_stream(n)
             with torch.no_grad():
                 g_green = capture(codec, green)
-            result[f"alone_{n}"] = _ms_per_frame(iters, lambda: _on(green, g_green), green)
-            result[f"overlapped_{n}"] = _ms_per_frame(iters, lambda: (g_work.replay(), _on(green, g_green)),
+            result[f"alone_{n}"] = _ms_per_frame(iters, lambda: _on(green, g_green.replay), green)
+            result[f"overlapped_{n}"] = _ms_per_frame(iters, lambda: (g_work.replay(), _on(green, g_green.replay)),
                                                       green)
             with torch.no_grad():
                 g_both = capture(_forked(work, codec, green))
@@ -492,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             md += [f"- codec on a green context of {n} SMs: " + (
                    probe[f"error_{n}"] if f"error_{n}" in probe else
                    f"alone {probe[f'alone_{n}']:.3f} ms/frame, overlapped {probe[f'overlapped_{n}']:.3f}, "
-                   f"forked in one graph {probe.get(f'forked_{n}', float('nan')):.3f}")
+                   f"forked in one graph {probe[f'forked_{n}']:.3f}")
                    for n in args.probe_sms]
         if b in trace_b:
             try:
