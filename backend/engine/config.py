@@ -76,9 +76,11 @@ class EngineConfig:
                          eager and on the CPU (same bits; tests); False: never
     fused_code_predictor the largest decode bucket whose code predictor runs its 15 passes through the fused
                          kernels (kernels/code_predictor.py, 23 launches a pass; where the kernels serve the
-                         device); larger buckets run the eager passes; 0: never. 32: on the H200 (1.7B, bf16,
-                         graphs) the fused passes made the step 1.4-2.1 ms faster at batch 1-16, 0.6 ms at 32
-                         and 2.5 ms slower at 64 (perf/results/RESULTS.md)
+                         device); larger buckets run the eager passes; 0: never. 16: on the H200 (1.7B, bf16,
+                         graphs) the fused passes made the step 1.4-2.1 ms faster at batch 1-16 (fourth
+                         session); at 32 the eager passes have since overtaken them (step 8.35 against 8.91 ms
+                         at a6db826; served at 32 streams 266.8 against 255.3 audio-s/s, one round each;
+                         perf/results/RESULTS.md)
     fused_talker         the largest decode bucket whose talker decode forward runs through its fused kernels
                          (models/talker_fused.py, 5 launches per layer; where the kernels serve the device);
                          larger buckets and the prefill run the eager stack; 0: never. 16: on the H200
@@ -152,7 +154,7 @@ class EngineConfig:
     prefill_graphs: bool = True
     codec_kernels: bool = True
     codec_pipeline: bool | None = None
-    fused_code_predictor: int = 32
+    fused_code_predictor: int = 16
     fused_talker: int = 16
     fp32_residual: bool = False
     batch_invariant: bool = False
