@@ -451,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         active = engine.stats()["active"]
         rows = profile_components(engine, bucket, timer)
         rows.append(full_step(engine, bucket, timer))
+        print(f"B={b}: components and full step in {time.perf_counter() - t0:.1f} s", flush=True)
         ok &= all(r["same"] in (True, None) for r in rows) and not any("error" in r for r in rows)
         parts = {r["name"]: r for r in rows}
         md.append(f"## B={b} (bucket {bucket}, {active} active after {args.warm_steps} warm steps)")
@@ -479,14 +480,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"{g['cp_generate'] - g['cp_passes']:.3f} ms")
         probe = overlap_probe(engine, bucket, args.iters, tuple(args.probe_sms))
         if probe is not None:
-            md += ["", f"overlap (frame work ‖ codec on a second stream, {args.iters} frames): serial "
-                   f"{probe['serial']:.3f} ms/frame, overlapped {probe['overlapped']:.3f} ms/frame"]
-            md += [f"- both in one graph, forked and joined as in the step graph: {probe['forked']:.3f} ms/frame"]
-            md += [f"- codec on a green context of {n} SMs: " + (
-                   probe[f"error_{n}"] if f"error_{n}" in probe else
-                   f"alone {probe[f'alone_{n}']:.3f} ms/frame, overlapped {probe[f'overlapped_{n}']:.3f}, "
-                   f"forked in one graph {probe[f'forked_{n}']:.3f}")
-                   for n in args.probe_sms]
+            lines = [f"overlap (frame work ‖ codec on a second stream, {args.iters} frames): serial "
+                     f"{probe['serial']:.3f} ms/frame, overlapped {probe['overlapped']:.3f} ms/frame",
+                     f"- both in one graph, forked and joined as in the step graph: {probe['forked']:.3f} ms/frame"]
+            lines += [f"- codec on a green context of {n} SMs: " + (
+                      probe[f"error_{n}"] if f"error_{n}" in probe else
+                      f"alone {probe[f'alone_{n}']:.3f} ms/frame, overlapped {probe[f'overlapped_{n}']:.3f}, "
+                      f"forked in one graph {probe[f'forked_{n}']:.3f}")
+                      for n in args.probe_sms]
+            md += [""] + lines
+            print(f"B={b}:", *lines, sep="\n", flush=True)
         if b in trace_b:
             try:
                 lines, summary = trace_step(engine, bucket)
