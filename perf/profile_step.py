@@ -289,6 +289,16 @@ def green_stream(num_sms: int) -> torch.cuda.Stream:
     return GreenContext.create(num_sms=num_sms).Stream()
 
 
+def _beside(iters: int, g_work: torch.cuda.CUDAGraph, work: Callable[[], None], codec: Callable[[], None],
+            stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, float, float]:
+    """The codec captured on `stream`; ms per frame with it replayed there beside the frame's work (waiting for
+    that frame's work only), and with both in one graph forked and joined as the engine's step graph holds them."""
+    with torch.no_grad():
+        g_codec, g_both = capture(codec, stream), capture(_forked(work, codec, stream))
+    overlapped = _ms_per_frame(iters, lambda: (g_work.replay(), _on(stream, g_codec.replay)), stream)
+    return g_codec, overlapped, _ms_per_frame(iters, g_both.replay)
+
+
 def overlap_probe(engine: Engine, bs: int, iters: int, codec_sms: tuple[int, ...] = ()) -> dict | None:
     """ms per frame of (frame work; codec): serial on one stream, and the codec on a second stream that
     waits for its own frame's work only (values are not checked: state is overwritten repeatedly).
@@ -302,24 +312,15 @@ def overlap_probe(engine: Engine, bs: int, iters: int, codec_sms: tuple[int, ...
     parts = [comps[n].fn for n in ("cp_generate", "talker_layers", "talker_head", "talker_sample")]
     work, codec = (lambda: [fn() for fn in parts]), comps["codec_frame"].fn
     with torch.no_grad():
-        g_work, g_codec = capture(work), capture(codec)
-    side = torch.cuda.Stream()
+        g_work = capture(work)
+    g_codec, overlapped, forked = _beside(iters, g_work, work, codec, torch.cuda.Stream())
     result = dict(serial=_ms_per_frame(iters, lambda: (g_work.replay(), g_codec.replay())),
-                  overlapped=_ms_per_frame(iters, lambda: (g_work.replay(), _on(side, g_codec.replay)), side))
-    with torch.no_grad():
-        g_both = capture(_forked(work, codec, side))
-    result["forked"] = _ms_per_frame(iters, g_both.replay)
+                  overlapped=overlapped, forked=forked)
     for n in codec_sms:
         try:
             green = green_stream(n)
-            with torch.no_grad():
-                g_green = capture(codec, green)
+            g_green, result[f"overlapped_{n}"], result[f"forked_{n}"] = _beside(iters, g_work, work, codec, green)
             result[f"alone_{n}"] = _ms_per_frame(iters, lambda: _on(green, g_green.replay), green)
-            result[f"overlapped_{n}"] = _ms_per_frame(iters, lambda: (g_work.replay(), _on(green, g_green.replay)),
-                                                      green)
-            with torch.no_grad():
-                g_both = capture(_forked(work, codec, green))
-            result[f"forked_{n}"] = _ms_per_frame(iters, g_both.replay)
         except Exception as exc:  # noqa: BLE001 - a probe: report why it did not run
             result[f"error_{n}"] = f"{type(exc).__name__}: {exc}"
     return result
