@@ -34,13 +34,14 @@ _CHUNK = tl.constexpr(4)  # cache positions the attention reads per step
 
 
 @triton.jit
-def _norm_rope(part_ptr, rows, col, M_PAD, NP, nw_ptr, c1, c2, s1, s2, eps,
+def _norm_rope(part_ptr, rows, row_mask, col, M_PAD, NP, nw_ptr, c1, c2, s1, s2, eps,
                DT: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
     """One head of the GEMM result (columns col..col+2*HALF): rounded, RMS-normed over the head,
     rotated. Returns the two halves [BLOCK_M, HALF] in DT."""
     d = tl.arange(0, HALF)
-    x1 = cast(load_sum(part_ptr, rows, col + d, M_PAD, NP, SPLIT), DT).to(tl.float32)
-    x2 = cast(load_sum(part_ptr, rows, col + HALF + d, M_PAD, NP, SPLIT), DT).to(tl.float32)
+    x1 = cast(load_sum(part_ptr, rows, row_mask, col + d, M_PAD, NP, SPLIT), DT).to(tl.float32)
+    x2 = cast(load_sum(part_ptr, rows, row_mask, col + HALF + d, M_PAD, NP, SPLIT),
+              DT).to(tl.float32)
     rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
     w1 = tl.load(nw_ptr + d).to(tl.float32)[None, :]
     w2 = tl.load(nw_ptr + HALF + d).to(tl.float32)[None, :]
@@ -110,18 +111,18 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
     r64 = rows.to(tl.int64)[:, None]
     for j in tl.static_range(GROUP):  # rotated q parked in out, where its attention output goes
         head = g * GROUP + j
-        r1, r2 = _norm_rope(part_ptr, rows, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2, eps, DT,
-                            HALF, SPLIT, ROUND)
+        r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2,
+                            eps, DT, HALF, SPLIT, ROUND)
         tl.store(out_ptr + r64 * stride_out + head * D + d[None, :], r1, mask=mask)
         tl.store(out_ptr + r64 * stride_out + head * D + HALF + d[None, :], r2, mask=mask)
     k_rows = b * stride_kb + pos.to(tl.int64) * stride_kp + g * stride_kh
     v_rows = b * stride_vb + pos.to(tl.int64) * stride_vp + g * stride_vh
-    r1, r2 = _norm_rope(part_ptr, rows, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2, s1, s2,
-                        eps, DT, HALF, SPLIT, ROUND)
+    r1, r2 = _norm_rope(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2,
+                        s1, s2, eps, DT, HALF, SPLIT, ROUND)
     tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=mask)
     tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=mask)
     dd = tl.arange(0, D)
-    v = load_sum(part_ptr, rows, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
+    v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
     tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=mask)
     tl.debug_barrier()  # this program's k/v and q stores are read below by its other threads
     last_pos = pos0 + T - 1
@@ -151,7 +152,7 @@ def qkv_group_partials(x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD
     rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M)
     acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, _NORM, BLOCK_M,
                    BLOCK_N, BLOCK_K, DOT_PRECISION)
-    store_partial(part_ptr, acc, split, rows, cols, M_PAD, (NUM_HEADS + 2 * NUM_KV) * D)
+    store_partial(part_ptr, acc, split, rows, row_mask, cols, M_PAD, (NUM_HEADS + 2 * NUM_KV) * D)
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     col0 = tile * BLOCK_N
     g = tl.where(col0 < NUM_HEADS * D, col0 // (GROUP * D),

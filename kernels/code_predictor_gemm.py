@@ -200,10 +200,11 @@ def mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd,
 
 
 @triton.jit
-def store_partial(part_ptr, acc, split, rows, cols, M_PAD, NP):
-    """part[split, rows, cols] = acc (part: contiguous [SPLIT, M_PAD, NP] fp32)."""
+def store_partial(part_ptr, acc, split, rows, row_mask, cols, M_PAD, NP):
+    """part[split, rows, cols] = acc for the rows in row_mask (part: contiguous [SPLIT, M_PAD, NP] fp32;
+    rows past M are never stored, nor read by `load_sum`)."""
     offs = (split * M_PAD + rows.to(tl.int64))[:, None] * NP + cols[None, :]
-    tl.store(part_ptr + offs, acc)
+    tl.store(part_ptr + offs, acc, mask=row_mask[:, None])
 
 
 @triton.jit
@@ -222,12 +223,14 @@ def arrive(cnt_ptr, arrivals):
 
 
 @triton.jit
-def load_sum(part_ptr, rows, cols, M_PAD, NP, SPLIT: tl.constexpr):
-    """sum over splits 0..SPLIT-1, in that order, of part[s, rows, cols] -> fp32 [rows, cols].
+def load_sum(part_ptr, rows, row_mask, cols, M_PAD, NP, SPLIT: tl.constexpr):
+    """sum over splits 0..SPLIT-1, in that order, of part[s, rows, cols] -> fp32 [rows, cols] (0 in rows
+    outside row_mask).
 
     NOTE: .cg reads at L2: the partials were written by other multiprocessors."""
     offs = rows.to(tl.int64)[:, None] * NP + cols[None, :]
-    total = tl.load(part_ptr + offs, cache_modifier=".cg")
+    mask = row_mask[:, None]
+    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, SPLIT):
-        total += tl.load(part_ptr + s * M_PAD * NP + offs, cache_modifier=".cg")
+        total += tl.load(part_ptr + s * M_PAD * NP + offs, mask=mask, other=0.0, cache_modifier=".cg")
     return total

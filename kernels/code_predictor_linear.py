@@ -92,11 +92,11 @@ def _linear_kernel(
     if SPLIT > 1:
         cols = tile * W_TILE + tl.arange(0, W_TILE)
         num_cols = tl.num_programs(1) * W_TILE
-        store_partial(part_ptr, acc, split, rows, cols, M_PAD, num_cols)
+        store_partial(part_ptr, acc, split, rows, row_mask, cols, M_PAD, num_cols)
         if arrive(cnt_ptr + m * tl.num_programs(1) + tile, SPLIT):
-            _epilogue(load_sum(part_ptr, rows, cols, M_PAD, num_cols, SPLIT), rows, row_mask, tile,
-                      b_ptr, res_ptr, out_ptr, stride_res, stride_out, DT, EPILOGUE, BLOCK_M,
-                      BLOCK_N)
+            _epilogue(load_sum(part_ptr, rows, row_mask, cols, M_PAD, num_cols, SPLIT), rows,
+                      row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, stride_out, DT, EPILOGUE,
+                      BLOCK_M, BLOCK_N)
     else:
         _epilogue(acc, rows, row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, stride_out, DT,
                   EPILOGUE, BLOCK_M, BLOCK_N)

@@ -27,8 +27,8 @@ from .code_predictor_gemm import (BLOCK_M, GemmConfig, candidates, counters_need
 
 
 @triton.jit
-def _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, keep, k_rows, v_rows, g, c1, c2, s1, s2,
-                   eps, M_PAD, NP, DT: tl.constexpr, NUM_HEADS: tl.constexpr,
+def _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, row_mask, keep, k_rows, v_rows, g, c1,
+                   c2, s1, s2, eps, M_PAD, NP, DT: tl.constexpr, NUM_HEADS: tl.constexpr,
                    NUM_KV: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
                    ROUND: tl.constexpr):
     """kv head g of the GEMM result: k normed and rotated, v rounded, stored at the kept rows'
@@ -36,12 +36,12 @@ def _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, keep, k_rows, v_rows, g
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, HALF)
     mask = keep[:, None]
-    r1, r2 = _norm_rope(part_ptr, rows, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2, s1, s2,
-                        eps, DT, HALF, SPLIT, ROUND)
+    r1, r2 = _norm_rope(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2,
+                        s1, s2, eps, DT, HALF, SPLIT, ROUND)
     tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=mask)
     tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=mask)
     dd = tl.arange(0, D)
-    v = load_sum(part_ptr, rows, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
+    v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
     tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=mask)
 
 
@@ -68,13 +68,13 @@ def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_
     s2 = tl.load(sin_ptr + s_offs + HALF, mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(GROUP):
         head = g * GROUP + j
-        r1, r2 = _norm_rope(part_ptr, rows, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2, eps, DT,
-                            HALF, SPLIT, ROUND)
+        r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2,
+                            eps, DT, HALF, SPLIT, ROUND)
         tl.store(q_ptr + r64[:, None] * stride_q + head * D + d[None, :], r1, mask=mask)
         tl.store(q_ptr + r64[:, None] * stride_q + head * D + HALF + d[None, :], r2, mask=mask)
     keep = row_mask & (slot >= 0)
     page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE  # [BLOCK_M] each (junk where not kept)
-    _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, keep,
+    _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, row_mask, keep,
                    page * stride_kp + offset * stride_ks + g * stride_kh,
                    page * stride_vp + offset * stride_vs + g * stride_vh, g, c1, c2, s1, s2, eps,
                    M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)

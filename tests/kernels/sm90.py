@@ -1,0 +1,107 @@
+"""Compile a kernel wrapper's launches for the H200 (sm_90) on a machine with no GPU, and read each
+binary's registers and spill stack: `python tests/kernels/sm90.py` is run in a subprocess by
+test_register_spills.py (the interpreter that the other kernel tests set up must not be on).
+
+`resources(launch)` runs `launch()` (a kernel wrapper's `_launch(cfg, ...)` on CPU tensors of the
+real shapes) with every JIT kernel's `run` replaced: each launch is bound and specialized exactly as
+on a GPU (the JIT's own binder, for a CUDA sm_90 backend), compiled by triton.compile to a cubin,
+and measured by the cuobjdump that ships with Triton.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from unittest import mock
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+TARGET = GPUTarget("cuda", 90, 32)
+_CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def _usage(cubin: bytes) -> dict[str, int]:
+    """REG and STACK (bytes of local memory per thread: spills) of the one kernel in `cubin`."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(_CUOBJDUMP), "-res-usage", f.name], check=True,
+                              capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    assert found, f"no resource line in cuobjdump's output:\n{text}"
+    return {"regs": int(found[1]), "stack": int(found[2])}
+
+
+def _compile_run(fn: JITFunction, records: list):
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+
+    def run(*args, grid, warmup, **kwargs):
+        kwargs.pop("launch_pdl", None)  # a launch option, not a compile option
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
+                                                              specialization, options)
+        # NOTE: without the launch's alignment facts (16-byte pointers, strides divisible by 16)
+        # the loads do not vectorize and the same kernel compiles to 255 registers and spills
+        pointers = [i for i, t in enumerate(signature.values()) if str(t).startswith("*")]
+        assert all(attrs.get((i,)) for i in pointers), f"{fn.__name__}: unaligned pointer args"
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
+                                  options=options.__dict__)
+        records.append({"kernel": fn.__name__, **_usage(compiled.asm["cubin"])})
+
+    return run
+
+
+def resources(launch) -> list[dict]:
+    """[{kernel, regs, stack}] of each kernel launch that `launch()` makes, compiled for sm_90."""
+    records: list[dict] = []
+    with ExitStack() as stack:
+        for module in [m for name, m in sys.modules.items() if name.startswith("q3tts.kernels")]:
+            for value in vars(module).values():
+                if isinstance(value, JITFunction):
+                    stack.enter_context(mock.patch.object(value, "run", _compile_run(value, records)))
+        launch()
+    return records
+
+
+def _qkv_specs():
+    """(name, launch) of each qkv kernel spec the test checks: the code predictor's (1.7B shapes,
+    T = 1 and 2) and the talker's, at the tile widths and warp counts the tuner times."""
+    import torch
+
+    from q3tts.kernels import code_predictor_attention as cpa, talker_qkv
+    from q3tts.kernels.code_predictor_gemm import GemmConfig
+
+    bf = dict(dtype=torch.bfloat16)
+    heads, kv, d = 16, 8, 128
+    n = (heads + 2 * kv) * d
+    for hidden, name in ((1024, "cp"), (2048, "talker")):
+        x, norm_w, w = torch.zeros(4, hidden, **bf), torch.ones(hidden, **bf), torch.zeros(n, hidden, **bf)
+        qn, kn, cnt = torch.ones(d, **bf), torch.ones(d, **bf), torch.zeros(64, dtype=torch.int32)
+        cos, sin = torch.zeros(64, d, **bf), torch.zeros(64, d, **bf)
+        for bn, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
+            cfg = GemmConfig(bn, 128, 4, warps, 4 if bn * 16 < 4096 else 3)
+            if name == "cp":
+                cache = torch.zeros(2, 32, kv, d, **bf)
+                for t in (1, 2):
+                    yield f"cp_qkv_attention T={t} {cfg}", lambda c=cfg, t=t: cpa._launch(
+                        c, x, norm_w, w, qn, kn, cos, sin, cache, cache.clone(),
+                        torch.zeros(4, heads * d, **bf), cnt, 0, t, 1e-6, 0.1)
+            else:
+                cache = torch.zeros(8, 16, kv, d, **bf)
+                ids = torch.arange(4, dtype=torch.int64)
+                yield f"talker_qkv {cfg}", lambda c=cfg: talker_qkv._launch(
+                    c, x, norm_w, w, qn, kn, cos, sin, ids, ids, cache, cache.clone(),
+                    torch.zeros(4, heads * d, **bf), cnt, 1e-6)
+
+
+if __name__ == "__main__":
+    print(json.dumps({name: resources(launch) for name, launch in _qkv_specs()}))
