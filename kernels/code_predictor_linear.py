@@ -194,7 +194,10 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, counters:
     assert x.shape[1] == weight.shape[1] and bias.shape == (weight.shape[0],), \
         f"project: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias {tuple(bias.shape)}"
     out = _out(out, rows, weight.shape[0], x, weight.dtype)
-    _run("cp_project", config, x=x, w=weight, out=out, counters=counters,
+    # NOTE: tuned apart: pass 0 projects 2 rows per batch row as they are, later passes gather 1 by
+    # id, so one key would hand a row class's pick to the other kernel variant, compiled late
+    _run("cp_project" if ids is None else "cp_project_gather", config, x=x, w=weight, out=out,
+         counters=counters,
          prologue=PLAIN if ids is None else GATHER, epilogue=BIAS, rows=rows, n=weight.shape[0],
          ids=ids, bias=bias)
     return out
