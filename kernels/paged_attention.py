@@ -152,10 +152,7 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
-# Tuning candidates, 2 stages only: at 3 each config compiled to the same sm_90 binary (this kernel
-# and the talker's fused one; head_dim 128, pages of 16, every tile and warp count here; triton 3.6),
-# a second compile and timing of the same code at engine start.
-_CANDIDATES = [DecodeConfig(n, w, 2) for n in (64, 32, 128) for w in (4, 8)]
+_CANDIDATES = [DecodeConfig(n, w, s) for n in (64, 32, 128) for w in (4, 8) for s in (2, 3)]
 _INTERPRET_CONFIG = DecodeConfig(16, 1, 1)
 
 
