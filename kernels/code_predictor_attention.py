@@ -188,6 +188,13 @@ def _qkv_attention_kernel(
                         w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, T, SPLIT, ROUND, BLOCK_M)
 
 
+def qkv_candidates(qkv_weight: torch.Tensor, head_dim: int) -> list[GemmConfig]:
+    """The launch configs `pick` times for a fused qkv kernel (this one and the talker's) on
+    qkv_weight [(NH + 2 KVH) D, H]: column tiles that stay within one head."""
+    fits = lambda bn: qkv_weight.shape[0] // bn if head_dim % bn == 0 else None  # noqa: E731
+    return candidates(fits, qkv_weight.shape[1], qkv_weight.device)
+
+
 def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache,
             out, counters, pos0, tokens, eps, scale) -> None:
     rows, num_heads, d = x.shape[0], out.shape[1] // k_cache.shape[3], k_cache.shape[3]
@@ -251,13 +258,12 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
         return out
     weights = (norm_weight, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache)
     args = (x, *weights, out, counters, pos0, t, eps, scale)
-    fits = lambda bn: qkv_weight.shape[0] // bn if d % bn == 0 else None  # noqa: E731
     with device_guard(x):
         if config is None and x.is_cuda:  # timed on the first row block (the batch-1 shape)
             key = ("cp_qkv_attention", qkv_weight.shape, num_kv, qkv_weight.dtype)
             m = min(rows, BLOCK_M)
             one_block = (x[:m], *weights, out[:m], counters, pos0, t, eps, scale)
-            config = pick(key, candidates(fits, hidden, x.device),
+            config = pick(key, qkv_candidates(qkv_weight, d),
                           lambda c: _launch(c, *one_block), x.device)
         config = config or interpret_config(d)
         assert d % config.block_n == 0, f"qkv_attention: block_n {config.block_n} must divide {d}"

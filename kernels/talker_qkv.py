@@ -21,8 +21,8 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import pick
-from .code_predictor_attention import _norm_rope, qkv_group_partials
-from .code_predictor_gemm import (BLOCK_M, GemmConfig, candidates, counters_needed, dot_precision,
+from .code_predictor_attention import _norm_rope, qkv_candidates, qkv_group_partials
+from .code_predictor_gemm import (BLOCK_M, GemmConfig, counters_needed, dot_precision,
                                   interpret_config, load_sum, row_blocks)
 
 
@@ -180,14 +180,13 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch
     if rows == 0:
         return out
     weights = (norm_weight, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
-    fits = lambda bn: qkv_weight.shape[0] // bn if d % bn == 0 else None  # noqa: E731
     with device_guard(x):
         if config is None and x.is_cuda:  # timed on the first row block (the batch-1 shape)
             key = ("talker_qkv", qkv_weight.shape, k_cache.shape[1:], qkv_weight.dtype)
             m = min(rows, BLOCK_M)
             one_block = (x[:m], *weights, positions[:m], slot_mapping[:m], k_cache, v_cache,
                          out[:m], counters, eps)
-            config = pick(key, candidates(fits, hidden, x.device),
+            config = pick(key, qkv_candidates(qkv_weight, d),
                           lambda c: _launch(c, *one_block), x.device)
         config = config or interpret_config(d)
         assert d % config.block_n == 0, f"qkv_rope_store: block_n {config.block_n} must divide {d}"

@@ -72,13 +72,15 @@ def resources(launch) -> list[dict]:
     return records
 
 
+H200_SMS = 132  # streaming multiprocessors: the tuner's split counts follow them
+
+
 def _qkv_specs():
-    """(name, launch) of each qkv kernel spec the test checks: the code predictor's (1.7B shapes,
-    T = 1 and 2) and the talker's, at the tile widths and warp counts the tuner times."""
+    """(name, launch) of each qkv kernel config the H200's tuner times (`qkv_candidates` with its SM
+    count): the code predictor's (1.7B shapes, T = 1 and 2) and the talker's."""
     import torch
 
-    from q3tts.kernels import code_predictor_attention as cpa, talker_qkv
-    from q3tts.kernels.code_predictor_gemm import GemmConfig
+    from q3tts.kernels import code_predictor_attention as cpa, code_predictor_gemm, talker_qkv
 
     bf = dict(dtype=torch.bfloat16)
     heads, kv, d = 16, 8, 128
@@ -87,8 +89,9 @@ def _qkv_specs():
         x, norm_w, w = torch.zeros(4, hidden, **bf), torch.ones(hidden, **bf), torch.zeros(n, hidden, **bf)
         qn, kn, cnt = torch.ones(d, **bf), torch.ones(d, **bf), torch.zeros(64, dtype=torch.int32)
         cos, sin = torch.zeros(64, d, **bf), torch.zeros(64, d, **bf)
-        for bn, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
-            cfg = GemmConfig(bn, 128, 4, warps, 4 if bn * 16 < 4096 else 3)
+        with mock.patch.object(code_predictor_gemm, "num_sms", lambda device: H200_SMS):
+            configs = cpa.qkv_candidates(w, d)
+        for cfg in configs:
             if name == "cp":
                 cache = torch.zeros(2, 32, kv, d, **bf)
                 for t in (1, 2):

@@ -1,5 +1,5 @@
 """The fused qkv kernels compiled for the H200 (sm_90) spill no registers: every launch config their
-tuner times, with the alignment a real launch specializes on (tests/kernels/sm90.py, run in a fresh
+tuner times there (4 candidates of 132-SM split counts, each kernel and token count), with the alignment a real launch specializes on (tests/kernels/sm90.py, run in a fresh
 interpreter without TRITON_INTERPRET: it compiles, it does not interpret). A spill puts a thread's
 values in local memory, whose round trips every program of these kernels would wait on."""
 
