@@ -31,6 +31,8 @@ from .code_predictor_gemm import (BLOCK_M, GATHER, MIN_BLOCK_N, NORM, PLAIN, Gem
 from .swiglu import silu_times
 
 BIAS, RESIDUAL, SWIGLU, ROUND = 0, 1, 2, 3  # epilogues (ROUND: the product in the weight dtype)
+_PROLOGUE_NAMES = {PLAIN: "plain", GATHER: "gather", NORM: "norm"}  # in tuning keys
+_EPILOGUE_NAMES = {BIAS: "bias", RESIDUAL: "residual", SWIGLU: "swiglu", ROUND: "round"}
 
 
 @triton.jit
@@ -168,7 +170,11 @@ def _run(name: str, config: GemmConfig | None, split_k: bool = True, **kw) -> No
         return
     with device_guard(w):
         if config is None and w.is_cuda:
-            config = select_config(name, w, n, kw["rows"],
+            # NOTE: one tuning key per kernel variant: a wrapper that runs two (project with and
+            # without ids, linear with and without bias) must not hand a row class's pick for one to
+            # the other, a compile its warm-up may never have made
+            variant = f"{name}/{_PROLOGUE_NAMES[kw['prologue']]}+{_EPILOGUE_NAMES[kw['epilogue']]}"
+            config = select_config(variant, w, n, kw["rows"],
                                    lambda c, m: _launch(c, **dict(kw, rows=m)), split_k)
         config = config or interpret_config(n)
         assert n % config.block_n == 0, f"{name}: {n} columns not a multiple of {config.block_n}"
@@ -194,10 +200,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, counters:
     assert x.shape[1] == weight.shape[1] and bias.shape == (weight.shape[0],), \
         f"project: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias {tuple(bias.shape)}"
     out = _out(out, rows, weight.shape[0], x, weight.dtype)
-    # NOTE: tuned apart: pass 0 projects 2 rows per batch row as they are, later passes gather 1 by
-    # id, so one key would hand a row class's pick to the other kernel variant, compiled late
-    _run("cp_project" if ids is None else "cp_project_gather", config, x=x, w=weight, out=out,
-         counters=counters,
+    _run("cp_project", config, x=x, w=weight, out=out, counters=counters,
          prologue=PLAIN if ids is None else GATHER, epilogue=BIAS, rows=rows, n=weight.shape[0],
          ids=ids, bias=bias)
     return out

@@ -36,7 +36,7 @@ def invariant():
 def test_gemm_kernels_tuned_per_row_class(rows):
     with kernels.tuning():
         check_gemms(cpk, REAL, rows, BF16, Inputs("cuda", 21, rows), None)
-    tuned = [k for k in tuned_configs() if k[0] == "cp_norm_gate_up"]
+    tuned = [k for k in tuned_configs() if k[0] == "cp_norm_gate_up/norm+swiglu"]
     assert any(k[-1] == row_class(rows) for k in tuned), f"row class of {rows} not tuned: {tuned}"
 
 
