@@ -283,10 +283,13 @@ def _forked(work: Callable[[], None], codec: Callable[[], None], side: torch.cud
     return lambda: (_on(side, codec), work(), torch.cuda.current_stream().wait_stream(side))
 
 
-def green_stream(num_sms: int) -> torch.cuda.Stream:
-    """A stream of a new CUDA green context of `num_sms` SMs (raises where torch or the driver has none)."""
+def green_stream(num_sms: int) -> tuple[object, torch.cuda.Stream]:
+    """A new CUDA green context of `num_sms` SMs and a stream of it (raises where torch or the driver has
+    none). The caller holds the context for as long as the stream or a graph captured on it is used: the
+    context is destroyed with its Python object."""
     from torch.cuda.green_contexts import GreenContext
-    return GreenContext.create(num_sms=num_sms).Stream()
+    ctx = GreenContext.create(num_sms=num_sms)
+    return ctx, ctx.Stream()
 
 
 def _beside(iters: int, g_work: torch.cuda.CUDAGraph, work: Callable[[], None], codec: Callable[[], None],
@@ -318,11 +321,13 @@ def overlap_probe(engine: Engine, bs: int, iters: int, codec_sms: tuple[int, ...
                   overlapped=overlapped, forked=forked)
     for n in codec_sms:
         try:
-            green = green_stream(n)
+            ctx, green = green_stream(n)
             g_green, result[f"overlapped_{n}"], result[f"forked_{n}"] = _beside(iters, g_work, work, codec, green)
             result[f"alone_{n}"] = _ms_per_frame(iters, lambda: _on(green, g_green.replay), green)
+            torch.cuda.synchronize()
+            del g_green, green, ctx  # the graphs before the context they run in
         except Exception as exc:  # noqa: BLE001 - a probe: report why it did not run
-            result[f"error_{n}"] = f"{type(exc).__name__}: {exc}"
+            result[f"error_{n}"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
     return result
 
 
