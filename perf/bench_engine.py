@@ -157,7 +157,7 @@ ENGINE_CSV_COLUMNS = ("batch", "ms_per_step", "audio_s_per_s", "kernels_per_step
 
 def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
-    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_pipeline", "fused_code_predictor",
+    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_pipeline", "codec_sms", "fused_code_predictor",
                                                 "fused_talker", "fp32_residual", "batch_invariant",
                                                 "programmatic_launch")
                if getattr(args, n) != getattr(EngineConfig, n)]
@@ -175,6 +175,8 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
                    help="EngineConfig.codec_kernels (Triton conv/SnakeBeta)")
     p.add_argument("--codec-pipeline", action=argparse.BooleanOptionalAction, default=EngineConfig.codec_pipeline,
                    help="EngineConfig.codec_pipeline (each frame's audio one step behind; default: with graphs)")
+    p.add_argument("--codec-sms", type=int, default=EngineConfig.codec_sms,
+                   help="EngineConfig.codec_sms (the pipelined codec on a green context of N SMs; 0: all)")
     p.add_argument("--fused-code-predictor", type=int, default=EngineConfig.fused_code_predictor,
                    metavar="MAX_BATCH", help="EngineConfig.fused_code_predictor: the largest bucket whose code "
                    "predictor runs its fused Triton kernels (0: never)")
@@ -203,7 +205,7 @@ def build_engine(args, frames: int) -> Engine:
                        kv_memory_fraction=0.5, graph_batch_sizes=buckets,
                        num_pages=None if args.device.startswith("cuda") else 2 * max_b * (frames + 300) // 16,
                        use_cuda_graphs=not args.no_cuda_graphs, codec_kernels=args.codec_kernels,
-                       codec_pipeline=args.codec_pipeline,
+                       codec_pipeline=args.codec_pipeline, codec_sms=args.codec_sms,
                        fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker,
                        fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant,
                        programmatic_launch=args.programmatic_launch)

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import emit  # noqa: E402
 from bench_engine import add_model_arguments, build_engine, drain, fill, sync  # noqa: E402
 
+from q3tts.engine.audio_pipeline import green_context  # noqa: E402
 from q3tts.engine.cuda_graph import DecodeMeta  # noqa: E402
 from q3tts.engine.engine import Engine  # noqa: E402
 from q3tts.models import step as model_step  # noqa: E402
@@ -283,15 +284,6 @@ def _forked(work: Callable[[], None], codec: Callable[[], None], side: torch.cud
     return lambda: (_on(side, codec), work(), torch.cuda.current_stream().wait_stream(side))
 
 
-def green_stream(num_sms: int) -> tuple[object, torch.cuda.Stream]:
-    """A new CUDA green context of `num_sms` SMs and a stream of it (raises where torch or the driver has
-    none). The caller holds the context for as long as the stream or a graph captured on it is used: the
-    context is destroyed with its Python object."""
-    from torch.cuda.green_contexts import GreenContext
-    ctx = GreenContext.create(num_sms=num_sms)
-    return ctx, ctx.Stream()
-
-
 def _beside(iters: int, g_work: torch.cuda.CUDAGraph, work: Callable[[], None], codec: Callable[[], None],
             stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, float, float]:
     """The codec captured on `stream`; ms per frame with it replayed there beside the frame's work (waiting for
@@ -321,7 +313,8 @@ def overlap_probe(engine: Engine, bs: int, iters: int, codec_sms: tuple[int, ...
                   overlapped=overlapped, forked=forked)
     for n in codec_sms:
         try:
-            ctx, green = green_stream(n)
+            ctx = green_context(n, engine.runner.device)
+            green = ctx.Stream()
             g_green, result[f"overlapped_{n}"], result[f"forked_{n}"] = _beside(iters, g_work, work, codec, green)
             result[f"alone_{n}"] = _ms_per_frame(iters, lambda: _on(green, g_green.replay), green)
             torch.cuda.synchronize()

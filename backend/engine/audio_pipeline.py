@@ -19,6 +19,10 @@ Ordering (all on the GPU, no host wait):
   t's audio while frame t+1's is being copied.
 On the CPU everything runs in line at `launch` (same order, same bits): the engine's pipelined flow is
 the same there, which is what the CPU tests check.
+
+With `EngineConfig.codec_sms` = N the codec stream belongs to a CUDA green context of N SMs: its graphs are
+captured there, so their kernels run on those N SMs only and leave the others to the frame's work. The
+context lives as long as the pipeline, and its graphs are released before it.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from .cuda_graph import WhileWaiting, wait_for
 class AudioPipeline:
     """The codec's inputs, graphs (one per decode bucket), stream, events and host audio buffers."""
 
-    def __init__(self, codec, max_batch: int, groups: int, dummy_slot: int, device: torch.device) -> None:
+    def __init__(self, codec, max_batch: int, groups: int, dummy_slot: int, device: torch.device,
+                 sms: int = 0) -> None:
         self.codec, self.device = codec, device
         self.slots = torch.full((max_batch,), dummy_slot, dtype=torch.int64, device=device)  # [Bmax]
         self.frames = torch.zeros(max_batch, groups, dtype=torch.int64, device=device)  # [Bmax, 16]
@@ -43,14 +48,22 @@ class AudioPipeline:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pending: deque[tuple[int, int, torch.cuda.Event | None]] = deque()  # (rows, host buffer, done)
         self._next_host = 0
+        self.green = None  # the green context of `sms` SMs the codec stream belongs to (CUDA, sms > 0)
         if device.type != "cuda":  # everything in line (no stream, no events)
             self.stream = self.made = self.taken = None
             self.host = [torch.zeros_like(self.pcm) for _ in range(2)]
             return
-        self.stream = torch.cuda.Stream(device)
+        if sms:
+            self.green = green_context(sms, device)
+            self.stream = self.green.Stream()
+        else:
+            self.stream = torch.cuda.Stream(device)
         self.made = torch.cuda.Event(external=True)  # recorded inside the step graph: the frames exist
         self.taken = torch.cuda.Event()  # the codec has copied the step's slots and frames
         self.host = [torch.zeros(self.pcm.shape, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+
+    def __del__(self) -> None:
+        self.graphs.clear()  # a graph captured in the green context is destroyed before the context
 
     # --- inside the step (captured) ----------------------------------------------------------------
 
@@ -140,3 +153,18 @@ class AudioPipeline:
 
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+
+def green_context(sms: int, device: torch.device):
+    """A CUDA green context of `sms` SMs of `device` (EngineConfig.codec_sms); a ValueError naming the
+    setting where the device has fewer SMs, or where torch or the driver cannot make one."""
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms > total:
+        raise ValueError(f"EngineConfig: codec_sms={sms} exceeds the {total} SMs of {device}")
+    from torch.cuda.green_contexts import GreenContext
+
+    try:
+        with torch.cuda.device(device):
+            return GreenContext.create(num_sms=sms)
+    except RuntimeError as exc:
+        raise ValueError(f"EngineConfig: codec_sms={sms}: no CUDA green context on {device} ({exc})") from exc

@@ -74,6 +74,12 @@ class EngineConfig:
                          next frame's work (engine/audio_pipeline.py), instead of inside the step beside its
                          talker half. None (default): where the decode step is a CUDA graph; True: also
                          eager and on the CPU (same bits; tests); False: never
+    codec_sms            the SMs the pipelined codec may run on: 0 (default) all of them; N > 0 a CUDA green
+                         context of N SMs (engine/audio_pipeline.py), so the codec's kernels cannot hold the
+                         SMs the next frame's chain of small kernels waits for. Only with codec_pipeline on
+                         CUDA (ignored elsewhere). On the H200 (profile_step's overlap probe, frame work and
+                         codec forked in one graph at 64 rows): 64 SMs 8.14 against 8.98 ms per frame;
+                         no gain at 1 and 16 rows (perf/results/RESULTS.md)
     fused_code_predictor the largest decode bucket whose code predictor runs its 15 passes through the fused
                          kernels (kernels/code_predictor.py, 23 launches a pass; where the kernels serve the
                          device); larger buckets run the eager passes; 0: never. 16: on the H200 (1.7B, bf16,
@@ -154,6 +160,7 @@ class EngineConfig:
     prefill_graphs: bool = True
     codec_kernels: bool = True
     codec_pipeline: bool | None = None
+    codec_sms: int = 0
     fused_code_predictor: int = 16
     fused_talker: int = 16
     fp32_residual: bool = False
@@ -196,9 +203,9 @@ class EngineConfig:
              f"tune_cache must be a file path or null, got {self.tune_cache!r}")
         need(self.codec_pipeline is None or isinstance(self.codec_pipeline, bool),
              f"codec_pipeline must be true, false or null, got {self.codec_pipeline!r}")
-        for name in ("fused_code_predictor", "fused_talker"):
+        for name in ("fused_code_predictor", "fused_talker", "codec_sms"):
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
-                 f"{name} must be an int >= 0 (a batch size), got {getattr(self, name)!r}")
+                 f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
                      "programmatic_launch", "run_ahead"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -108,8 +108,8 @@ class ModelRunner:
         self.max_batch = max(config.max_graph_batch, config.max_slots)
         self.buf = GraphBuffers.allocate(self.max_batch, max_pages, self.groups,
                                          max(self.samples_per_frame, 1), self.device)
-        self.audio = (AudioPipeline(codec, self.max_batch, self.groups, self.dummy_slot, self.device)
-                      if pipelined else None)
+        self.audio = (AudioPipeline(codec, self.max_batch, self.groups, self.dummy_slot, self.device,
+                                    config.codec_sms) if pipelined else None)
         # captured decode steps per sampling mode: TOPK (every row allows it) and FULL (the reference)
         self.graphs: dict[str, GraphRunner] = {}
         self._graphs_on = True

@@ -190,6 +190,9 @@ def test_codec_pipeline_setting():
     for bad in ("yes", 1):
         with pytest.raises(ValueError, match="codec_pipeline must be true, false or null"):
             EngineConfig(codec_pipeline=bad)
+    for bad in (-1, 8.0, True, "64"):
+        with pytest.raises(ValueError, match="codec_sms must be an int >= 0"):
+            EngineConfig(codec_sms=bad)
 
 
 @pytest.mark.gpu
@@ -264,3 +267,29 @@ def test_pushing_text_does_not_wait_for_the_step_in_flight(tiny_ckpt_dir, speake
     assert int(state.text_len[slot]) == 5 and torch.equal(state.text_queue[slot, 2:5], rows.to(state.text_queue.dtype))
     while engine.has_work():
         engine.step()
+
+
+@pytest.mark.gpu
+def test_codec_on_a_green_context_makes_the_same_codes_and_audio(tiny_ckpt_dir, speaker):
+    """EngineConfig.codec_sms: the pipelined codec's graphs captured on a stream of a green context of 16
+    SMs order against the step's graphs as on a plain stream: bit for bit the codes and audio of
+    codec_sms=0 (batch_invariant: the same kernels either way, whatever the SMs they run on). More SMs than
+    the device has is refused, naming the setting."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True,
+                              graph_batch_sizes=(1, 2, 4, 8), batch_invariant=True)
+    results = {}
+    for sms in (0, 16):
+        engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, codec_sms=sms))
+        assert (engine.runner.audio.green is not None) == (sms > 0)
+        results[sms] = run(engine, _requests(speaker))
+        assert engine.runner.num_graph_replays > 0
+        baseline(engine)
+        del engine
+    for rid, (codes, pcm, reason) in results[0].items():
+        got = results[16][rid]
+        assert np.array_equal(got[0], codes) and np.array_equal(got[1], pcm) and got[2] == reason, rid
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    with pytest.raises(ValueError, match=f"codec_sms={total + 1} exceeds the {total} SMs"):
+        Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, codec_sms=total + 1))
