@@ -193,6 +193,13 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
                    help="EngineConfig.programmatic_launch (the fused kernels start while the one before runs)")
 
 
+def bench_tune_cache() -> str | None:
+    """EngineConfig.tune_cache of the benchmarked engines: $Q3TTS_TUNE_CACHE when set, else none (each run
+    tunes afresh). perf/gpu_round.sh sets it and carries the file between device calls, so a cold machine's
+    engine times no kernel configs again, and both sides of an A/B on the same kernels run the same picks."""
+    return os.environ.get("Q3TTS_TUNE_CACHE") or None
+
+
 def build_engine(args, frames: int) -> Engine:
     """The benchmarked engine: slots for the largest batch, every power-of-two bucket up to it,
     sequences of `frames` frames; sets `args.dtype` to the dtype it chose."""
@@ -208,7 +215,7 @@ def build_engine(args, frames: int) -> Engine:
                        codec_pipeline=args.codec_pipeline, codec_sms=args.codec_sms,
                        fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker,
                        fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant,
-                       programmatic_launch=args.programmatic_launch)
+                       programmatic_launch=args.programmatic_launch, tune_cache=bench_tune_cache())
     model = make_model(args)
     engine = Engine(model, cfg)
     print(f"engine up in {engine.startup}: {engine.config.num_pages} KV pages, graphs "

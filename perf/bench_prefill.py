@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_engine import drain
+from bench_engine import bench_tune_cache, drain
 from profile_step import kernel_table
 from report import append_csv, commit, emit, gpu_name, save
 from q3tts.core import SamplingParams, VoiceSpec
@@ -63,7 +63,8 @@ def make_engine(args) -> Engine:
     cfg = EngineConfig(device=args.device, dtype="bfloat16" if cuda else "float32", max_slots=most,
                        max_queue=most, max_frames=64, max_prompt_tokens=512, max_text_tokens=256,
                        num_pages=None if cuda else most * 40,
-                       graph_batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * most))
+                       graph_batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < 2 * most),
+                       tune_cache=bench_tune_cache())
     engine = Engine(path, cfg)
     graphs = engine.runner.prefill_graphs
     print(f"engine up in {engine.startup}; prefill graphs "

@@ -10,6 +10,10 @@
 # Triton's compile cache: a fresh machine compiles every kernel variant again (part of an engine's 70-134 s start).
 # Carry .gpu/triton_cache.tgz (from an earlier call's $OUT) and the steps start from it; the cache as it stands at
 # the end comes back as $OUT/triton_cache.tgz when it is under 15 MiB (kernels the commit did not change hit).
+# The kernels' tuned launch configs (EngineConfig.tune_cache, which the engine benches and `q3tts serve` read from
+# $Q3TTS_TUNE_CACHE): carry .gpu/tuning.pkl (an earlier call's $OUT/tuning.pkl) and the engines start from it
+# (valid while kernels/*.py, torch, triton and the GPU model are the same: kernels/autotune.py fingerprint), so a
+# cold machine's engine compiles and times only what the file lacks; the file as it stands at the end comes back.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SRC="$PWD"; S=/tmp/s; rm -rf $S; mkdir -p $S; tar -xzf ${SNAP:-.gpu/snap.tar.gz} -C $S; mkdir -p $S/.gpu; cp -r .gpu/site $S/.gpu/site
@@ -17,11 +21,14 @@ for f in .gpu/pytriton_slim.tgz; do [ -f $f ] && ln -s $SRC/$f $S/.gpu/; done; [
 rm -rf $S/.git; cd $S; export PYTHONPATH="$S/.gpu/site" LOADTEST_COMMIT="${COMMIT:-unknown}"
 export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
 [ -f "$SRC/.gpu/triton_cache.tgz" ] && tar -xzf "$SRC/.gpu/triton_cache.tgz" -C $TRITON_CACHE_DIR
+export Q3TTS_TUNE_CACHE=/tmp/q3tts_tuning.pkl
+[ -f "$SRC/.gpu/tuning.pkl" ] && [ ! -f $Q3TTS_TUNE_CACHE ] && cp "$SRC/.gpu/tuning.pkl" $Q3TTS_TUNE_CACHE
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
 T0=$SECONDS
 run() { local name=$1; local lim=$2; shift 2; echo "=== $name (+$((SECONDS-T0))s): $*"
   timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -${TAILN:-25} "$OUT/$name.log"; echo "=== $name rc=$rc (+$((SECONDS-T0))s)"; }
 for step in "$@"; do eval "$step"; done
+[ -f $Q3TTS_TUNE_CACHE ] && cp $Q3TTS_TUNE_CACHE "$OUT/tuning.pkl"
 # the device tool brings back at most 8 files: past 7 (the 8th is the cache), everything else as one round.tgz
 if [ "$(find "$OUT" -type f | wc -l)" -gt 7 ]; then
   tar -czf /tmp/round.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/round.tgz "$OUT/"; fi
