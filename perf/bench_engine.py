@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from floor import H200_BYTES_PER_S, StepBytes, context_tokens
 from report import append_csv, emit
 import torch
 
@@ -74,6 +75,7 @@ def bench_batch(engine: Engine, batch: int, steps: int, device: str) -> dict:
     ids = fill(engine, batch, f"b{batch}_", frames=steps + 8)
     engine.step()  # warm
     replays0, decode0 = engine.stats()["graph_replays"], engine.stats()["decode_steps"]
+    ctx0 = context_tokens(engine)
     sync(device)
     made = 0
     t0 = time.perf_counter()
@@ -81,13 +83,15 @@ def bench_batch(engine: Engine, batch: int, steps: int, device: str) -> dict:
         made += sum(o.codes.shape[0] for o in engine.step())  # random weights may emit EOS early
     sync(device)
     dt = (time.perf_counter() - t0) / steps
+    ctx = (ctx0 + context_tokens(engine)) / 2  # the rows' contexts grow by one token a step
     s = engine.stats()
     replays, decodes = s["graph_replays"] - replays0, s["decode_steps"] - decode0
     kernels = kernels_per_step(engine, device)
     drain(engine, ids)
     fps = made / (dt * steps)
     return dict(batch=batch, bucket=engine.config.bucket_for(batch), ms=dt * 1e3, fps=fps,
-                audio=fps * 0.08, replays=replays, decodes=decodes, rows=made / steps, kernels=kernels)
+                audio=fps * 0.08, replays=replays, decodes=decodes, rows=made / steps, kernels=kernels,
+                floor=StepBytes.of_runner(engine.runner).floor_ms(batch, round(ctx)))
 
 
 def kernels_per_step(engine: Engine, device: str) -> int | None:
@@ -244,14 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     same = graph_vs_eager(engine, min(8, max(args.batches))) if graphs_on else None
     print(f"one graph replay per decode step: {one_launch}; graph == eager (greedy, bit-exact): {same}")
     first = [first_step(engine, n, args.device) for n in args.arrivals if n <= engine.config.max_slots]
-    table = ["| batch | bucket | ms/step | frames/s | audio-s/s | RTF/stream | replays/steps | kernels/step |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    table = ["| batch | bucket | ms/step | frames/s | audio-s/s | RTF/stream | replays/steps | kernels/step | "
+             "floor ms (× away) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         table.append(f"| {r['batch']} | {r['bucket']} | {r['ms']:.2f} | {r['fps']:.1f} | {r['audio']:.2f} | "
-                     f"{r['ms'] / 80:.4f} | {r['replays']}/{r['decodes']} | {r['kernels']} |")
+                     f"{r['ms'] / 80:.4f} | {r['replays']}/{r['decodes']} | {r['kernels']} | "
+                     f"{r['floor']:.2f} ({r['ms'] / r['floor']:.1f}×) |")
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     codec = f", {config_name(args)}" if config_name(args) != "default" else ""
     md = (f"# Engine decode step ({args.scale} 1.7B CustomVoice, {dtype}, {dev}{codec})\n\n" + "\n".join(table)
+          + "\n\nfloor: the bytes the step must read (weights once, each row's KV and codec state; perf/floor.py) "
+          f"at the H200's {H200_BYTES_PER_S / 1e12:.1f} TB/s"
           + f"\n\none graph replay per decode step: {one_launch}; graph == eager: {same}\n\n"
           + "First step after n arrivals on an idle engine (prefill + first frame; medians of 3; device times from"
           " the engine's CUDA events (wall clock on CPU), host = step wall − both):\n\n"
