@@ -89,6 +89,18 @@ class Timer:
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
+    def host(self, fn: Callable[[], None]) -> float:
+        """Median ms the host spends inside fn() alone, the device idle when each call starts (its work is
+        waited for only after the clock stops): for a graph replay, the cost of launching it."""
+        times = []
+        for _ in range(self.eager_iters):
+            self._sync()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        self._sync()
+        return statistics.median(times)
+
     def _sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
@@ -336,9 +348,11 @@ def _step_mode(engine: Engine, bs: int) -> str:
 
 
 def full_step(engine: Engine, bs: int, timer: Timer) -> dict:
-    """The engine's own step on the current meta rows: its captured graph and its eager body."""
+    """The engine's own step on the current meta rows: its captured graph and its eager body. For the graph also
+    `synced` (ms, wall clock of synchronize, replay, synchronize: the launch not hidden behind earlier work, as
+    in an engine step launched once the last one landed) and `launch` (ms of host time in the replay call)."""
     runner = engine.runner
-    r = dict(name="full_step", graph=None, eager=None, same=None)
+    r = dict(name="full_step", graph=None, eager=None, same=None, synced=None, launch=None)
     meta, tables = runner.buf.meta[:bs].clone(), runner.buf.tables[:bs].clone()
     mode = _step_mode(engine, bs)
 
@@ -349,7 +363,8 @@ def full_step(engine: Engine, bs: int, timer: Timer) -> dict:
     with torch.no_grad():
         if bs in runner.graph_buckets:
             restore()
-            r["graph"] = timer.graph(lambda: runner.run_step(bs, mode))
+            replay = lambda: runner.run_step(bs, mode)  # noqa: E731
+            r["graph"], r["synced"], r["launch"] = timer.graph(replay), timer.eager(replay), timer.host(replay)
         restore()
         r["eager"] = timer.eager(lambda: runner.decode_rows(bs, mode))
     return r
@@ -477,6 +492,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"uniforms + codec_frame) = {parts_sum:.3f} ms vs full_step {g['full_step']:.3f} ms; "
                       f"cp_generate - cp_passes ~ subtalker sampling in the CP = "
                       f"{g['cp_generate'] - g['cp_passes']:.3f} ms")
+        launched = parts["full_step"]
+        if launched["synced"] is not None:
+            md.append("")
+            md.append(f"full_step's graph: {launched['graph']:.3f} ms of device time with replays queued back to "
+                      f"back, {launched['synced']:.3f} ms synchronized (synchronize, replay, synchronize: its "
+                      f"launch exposed), {launched['launch']:.3f} ms of host time in the replay call")
         probe = overlap_probe(engine, bucket, args.iters, tuple(args.probe_sms))
         if probe is not None:
             lines = [f"overlap (frame work ‖ codec on a second stream, {args.iters} frames): serial "
