@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from q3tts.kernels.autotune import tuning_seconds
+
+START_LOG = logging.getLogger("q3tts.engine.start")  # a line per finished start phase, as it finishes (INFO)
 
 
 class PhaseClock:
@@ -80,12 +83,16 @@ class Startup:
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        """Time the phase `name`; `START_LOG` says when it ends (a cold GPU start takes minutes: an operator,
+        or a start timeout's log, sees how far it got)."""
         start, tuned = time.perf_counter(), tuning_seconds()
         try:
             yield
         finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
-            self.tuning_s += tuning_seconds() - tuned
+            took, tuning = time.perf_counter() - start, tuning_seconds() - tuned
+            self.phases[name] = self.phases.get(name, 0.0) + took
+            self.tuning_s += tuning
+            START_LOG.info("%s done in %.1f s (kernel tuning %.1f s of it)", name, took, tuning)
 
     def __str__(self) -> str:
         """E.g. "12.3 s (weights 4.1, codec 0.3, runner 0.2, decode graphs 7.7; kernel tuning 5.0 of it)", and

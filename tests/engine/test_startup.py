@@ -4,6 +4,7 @@ it; the engine records its phases (on CPU: no graphs)."""
 from __future__ import annotations
 
 import itertools
+import logging
 
 from q3tts.engine import Engine, EngineConfig, timing
 from q3tts.engine.timing import Startup
@@ -21,6 +22,20 @@ def test_each_phase_and_the_tuning_inside_it_add_up(monkeypatch):
     assert startup.phases == {"weights": 2.0, "graphs": 1.0}
     assert startup.tuning_s == 1.0
     assert str(startup) == "3.0 s (weights 2.0, graphs 1.0; kernel tuning 1.0 of it)"
+
+
+def test_each_phase_is_logged_as_it_ends(caplog):
+    caplog.set_level(logging.INFO, logger=timing.START_LOG.name)
+    startup = Startup()
+    with startup.phase("weights"):
+        assert caplog.messages == []  # not before it ends
+    assert len(caplog.messages) == 1 and caplog.messages[0].startswith("weights done in ")
+    try:
+        with startup.phase("graphs"):
+            raise RuntimeError("capture failed")
+    except RuntimeError:
+        pass
+    assert caplog.messages[1].startswith("graphs done in ")  # a failed phase says how long it ran too
 
 
 def test_the_engine_records_its_construction(tiny_ckpt):

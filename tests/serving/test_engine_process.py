@@ -101,6 +101,19 @@ def test_a_dead_child_is_a_device_fault(proc):
     assert not proc.alive()
 
 
+def test_the_child_logs_each_start_phase_as_it_ends(tiny_checkpoint, capfd):  # noqa: F811
+    engine = EngineProcess(str(tiny_checkpoint), CONFIG).start()
+    pid = engine.pid
+    try:
+        engine.wait_ready()
+    finally:
+        engine.close()
+    lines = [line for line in capfd.readouterr().err.splitlines() if f"engine process {pid}:" in line]
+    phases = [line.split("start: ")[1].split(" done in ")[0] for line in lines if " start: " in line]
+    assert phases == ["weights", "codec", "runner"], lines  # CPU: no graphs to capture
+    assert "engine up in" in lines[-1]
+
+
 def test_a_child_that_cannot_start_says_why(tmp_path):
     engine = EngineProcess(str(tmp_path / "missing"), CONFIG).start()
     with pytest.raises(RuntimeError, match="the engine process could not start: .*missing"):
