@@ -66,7 +66,7 @@ class StepBytes:
 
 
 def context_tokens(engine) -> int:
-    """Context tokens of the engine's running sequences (prompt + frames made), what their next step attends."""
-    return sum(s.prompt_len + s.num_frames for s in engine.scheduler.running)
+    """KV tokens the next step of the engine's running sequences attends (`Sequence.num_tokens` each)."""
+    return sum(s.num_tokens for s in engine.scheduler.running)
 
 

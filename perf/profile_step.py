@@ -79,24 +79,23 @@ class Timer:
     def eager(self, fn: Callable[[], None]) -> float:
         """Median ms of one synchronized eager call (wall clock: includes launch overhead)."""
         fn()
-        self._sync()
-        times = []
-        for _ in range(self.eager_iters):
-            self._sync()
-            t0 = time.perf_counter()
-            fn()
-            self._sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return self._wall(fn, wait=True)
 
     def host(self, fn: Callable[[], None]) -> float:
         """Median ms the host spends inside fn() alone, the device idle when each call starts (its work is
         waited for only after the clock stops): for a graph replay, the cost of launching it."""
+        return self._wall(fn, wait=False)
+
+    def _wall(self, fn: Callable[[], None], wait: bool) -> float:
+        """Median wall ms of fn() over `eager_iters` calls, each started on an idle device; the clock stops
+        after the device finished its work (`wait`) or when fn returns."""
         times = []
         for _ in range(self.eager_iters):
             self._sync()
             t0 = time.perf_counter()
             fn()
+            if wait:
+                self._sync()
             times.append((time.perf_counter() - t0) * 1e3)
         self._sync()
         return statistics.median(times)
