@@ -126,6 +126,14 @@ class EngineConfig:
                          by default until an H200 A/B: on the 2-core CPU (tiny checkpoint, 8 streams) the step
                          ahead takes the cores the serving loop routes with, and first audio came ~45 ms later
                          at p50 in 3 of 3 interleaved runs (perf/results/RESULTS.md)
+    steps_in_flight      decode steps launched ahead of the host, with the pipelined codec (ignored without it):
+                         1 (default) lands step t, then schedules and launches t+1, so the device idles for
+                         the host's turn between steps (landing t's frames, scheduling, packing t+1's rows:
+                         0.99 ms a step served at 64 streams on the H200, 049d4ed); 2 launches t+1 before it
+                         lands t (scheduled with t's frames counted as made: the slots' state is already on
+                         the device), so that turn runs while t+1 does. Same codes and audio either way; a
+                         row that ends at t (EOS) runs once more in t+1, its frame dropped; a request added
+                         while the engine waits for t starts with t+2, not t+1
     tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
                          `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
                          sources): an engine takes what it holds and writes back what it tuned, so an engine
@@ -167,6 +175,7 @@ class EngineConfig:
     batch_invariant: bool = False
     programmatic_launch: bool = False
     run_ahead: bool = False
+    steps_in_flight: int = 1
     tune_cache: str | None = None
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
@@ -203,6 +212,8 @@ class EngineConfig:
              f"tune_cache must be a file path or null, got {self.tune_cache!r}")
         need(self.codec_pipeline is None or isinstance(self.codec_pipeline, bool),
              f"codec_pipeline must be true, false or null, got {self.codec_pipeline!r}")
+        need(type(self.steps_in_flight) is int and self.steps_in_flight in (1, 2),
+             f"steps_in_flight must be 1 or 2, got {self.steps_in_flight!r}")
         for name in ("fused_code_predictor", "fused_talker", "codec_sms"):
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
                  f"{name} must be an int >= 0, got {getattr(self, name)!r}")

@@ -89,16 +89,19 @@ class DecodeMeta:
 
 
 OUTPUTS = ("frames", "c0_next", "pcm", "faults")  # the `GraphBuffers` fields a step hands to the host
+SIDES = 2  # host mirror sets, used by launches in turn: a step's outputs wait on the host while the next one runs
 
 
 @dataclass
 class GraphBuffers:
     """Static inputs/outputs of one decode step, sized for the largest bucket, and their host side.
 
-    On CUDA every field has a pinned host mirror (`host`): the step's metadata is packed into the mirrors
-    and copied up without blocking (`staging`, `load`), its outputs come back in one wait (`fetch`); one
-    event orders the host's reuse of a mirror after the copy that reads or fills it. On the CPU the
-    mirrors are the buffers themselves: nothing is copied."""
+    Every field has a host mirror on each of `SIDES` sides (pinned on CUDA), which launches use in turn, so
+    that the outputs of one step wait on the host while the next step is in flight: a launch packs its
+    metadata into its side's mirrors and copies it up without blocking (`staging`, `load`), and once its step
+    is enqueued copies the outputs down into the same side (`send_back`); `fetch` waits for that side's
+    copies. One event per side orders the host's reuse of a side after its copies. On the CPU the copies
+    run in line and there are no events."""
 
     meta: torch.Tensor      # [Bmax, 5] int64, rows of `DecodeColumns`
     tables: torch.Tensor    # [Bmax, P] int32 block tables
@@ -106,12 +109,13 @@ class GraphBuffers:
     c0_next: torch.Tensor   # [Bmax] int64 first code of the next frame (EOS = finished)
     pcm: torch.Tensor       # [Bmax, samples_per_frame] float32
     faults: torch.Tensor    # [Bmax] bool: the row's sampling scores were not finite (models/step.py)
-    host: dict[str, torch.Tensor]  # field -> its host mirror (pinned on CUDA, the field itself on CPU)
-    copied: torch.cuda.Event | None  # recorded after the last copy between mirrors and fields (CUDA)
-    arrays: dict[str, np.ndarray] = field(init=False, repr=False)  # the mirrors as numpy views
+    host: list[dict[str, torch.Tensor]]  # per side: field -> its host mirror
+    copied: list[torch.cuda.Event | None]  # per side: recorded after the last copy between its mirrors and the fields
+    side: int = 0  # the side the next launch uses
+    arrays: list[dict[str, np.ndarray]] = field(init=False, repr=False)  # the mirrors as numpy views
 
     def __post_init__(self) -> None:
-        self.arrays = {name: t.numpy() for name, t in self.host.items()}
+        self.arrays = [{name: t.numpy() for name, t in side.items()} for side in self.host]
 
     @classmethod
     def allocate(cls, max_batch: int, max_pages: int, groups: int, samples: int,
@@ -122,47 +126,52 @@ class GraphBuffers:
                       c0_next=torch.zeros(max_batch, dtype=torch.int64, device=device),
                       pcm=torch.zeros(max_batch, samples, dtype=torch.float32, device=device),
                       faults=torch.zeros(max_batch, dtype=torch.bool, device=device))
-        if device.type != "cuda":
-            return cls(**fields, host=fields, copied=None)
-        host = {name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=True) for name, t in fields.items()}
-        return cls(**fields, host=host, copied=torch.cuda.Event())
+        cuda = device.type == "cuda"
+        host = [{name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=cuda) for name, t in fields.items()}
+                for _ in range(SIDES)]
+        return cls(**fields, host=host, copied=[torch.cuda.Event() if cuda else None for _ in range(SIDES)])
 
     def staging(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host arrays (meta, tables) for rows [start, stop), to pack into before `load` (it waits for
-        the previous copy out of them)."""
-        self._wait()
-        return self.arrays["meta"][start:stop], self.arrays["tables"][start:stop]
+        """Host arrays (meta, tables) of the next launch's side for rows [start, stop), to pack into before
+        `load` (it waits for the side's last copies)."""
+        if self.copied[self.side] is not None:
+            self.copied[self.side].synchronize()
+        arrays = self.arrays[self.side]
+        return arrays["meta"][start:stop], arrays["tables"][start:stop]
 
     def load(self, start: int, stop: int) -> None:
         """Rows [start, stop) of the staged metadata to the device (copies that do not block the host)."""
-        if self.copied is None:
-            return
         for name in ("meta", "tables"):
-            getattr(self, name)[start:stop].copy_(self.host[name][start:stop], non_blocking=True)
+            getattr(self, name)[start:stop].copy_(self.host[self.side][name][start:stop], non_blocking=True)
         self._record()
 
-    def fetch(self, n: int, pcm: bool = True, while_waiting: WhileWaiting | None = None
+    def send_back(self, n: int, pcm: bool = True) -> int:
+        """Enqueue the copies of rows [:n] of the step's `OUTPUTS` (without `pcm`: all but pcm) into the launch's
+        side, once the step is enqueued; returns that side (`fetch` reads it) and passes to the next."""
+        side = self.side
+        for name in OUTPUTS:
+            if pcm or name != "pcm":
+                self.host[side][name][:n].copy_(getattr(self, name)[:n], non_blocking=True)
+        self._record()
+        self.side = (side + 1) % SIDES
+        return side
+
+    def fetch(self, side: int, n: int, pcm: bool = True, while_waiting: WhileWaiting | None = None
               ) -> tuple[np.ndarray, ...]:
-        """Rows [:n] of the step's `OUTPUTS` on the host, once the step has run (the one wait of a step):
-        views of the mirrors, valid until the next `fetch`; without `pcm`, pcm is [n, 0] (not copied).
+        """Rows [:n] of the `OUTPUTS` that `send_back` copied into `side`, once the step has run (the one wait of
+        a step): views of the mirrors, valid until that side's next launch; without `pcm`, pcm is [n, 0].
         `while_waiting(timeout_s)` is called until the step is done (on CPU, where it is, once)."""
-        names = [name for name in OUTPUTS if pcm or name != "pcm"]
-        if self.copied is not None:
-            for name in names:
-                self.host[name][:n].copy_(getattr(self, name)[:n], non_blocking=True)
-            self._record()
-            wait_for(self.copied, while_waiting)
+        if self.copied[side] is not None:
+            wait_for(self.copied[side], while_waiting)
         elif while_waiting is not None:
             while_waiting(0.0)
-        return tuple(self.arrays[name][:n] if name in names else np.zeros((n, 0), np.float32)
-                     for name in OUTPUTS)
+        arrays = self.arrays[side]
+        return tuple(arrays[name][:n] if pcm or name != "pcm" else np.zeros((n, 0), np.float32) for name in OUTPUTS)
 
     def _record(self) -> None:
-        self.copied.record(torch.cuda.current_stream(self.meta.device))  # the stream the copies ran on
-
-    def _wait(self) -> None:
-        if self.copied is not None:
-            self.copied.synchronize()
+        event = self.copied[self.side]
+        if event is not None:
+            event.record(torch.cuda.current_stream(self.meta.device))  # the stream the copies ran on
 
 
 class GraphRunner:

@@ -15,6 +15,7 @@ step's device work that leaves the device usable ends only the sequences that fa
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,14 +78,14 @@ class Engine(RequestIntake):
                                  lambda voice: self.inputs.prepare(voice, self.runner.prime_state))
         self.preparer = Preparer(self.inputs.encode, self.voices.get_or_prepare)
         self._outbox: list[StepOutput] = []  # finished outputs produced between steps (abort, errors)
-        self._flight: _Flight | None = None  # pipelined: the decode step launched and not landed yet
+        self._flights: deque[_Flight] = deque()  # pipelined: the decode steps launched and not landed yet
         self._unheard: list[tuple[int, StepOutput]] | None = None  # landed outputs (row, output) without pcm
         self.num_steps = 0
         self.clock = PhaseClock(self.runner.device)
         self.times = StepTimes()
         # the device idle between steps (`StepTimes.add_gap`): the last stamp of the previous step's device work
         # (None when that step had none or the engine ran out of work), and (that stamp, the next step's first)
-        # once the next step has one, resolved when both are reached (`_observe`)
+        # once the next step has one, resolved when both are reached (`_observe`, at the step's landing)
         self._last_end = None
         self._gap: tuple | None = None
 
@@ -106,10 +107,13 @@ class Engine(RequestIntake):
         Pipelined, the step first waits for the step in flight to finish on the device; `while_waiting`
         (timeout_s) is called meanwhile, and may add, feed, end and abort sequences (this step admits them).
         It is called again while the step, its next one launched, waits for the landed frames' audio (the
-        next step admits what it adds then)."""
-        self._admit_prepared(idle=not (self.scheduler.has_work() or self._outbox or self._flight))
+        next step admits what it adds then). With `steps_in_flight` 2 the step launches its decode step first
+        and then waits for the one the last call launched (what `while_waiting` adds, the next call admits)."""
+        self._admit_prepared(idle=not (self.scheduler.has_work() or self._outbox or self._flights))
         outputs, self._outbox = self._outbox, []
-        outputs += self._land(while_waiting)  # pipelined: the frames of the step the last call launched
+        ahead = self.config.steps_in_flight > 1
+        if not ahead:
+            outputs += self._land(while_waiting)  # pipelined: the frames of the step the last call launched
         started, decode, victims = self.scheduler.schedule()
         outputs += [seq.final_output() for seq in victims]
         t_prefill = self.clock.stamp() if started else None
@@ -124,11 +128,18 @@ class Engine(RequestIntake):
             self._last_end = None
         elif self._last_end is not None:
             self._gap = (self._last_end, t_first)
-        if not (decode and self.runner.audio is not None and self._launch(decode, started, t_prefill, t_decode)):
+        launched = bool(decode) and self.runner.audio is not None and self._launch(decode, started, t_prefill,
+                                                                                   t_decode)
+        if ahead and (len(self._flights) > 1 or not launched):
+            outputs += self._land(while_waiting)  # the frames of the step the last call launched
+        if not launched:
             self._hear()  # the landed frames' audio first: the synchronous step below collects its own
+            decode = [s for s in decode if s.status is Status.RUNNING]  # not ended as a step in flight landed
             if decode:
                 outputs += self._decode(decode)
-            self._observe(started, t_prefill, t_decode, self.clock.stamp() if decode else None)
+            t_end = self.clock.stamp() if decode else None
+            self._observe(started, t_prefill, t_decode, t_end, self._take_gap())
+            self._last_end = t_decode if t_end is None else t_end
         self._hear(while_waiting)
         outputs += self._outbox
         self._outbox = []
@@ -140,14 +151,16 @@ class Engine(RequestIntake):
             self._last_end = None
         return outputs
 
-    def _observe(self, started: list[Sequence], t_prefill, t_decode, t_end) -> None:
+    def _take_gap(self):
+        gap, self._gap = self._gap, None
+        return gap
+
+    def _observe(self, started: list[Sequence], t_prefill, t_decode, t_end, gap) -> None:
         """A step's device times (stamps; `t_end` None: it had no decode) into the totals and the scheduler.
-        The prefill is complete once a decode followed (its host copy waited for it). Also resolves the
-        gap before this step (both its stamps are reached by now)."""
-        if self._gap is not None:
-            self.times.add_gap(self.clock.seconds(*self._gap))
-            self._gap = None
-        self._last_end = t_decode if t_end is None else t_end
+        The prefill is complete once a decode followed (its host copy waited for it). Also resolves `gap`,
+        the device's idle before this step (stamps, or None), both reached by now."""
+        if gap is not None:
+            self.times.add_gap(self.clock.seconds(*gap))
         decode_s = prefill_s = None
         if t_end is not None:
             decode_s = self.clock.seconds(t_decode, t_end)
@@ -196,7 +209,7 @@ class Engine(RequestIntake):
 
     def _launch(self, seqs: list[Sequence], started: list[Sequence], t_prefill, t_decode) -> bool:
         """Pipelined (`EngineConfig.codec_pipeline`): start the decode step of `seqs` and return; its frames
-        land at the next step, their audio when the codec is done (`_land`, `_hear`). False when a row's
+        land at a later step, their audio when the codec is done (`_land`, `_hear`). False when a row's
         metadata failed (it is packed before anything runs): the step then runs synchronously, each row
         isolated. The replays themselves fail only with device faults, which propagate."""
         self._inject_fault(seqs)
@@ -206,17 +219,24 @@ class Engine(RequestIntake):
             if is_device_fault(exc, self.runner.device):
                 raise
             return False
-        self._flight = _Flight(seqs, started, t_prefill, t_decode, self.clock.stamp())
+        for seq in seqs:
+            seq.in_flight += 1
+        flight = _Flight(seqs, started, t_prefill, t_decode, self.clock.stamp(), self._take_gap())
+        self._flights.append(flight)
+        self._last_end = flight.t_end
         return True
 
     def _land(self, while_waiting: WhileWaiting | None) -> list[StepOutput]:
-        """The outputs of the step in flight (none: []), their pcm attached by `_hear` before the step
-        returns; a sequence that ended meanwhile (aborted, also from `while_waiting`) drops its frame."""
-        flight, self._flight = self._flight, None
-        if flight is None:
+        """The outputs of the oldest step in flight (none: []), their pcm attached by `_hear` before the step
+        returns; a sequence that ended meanwhile (aborted, also from `while_waiting`, or at EOS in an earlier
+        step in flight) drops its frame."""
+        if not self._flights:
             return []
-        out = self.runner.land(len(flight.seqs), while_waiting)
-        self._observe(flight.started, flight.t_prefill, flight.t_decode, flight.t_end)
+        flight = self._flights.popleft()
+        out = self.runner.land(while_waiting)
+        for seq in flight.seqs:
+            seq.in_flight -= 1
+        self._observe(flight.started, flight.t_prefill, flight.t_decode, flight.t_end, flight.gap)
         self._unheard = self._frame_outputs(flight.seqs, _row_results(out))
         return [out for _, out in self._unheard]
 
@@ -236,7 +256,7 @@ class Engine(RequestIntake):
             inject_device_fault(self.runner.device)
 
     def _rows(self, seqs: list[Sequence]) -> list[DecodeRow]:
-        return [DecodeRow(s.slot, s.prompt_len + s.num_frames, s.num_frames, self.scheduler.kv.pages(s.seq_id))
+        return [DecodeRow(s.slot, s.prompt_len + s.next_frame, s.next_frame, self.scheduler.kv.pages(s.seq_id))
                 for s in seqs]
 
     def _frame_outputs(self, seqs: list[Sequence], results: list) -> list[tuple[int, StepOutput]]:
@@ -244,7 +264,7 @@ class Engine(RequestIntake):
         ends its sequence (reason 'error') without its frame; EOS or the frame cap finish it."""
         outputs = []
         for row, (seq, result) in enumerate(zip(seqs, results)):
-            if seq.status is not Status.RUNNING:  # pipelined: aborted while its frame was in flight
+            if seq.status is not Status.RUNNING:  # pipelined: ended while its frame was in flight
                 continue
             if isinstance(result, Exception):
                 self._finish(seq, "error", step_error("decode", seq.num_frames))
@@ -270,7 +290,7 @@ class Engine(RequestIntake):
 
     def has_work(self) -> bool:
         return (self.scheduler.has_work() or bool(self._outbox) or bool(self.preparer)
-                or self._flight is not None)
+                or bool(self._flights))
 
     def stats(self) -> dict[str, Any]:
         sch = self.scheduler
@@ -299,6 +319,7 @@ class _Flight:
     t_prefill: Any           # PhaseClock stamps: prefill start, decode start, after the launch
     t_decode: Any
     t_end: Any
+    gap: tuple | None        # (stamps) the device's idle before it, resolved at its landing
 
 
 __all__ = ["Engine", "EngineConfig"]

@@ -16,7 +16,9 @@ decode bucket like a decode step. One decode step (`decode_rows`), for rows [:bu
 
 With `EngineConfig.codec_pipeline` the codec runs one step behind instead (engine/audio_pipeline.py).
 The host's part of a step: `launch` packs the rows' metadata into pinned memory, copies it up without
-blocking and replays; `land` brings the outputs back in one wait; pipelined, `collect_audio` the audio.
+blocking, replays and queues the outputs' copy down; `land` waits for them (one wait); pipelined,
+`collect_audio` the audio. Two steps may be in flight (`EngineConfig.steps_in_flight`): each launch has its
+own side of the host buffers.
 
 A row whose sampling scores went non-finite (its prefill draw or any draw of a step) drew id 0 there (the
 finite guard of models/sampling.py) and is reported in `DecodeOutput.faults`: the engine ends that sequence.
@@ -30,6 +32,7 @@ variant (`PrefillGraphs`); the eager `prefill_batch` serves the rest.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -45,7 +48,7 @@ from q3tts.models.transfer import upload
 
 from .audio_pipeline import AudioPipeline
 from .config import EngineConfig
-from .cuda_graph import DecodeMeta, DecodeRow, GraphBuffers, GraphRunner, WhileWaiting
+from .cuda_graph import SIDES, DecodeMeta, DecodeRow, GraphBuffers, GraphRunner, WhileWaiting
 from .prefill_graph import PrefillGraphs, token_buckets
 from .slots import SlotState
 from .timing import Startup
@@ -108,6 +111,7 @@ class ModelRunner:
         self.max_batch = max(config.max_graph_batch, config.max_slots)
         self.buf = GraphBuffers.allocate(self.max_batch, max_pages, self.groups,
                                          max(self.samples_per_frame, 1), self.device)
+        self._in_flight: deque[tuple[int, int]] = deque()  # steps launched, not landed: (buffer side, rows)
         self.audio = (AudioPipeline(codec, self.max_batch, self.groups, self.dummy_slot, self.device,
                                     config.codec_sms) if pipelined else None)
         # captured decode steps per sampling mode: TOPK (every row allows it) and FULL (the reference)
@@ -288,30 +292,36 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, rows: list[DecodeRow]) -> DecodeOutput:
-        """One decode step for `rows`, its audio included; its results on the host, valid until the next
-        decode (no copy on the CPU: views of the step's buffers)."""
+        """One decode step for `rows`, its audio included (none may be in flight); its results on the host,
+        valid until the launch after next."""
         self.launch(rows)
-        out = self.land(len(rows))
+        out = self.land()
         return out if self.audio is None else out._replace(pcm=self.audio.collect())
 
     @torch.no_grad()
     def launch(self, rows: list[DecodeRow]) -> None:
         """Start one decode step for `rows` without waiting for it (`land` waits); pipelined, its audio
-        too, on the codec's stream (`collect_audio`). A row's metadata is packed before anything runs."""
+        too, on the codec's stream (`collect_audio`). A row's metadata is packed before anything runs. Up to
+        `GraphBuffers` SIDES steps may be in flight: the next one's inputs are the slots' state as this one
+        leaves it (stream order)."""
         n = len(rows)
         bucket = self.config.bucket_for(n) if n <= self.max_batch else None
         bucket = bucket if bucket is not None and bucket <= self.max_batch else n
+        if len(self._in_flight) == SIDES:
+            raise RuntimeError("ModelRunner: land the steps in flight first")
         if self.audio is not None:
             self.audio.before_step()
         self._load(0, bucket, rows)
         self.run_step(bucket, self.step_mode([r.slot for r in rows]))
         self.num_decode_steps += 1
+        self._in_flight.append((self.buf.send_back(n, self.codec is not None and self.audio is None), n))
         if self.audio is not None:
             self.audio.launch(bucket, n, DecodeMeta.columns(self.buf.meta).slot, self.buf.frames)
 
-    def land(self, n: int, while_waiting: WhileWaiting | None = None) -> DecodeOutput:
-        """The launched step's results for its `n` rows, once it has run (`while_waiting`: GraphBuffers.fetch)."""
-        return DecodeOutput(*self.buf.fetch(n, self.codec is not None and self.audio is None, while_waiting))
+    def land(self, while_waiting: WhileWaiting | None = None) -> DecodeOutput:
+        """The results of the oldest step in flight, once it has run (`while_waiting`: GraphBuffers.fetch)."""
+        side, n = self._in_flight.popleft()
+        return DecodeOutput(*self.buf.fetch(side, n, self.codec is not None and self.audio is None, while_waiting))
 
     def collect_audio(self, while_waiting: WhileWaiting | None = None) -> np.ndarray:
         """Pipelined: pcm [n, samples] of the oldest launched step not collected yet (waits for it, running

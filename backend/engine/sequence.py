@@ -40,7 +40,8 @@ class Sequence:
     piece: int = 0                 # prompt rows this step prefills (set by the scheduler; 0: none)
     status: Status = Status.WAITING
     slot: int = -1
-    num_frames: int = 0            # frames made so far
+    num_frames: int = 0            # frames made so far (landed on the host)
+    in_flight: int = 0             # frames of it in decode steps launched and not landed yet
     prompt_ready: bool = False     # the prefill input is built and fits (set by the engine)
     ready_at: float = 0.0          # time.monotonic() when prompt_ready was set (queue-wait metric)
     playing_since: float | None = None  # when its first frame came out (the scheduler's clock)
@@ -53,9 +54,14 @@ class Sequence:
     codec_state: Any = None        # Base ICL: its codec stream primed off the engine thread (Preparer)
 
     @property
+    def next_frame(self) -> int:
+        """The index of the frame its next decode step makes (its frames in flight counted as made)."""
+        return self.num_frames + self.in_flight
+
+    @property
     def num_tokens(self) -> int:
         """Talker KV tokens after the next decode step (the prompt + one token per frame step)."""
-        return self.prompt_len + self.num_frames + 1
+        return self.prompt_len + self.next_frame + 1
 
     @property
     def frame_cap(self) -> int:
@@ -102,8 +108,9 @@ class Sequence:
 
     @property
     def is_decodable(self) -> bool:
-        """The next frame's trailing text is known (or can only be padding): it may step now."""
-        return self.feed.covers(self.num_frames)
+        """It may step now: the next frame is within its cap (with frames in flight it may not be), and that
+        frame's trailing text is known (or can only be padding)."""
+        return self.next_frame < self.frame_cap and self.feed.covers(self.next_frame)
 
     def final_output(self) -> StepOutput:
         """The output that ends a finished sequence without a frame (abort, error, pool exhaustion)."""

@@ -26,9 +26,13 @@ def _requests(speaker) -> list[dict]:
     return reqs + [req("inc", speaker, start=1, mode="incremental", seed=42, max_frames=10)]
 
 
+FLOWS = {"sync": dict(codec_pipeline=False), "pipelined": dict(codec_pipeline=True),
+         "ahead": dict(codec_pipeline=True, steps_in_flight=2)}  # ahead: two decode steps in flight
+
+
 @pytest.fixture(scope="module")
-def engines(tiny_ckpt) -> dict[bool, Engine]:
-    return {on: Engine(tiny_ckpt, dataclasses.replace(CFG, codec_pipeline=on)) for on in (False, True)}
+def engines(tiny_ckpt) -> dict[str, Engine]:
+    return {flow: Engine(tiny_ckpt, dataclasses.replace(CFG, **kw)) for flow, kw in FLOWS.items()}
 
 
 def _steps_with_pauses(engine: Engine, r: dict, pause_s: float) -> None:
@@ -38,11 +42,11 @@ def _steps_with_pauses(engine: Engine, r: dict, pause_s: float) -> None:
         time.sleep(pause_s)
 
 
-@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
-def test_step_gaps_are_the_device_idle_between_steps_while_there_is_work(engines, speaker, pipelined):
+@pytest.mark.parametrize("flow", FLOWS)
+def test_step_gaps_are_the_device_idle_between_steps_while_there_is_work(engines, speaker, flow):
     """A gap per decode step after the first of a run (the caller's pause between steps is in it: on CPU the
     stamps are wall time); none across the second wait, the engine having no work then."""
-    engine = engines[pipelined]
+    engine = engines[flow]
     before = engine.stats()
     _steps_with_pauses(engine, req("g1", speaker, seed=1, max_frames=4), 0.01)
     time.sleep(1.0)  # idle: no gap
@@ -54,20 +58,107 @@ def test_step_gaps_are_the_device_idle_between_steps_while_there_is_work(engines
     baseline(engine)
 
 
-def test_pipelined_engine_makes_the_synchronous_engines_codes_and_audio(engines, speaker):
-    assert engines[False].runner.audio is None and engines[True].runner.audio is not None
-    want = run(engines[False], _requests(speaker))
-    got = run(engines[True], _requests(speaker))
+@pytest.mark.parametrize("flow", ["pipelined", "ahead"])
+def test_pipelined_engine_makes_the_synchronous_engines_codes_and_audio(engines, speaker, flow):
+    assert engines["sync"].runner.audio is None and engines[flow].runner.audio is not None
+    want = run(engines["sync"], _requests(speaker))
+    got = run(engines[flow], _requests(speaker))
     assert sorted(got) == sorted(want)
     for rid, (codes, pcm, reason) in want.items():
         assert np.array_equal(got[rid][0], codes), rid
         assert got[rid][1].shape == pcm.shape and np.array_equal(got[rid][1], pcm), rid
         assert got[rid][2] == reason, rid
-    baseline(engines[True])
+    baseline(engines[flow])
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for rid, (codes, pcm, reason) in want.items():
+        assert np.array_equal(got[rid][0], codes) and np.array_equal(got[rid][1], pcm), rid
+        assert got[rid][2] == reason, rid
+
+
+def test_two_steps_in_flight_launch_the_next_step_before_the_last_one_lands(engines, speaker):
+    """steps_in_flight=2: while a call waits for the frames of the step the last call launched, its own step is
+    launched already (with 1: not yet); the frames still land one call after their launch."""
+    launched_while_landing = {}
+    for flow in ("pipelined", "ahead"):
+        engine = engines[flow]
+        r = req("a", speaker, greedy=True, max_frames=3)
+        engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
+        assert engine.step() == []  # prefill + the first frame launched
+        before = engine.runner.num_decode_steps
+        seen = []
+        first = engine.step(lambda timeout_s: seen.append(engine.runner.num_decode_steps - before))
+        launched_while_landing[flow] = seen[0]
+        assert [(o.seq_id, o.codes.shape) for o in first] == [("a", (1, 16))]
+        while engine.has_work():
+            engine.step()
+        baseline(engine)
+    assert launched_while_landing == {"pipelined": 0, "ahead": 1}
+
+
+def test_a_row_that_ends_at_eos_runs_once_more_and_its_frame_is_dropped(engines, speaker, monkeypatch):
+    """Two steps in flight: the step after a row's EOS was launched before the EOS landed; its frame is dropped,
+    the slot and pages it wrote go to waiting sequences, and every sequence's codes, audio and end are the
+    synchronous engine's. The EOS id is taken as a code that the sequences' first codebook makes mid-stream
+    (random weights never draw the real one), so several end on it while others wait for their slots."""
+    reqs = _requests(speaker)
+    first = {rid: codes[:, 0] for rid, (codes, _, _) in run(engines["sync"], reqs).items()}
+    counts = np.bincount(np.concatenate([c[1:] for c in first.values()]))
+    eos = int(np.argmax(counts))
+    ends = [rid for rid, c in first.items() if eos in c[1:]]
+    assert len(ends) >= 2, f"code {eos} ends only {ends}"
+    runs, rows = {}, {}
+    for flow in ("sync", "ahead"):
+        runner, launch = engines[flow].runner, engines[flow].runner.launch
+        rows[flow] = []
+        monkeypatch.setattr(engines[flow], "codec_eos_id", eos)
+        monkeypatch.setattr(runner, "launch", lambda decode_rows, launch=launch, flow=flow: (
+            rows[flow].append(len(decode_rows)), launch(decode_rows))[1])
+        runs[flow] = run(engines[flow], _requests(speaker))
+        baseline(engines[flow])
+    assert [rid for rid, (_, _, reason) in runs["sync"].items() if reason[0] == "eos"] == ends
+    _assert_same(runs["ahead"], runs["sync"])
+    assert sum(rows["ahead"]) == sum(rows["sync"]) + len(ends)  # one more row for each end at EOS
+
+
+def test_calls_made_while_two_steps_are_in_flight(engines, speaker):
+    """steps_in_flight=2: a sequence added while a step waits for its flight starts at the next call, one
+    aborted there ends once and drops its frames in flight (two of them), and the others' codes and audio are
+    the synchronous engine's."""
+    reqs = [req("playing", speaker, seed=3, max_frames=5), req("new", speaker, seed=5, max_frames=3),
+            req("gone", speaker, seed=4, max_frames=5)]
+    want = {rid: v for r in reqs[:2] for rid, v in run(engines["sync"], [r]).items()}
+    engine = engines["ahead"]
+    for r in (reqs[0], reqs[2]):
+        engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
+    outs = engine.step()  # prefilled, their first frames in flight
+    calls = []
+
+    def while_waiting(timeout_s):
+        calls.append(timeout_s)
+        if len(calls) == 1:
+            assert engine.runner.num_decode_steps == steps + 2  # the second frames are in flight too
+            engine.add(reqs[1]["id"], reqs[1]["voice"], reqs[1]["sampling"], reqs[1]["text"], True)
+            engine.abort("gone")
+
+    steps = engine.runner.num_decode_steps - 1
+    outs += engine.step(while_waiting)
+    assert calls and engine.stats()["queued"] == 1  # "new" waits for the next call
+    while engine.has_work():
+        outs += engine.step()
+    gone = [o for o in outs if o.seq_id == "gone"]
+    assert [(o.codes.shape[0], o.finished, o.reason) for o in gone] == [(0, True, "aborted")]
+    for rid in ("playing", "new"):
+        mine = [o for o in outs if o.seq_id == rid]
+        assert np.array_equal(np.concatenate([o.codes for o in mine]), want[rid][0]), rid
+        assert np.array_equal(np.concatenate([o.pcm for o in mine]), want[rid][1]), rid
+    baseline(engine)
 
 
 def test_frames_land_at_the_next_step_with_their_audio(engines, speaker):
-    engine = engines[True]
+    engine = engines["pipelined"]
     r = req("a", speaker, greedy=True, max_frames=2)
     engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
     assert engine.step() == []  # prefill + the first frame launched
@@ -87,8 +178,8 @@ def test_abort_while_a_frame_is_in_flight(engines, speaker):
     """The aborted sequence ends once ('aborted') and its frame in flight is dropped; the other sequence's
     codes and audio are those of the synchronous engine; nothing leaks."""
     reqs = [req("keep", speaker, seed=3, max_frames=6), req("drop", speaker, seed=4, max_frames=6)]
-    want = run(engines[False], [reqs[0]])["keep"]
-    engine = engines[True]
+    want = run(engines["sync"], [reqs[0]])["keep"]
+    engine = engines["pipelined"]
     for r in reqs:
         engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
     outs = engine.step() + engine.step()  # the first frames land; the second ones are in flight
@@ -109,8 +200,8 @@ def test_calls_made_while_a_step_waits_for_its_flight_join_that_step(engines, sp
     other output is what the synchronous engine makes."""
     reqs = [req("playing", speaker, seed=3, max_frames=5), req("new", speaker, seed=5, max_frames=3),
             req("gone", speaker, seed=4, max_frames=5)]
-    want = {rid: v for r in reqs[:2] for rid, v in run(engines[False], [r]).items()}
-    engine = engines[True]
+    want = {rid: v for r in reqs[:2] for rid, v in run(engines["sync"], [r]).items()}
+    engine = engines["pipelined"]
     for r in (reqs[0], reqs[2]):
         engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
     outs = engine.step()  # prefilled, their first frames in flight
@@ -156,8 +247,8 @@ def test_calls_made_while_a_step_waits_for_its_audio_run_then(engines, speaker):
     step is launched): a sequence aborted there keeps the frame that landed (then ends 'aborted'); the other
     sequence's codes and audio are the synchronous engine's."""
     reqs = [req("stays", speaker, seed=3, max_frames=5), req("leaves", speaker, seed=4, max_frames=5)]
-    want = run(engines[False], [reqs[0]])["stays"]
-    engine = engines[True]
+    want = run(engines["sync"], [reqs[0]])["stays"]
+    engine = engines["pipelined"]
     for r in reqs:
         engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
     outs = engine.step()  # prefilled, their first frames in flight
@@ -193,13 +284,16 @@ def test_codec_pipeline_setting():
     for bad in (-1, 8.0, True, "64"):
         with pytest.raises(ValueError, match="codec_sms must be an int >= 0"):
             EngineConfig(codec_sms=bad)
+    for bad in (0, 3, 2.0, True):
+        with pytest.raises(ValueError, match="steps_in_flight must be 1 or 2"):
+            EngineConfig(steps_in_flight=bad)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("invariant", [True, False], ids=["batch_invariant", "default"])
 def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_dir, speaker, invariant):
-    """CUDA graphs, bf16: the codec graphs one step behind (the default) give the codes of the codec inside
-    the step, and its audio: bit for bit under batch_invariant (the same kernels, no per-engine choice);
+    """CUDA graphs, bf16: the codec graphs one step behind (the default; also with two steps in flight) give the
+    codes of the codec inside the step, and its audio: bit for bit under batch_invariant (the same kernels, no per-engine choice);
     by default each engine times Triton against cuDNN per codec conv shape, so their audio may differ by
     the rounding of another conv algorithm: at most 2 bf16 steps of a sample (|pcm| <= 1)."""
     if not torch.cuda.is_available():
@@ -207,19 +301,21 @@ def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_
     cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True,
                               graph_batch_sizes=(1, 2, 4, 8), batch_invariant=invariant)
     results = {}
-    for on in (False, None):
-        engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, codec_pipeline=on))
-        assert (engine.runner.audio is not None) == (on is None)
-        results[on] = run(engine, _requests(speaker))
+    for flow, kw in {"sync": dict(codec_pipeline=False), "pipelined": {},
+                     "ahead": dict(steps_in_flight=2)}.items():  # ahead: two steps in flight
+        engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, **kw))
+        assert (engine.runner.audio is not None) == (flow != "sync")
+        results[flow] = run(engine, _requests(speaker))
         assert engine.runner.num_graph_replays > 0
         baseline(engine)
         del engine
     bound = 0.0 if invariant else 2 * 2.0 ** -8  # bf16 has 8 significand bits: a step is <= 2^-8 below 1
-    for rid, (codes, pcm, reason) in results[False].items():
-        got = results[None][rid]
-        assert np.array_equal(got[0], codes) and got[2] == reason, rid
-        worst = np.abs(got[1] - pcm).max()
-        assert got[1].shape == pcm.shape and worst <= bound, f"{rid}: audio differs by up to {worst}"
+    for flow in ("pipelined", "ahead"):
+        for rid, (codes, pcm, reason) in results["sync"].items():
+            got = results[flow][rid]
+            assert np.array_equal(got[0], codes) and got[2] == reason, (flow, rid)
+            worst = np.abs(got[1] - pcm).max()
+            assert got[1].shape == pcm.shape and worst <= bound, f"{flow} {rid}: audio differs by up to {worst}"
 
 
 @pytest.mark.gpu
