@@ -237,9 +237,10 @@ def test_the_child_runs_the_next_step_ahead_and_answers_the_next_step_call_with_
 
 
 @pytest.fixture(scope="module")
-def both(tiny_checkpoint):  # noqa: F811
-    """Two engine processes: run_ahead off, on."""
-    engines = [EngineProcess(str(tiny_checkpoint), {**CONFIG, "run_ahead": on}).start() for on in (False, True)]
+def flows(tiny_checkpoint):  # noqa: F811
+    """Three engine processes: run_ahead off, on, and with two decode steps in flight (pipelined codec)."""
+    configs = [{"run_ahead": False}, {"run_ahead": True}, {"codec_pipeline": True, "steps_in_flight": 2}]
+    engines = [EngineProcess(str(tiny_checkpoint), {**CONFIG, **config}).start() for config in configs]
     for engine in engines:
         engine.wait_ready()
     yield engines
@@ -260,17 +261,19 @@ def _stream(engine, seq_id, speaker, pieces: list[str], sampling: SamplingParams
     return outputs
 
 
-def test_a_child_that_runs_ahead_gives_the_same_audio(both):
-    """run_ahead changes when the steps run, not what they make: a sequence fed in pieces between steps (with
-    the child ahead, its text and end come while a step runs) gives the same codes and PCM, bit for bit."""
-    speaker = sorted(both[0].checkpoint.config.talker.speaker_ids)[0]
+def test_a_child_that_runs_ahead_gives_the_same_audio(flows):
+    """run_ahead and steps_in_flight change when the steps run, not what they make: a sequence fed in pieces
+    between steps (with the child ahead, or a step in flight, its text and end come while a step runs) gives
+    the same codes and PCM, bit for bit."""
+    speaker = sorted(flows[0].checkpoint.config.talker.speaker_ids)[0]
     sampling = SamplingParams(seed=7, max_frames=12)
     pieces = ["Hello there, ", "this text ", "comes in ", "pieces."]
-    runs = [_stream(engine, "pieces", speaker, pieces, sampling) for engine in both]
-    (codes, pcm), (codes_ahead, pcm_ahead) = ((np.concatenate([o.codes for o in run]),
-                                              np.concatenate([o.pcm for o in run])) for run in runs)
-    assert len(codes) > 1 and runs[1][-1].finished
-    assert np.array_equal(codes, codes_ahead) and np.array_equal(pcm, pcm_ahead)
+    runs = [_stream(engine, "pieces", speaker, pieces, sampling) for engine in flows]
+    (codes, pcm), *others = ((np.concatenate([o.codes for o in run]), np.concatenate([o.pcm for o in run]))
+                             for run in runs)
+    assert len(codes) > 1 and all(run[-1].finished for run in runs)
+    for other_codes, other_pcm in others:
+        assert np.array_equal(codes, other_codes) and np.array_equal(pcm, other_pcm)
 
 
 def test_a_device_fault_in_a_step_run_ahead_answers_the_next_call(tiny_checkpoint, monkeypatch):  # noqa: F811
