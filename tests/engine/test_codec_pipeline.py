@@ -78,26 +78,6 @@ def _assert_same(got: dict, want: dict) -> None:
         assert got[rid][2] == reason, rid
 
 
-def test_two_steps_in_flight_launch_the_next_step_before_the_last_one_lands(engines, speaker):
-    """steps_in_flight=2: while a call waits for the frames of the step the last call launched, its own step is
-    launched already (with 1: not yet); the frames still land one call after their launch."""
-    launched_while_landing = {}
-    for flow in ("pipelined", "ahead"):
-        engine = engines[flow]
-        r = req("a", speaker, greedy=True, max_frames=3)
-        engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
-        assert engine.step() == []  # prefill + the first frame launched
-        before = engine.runner.num_decode_steps
-        seen = []
-        first = engine.step(lambda timeout_s: seen.append(engine.runner.num_decode_steps - before))
-        launched_while_landing[flow] = seen[0]
-        assert [(o.seq_id, o.codes.shape) for o in first] == [("a", (1, 16))]
-        while engine.has_work():
-            engine.step()
-        baseline(engine)
-    assert launched_while_landing == {"pipelined": 0, "ahead": 1}
-
-
 def test_a_row_that_ends_at_eos_runs_once_more_and_its_frame_is_dropped(engines, speaker, monkeypatch):
     """Two steps in flight: the step after a row's EOS was launched before the EOS landed; its frame is dropped,
     the slot and pages it wrote go to waiting sequences, and every sequence's codes, audio and end are the
@@ -123,42 +103,9 @@ def test_a_row_that_ends_at_eos_runs_once_more_and_its_frame_is_dropped(engines,
     assert sum(rows["ahead"]) == sum(rows["sync"]) + len(ends)  # one more row for each end at EOS
 
 
-def test_calls_made_while_two_steps_are_in_flight(engines, speaker):
-    """steps_in_flight=2: a sequence added while a step waits for its flight starts at the next call, one
-    aborted there ends once and drops its frames in flight (two of them), and the others' codes and audio are
-    the synchronous engine's."""
-    reqs = [req("playing", speaker, seed=3, max_frames=5), req("new", speaker, seed=5, max_frames=3),
-            req("gone", speaker, seed=4, max_frames=5)]
-    want = {rid: v for r in reqs[:2] for rid, v in run(engines["sync"], [r]).items()}
-    engine = engines["ahead"]
-    for r in (reqs[0], reqs[2]):
-        engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
-    outs = engine.step()  # prefilled, their first frames in flight
-    calls = []
-
-    def while_waiting(timeout_s):
-        calls.append(timeout_s)
-        if len(calls) == 1:
-            assert engine.runner.num_decode_steps == steps + 2  # the second frames are in flight too
-            engine.add(reqs[1]["id"], reqs[1]["voice"], reqs[1]["sampling"], reqs[1]["text"], True)
-            engine.abort("gone")
-
-    steps = engine.runner.num_decode_steps - 1
-    outs += engine.step(while_waiting)
-    assert calls and engine.stats()["queued"] == 1  # "new" waits for the next call
-    while engine.has_work():
-        outs += engine.step()
-    gone = [o for o in outs if o.seq_id == "gone"]
-    assert [(o.codes.shape[0], o.finished, o.reason) for o in gone] == [(0, True, "aborted")]
-    for rid in ("playing", "new"):
-        mine = [o for o in outs if o.seq_id == rid]
-        assert np.array_equal(np.concatenate([o.codes for o in mine]), want[rid][0]), rid
-        assert np.array_equal(np.concatenate([o.pcm for o in mine]), want[rid][1]), rid
-    baseline(engine)
-
-
-def test_frames_land_at_the_next_step_with_their_audio(engines, speaker):
-    engine = engines["pipelined"]
+@pytest.mark.parametrize("flow", ["pipelined", "ahead"])
+def test_frames_land_at_the_next_step_with_their_audio(engines, speaker, flow):
+    engine = engines[flow]
     r = req("a", speaker, greedy=True, max_frames=2)
     engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
     assert engine.step() == []  # prefill + the first frame launched
@@ -194,29 +141,31 @@ def test_abort_while_a_frame_is_in_flight(engines, speaker):
     baseline(engine)
 
 
-def test_calls_made_while_a_step_waits_for_its_flight_join_that_step(engines, speaker):
-    """`step(while_waiting)`: the hook runs while the step waits for the frames in flight, before admission; a
-    sequence added there is prefilled by that step, one aborted there drops its frame in flight, and every
-    other output is what the synchronous engine makes."""
+@pytest.mark.parametrize("flow", ["pipelined", "ahead"])
+def test_calls_made_while_a_step_waits_for_its_flight(engines, speaker, flow):
+    """`step(while_waiting)`: the hook runs while the step waits for the frames in flight. Pipelined, that is
+    before admission: a sequence added there is prefilled by that step. With two steps in flight the step's own
+    decode step is launched by then, and a sequence added there starts at the next call. Either way one aborted
+    there ends once, dropping its frames in flight, and every other output is the synchronous engine's."""
     reqs = [req("playing", speaker, seed=3, max_frames=5), req("new", speaker, seed=5, max_frames=3),
             req("gone", speaker, seed=4, max_frames=5)]
     want = {rid: v for r in reqs[:2] for rid, v in run(engines["sync"], [r]).items()}
-    engine = engines["pipelined"]
+    engine = engines[flow]
     for r in (reqs[0], reqs[2]):
         engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
     outs = engine.step()  # prefilled, their first frames in flight
-    calls = []
+    launched = []  # decode steps this call had launched when the hook first ran
 
     def while_waiting(timeout_s):
-        calls.append(timeout_s)
-        if len(calls) == 1:
+        if not launched:
+            launched.append(engine.runner.num_decode_steps - steps)
             engine.add(reqs[1]["id"], reqs[1]["voice"], reqs[1]["sampling"], reqs[1]["text"], True)
             engine.abort("gone")
 
+    steps = engine.runner.num_decode_steps
     outs += engine.step(while_waiting)
-    landed = engine.step()
-    assert calls and "new" in [o.seq_id for o in landed]  # started by the step that ran the hook
-    outs += landed
+    ahead = flow == "ahead"
+    assert launched == [int(ahead)] and engine.stats()["queued"] == int(ahead)  # "new" started, or waits
     while engine.has_work():
         outs += engine.step()
     gone = [o for o in outs if o.seq_id == "gone"]
