@@ -22,12 +22,14 @@ the same there, which is what the CPU tests check.
 
 With `EngineConfig.codec_sms` = N the codec stream belongs to a CUDA green context of N SMs: its graphs are
 captured there, so their kernels run on those N SMs only and leave the others to the frame's work. The
-context lives as long as the pipeline, and its graphs are released before it.
+context lives as long as the process (`green_context`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 from collections import deque
 
 import numpy as np
@@ -61,9 +63,6 @@ class AudioPipeline:
         self.made = torch.cuda.Event(external=True)  # recorded inside the step graph: the frames exist
         self.taken = torch.cuda.Event()  # the codec has copied the step's slots and frames
         self.host = [torch.zeros(self.pcm.shape, dtype=torch.float32, pin_memory=True) for _ in range(2)]
-
-    def __del__(self) -> None:
-        self.graphs.clear()  # a graph captured in the green context is destroyed before the context
 
     # --- inside the step (captured) ----------------------------------------------------------------
 
@@ -156,15 +155,28 @@ class AudioPipeline:
 
 
 def green_context(sms: int, device: torch.device):
-    """A CUDA green context of `sms` SMs of `device` (EngineConfig.codec_sms); a ValueError naming the
-    setting where the device has fewer SMs, or where torch or the driver cannot make one."""
+    """The CUDA green context of `sms` SMs of `device` (EngineConfig.codec_sms), made once per process and
+    never released; a ValueError naming the setting where the device has fewer SMs, or where torch or the
+    driver cannot make one.
+
+    Never released: the caching allocator frees a block that was used on a stream by recording an event on
+    that stream, so a context destroyed while one of its codec's tensors lived (graph pool memory, outputs,
+    freed later by the garbage collector or at exit) aborted the process ("context is destroyed", on the H200).
+    The driver frees the context with the process."""
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if sms > total:
         raise ValueError(f"EngineConfig: codec_sms={sms} exceeds the {total} SMs of {device}")
+    return _green_context(sms, torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _green_context(sms: int, index: int):
     from torch.cuda.green_contexts import GreenContext
 
     try:
-        with torch.cuda.device(device):
-            return GreenContext.create(num_sms=sms)
+        with torch.cuda.device(index):
+            context = GreenContext.create(num_sms=sms)
     except RuntimeError as exc:
-        raise ValueError(f"EngineConfig: codec_sms={sms}: no CUDA green context on {device} ({exc})") from exc
+        raise ValueError(f"EngineConfig: codec_sms={sms}: no CUDA green context on cuda:{index} ({exc})") from exc
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(context))  # not even at interpreter exit (its tensors outlive it)
+    return context

@@ -127,13 +127,15 @@ class EngineConfig:
                          ahead takes the cores the serving loop routes with, and first audio came ~45 ms later
                          at p50 in 3 of 3 interleaved runs (perf/results/RESULTS.md)
     steps_in_flight      decode steps launched ahead of the host, with the pipelined codec (ignored without it):
-                         1 (default) lands step t, then schedules and launches t+1, so the device idles for
-                         the host's turn between steps (landing t's frames, scheduling, packing t+1's rows:
-                         0.99 ms a step served at 64 streams on the H200, 049d4ed); 2 launches t+1 before it
-                         lands t (scheduled with t's frames counted as made: the slots' state is already on
-                         the device), so that turn runs while t+1 does. Same codes and audio either way; a
-                         row that ends at t (EOS) runs once more in t+1, its frame dropped; a request added
-                         while the engine waits for t starts with t+2, not t+1
+                         2 (default) launches step t+1 before it lands step t (scheduled with t's frames
+                         counted as made: the slots' state is already on the device), so the host's turn
+                         between steps (landing t's frames, scheduling, packing t+1's rows) runs while t+1
+                         does; 1 lands t first, and the device idles through that turn. Same codes and audio
+                         either way; a row that ends at t (EOS) runs once more in t+1, its frame dropped; a
+                         request added while the engine waits for t starts with t+2, not t+1. On the H200
+                         served at 64 streams (0c07a01): 446-461 audio-s/s against 420-427 with 1, the device
+                         idle between steps 0.08-0.11 against 1.07-1.15 ms, first audio no later
+                         (perf/results/RESULTS.md)
     tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
                          `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
                          sources): an engine takes what it holds and writes back what it tuned, so an engine
@@ -175,7 +177,7 @@ class EngineConfig:
     batch_invariant: bool = False
     programmatic_launch: bool = False
     run_ahead: bool = False
-    steps_in_flight: int = 1
+    steps_in_flight: int = 2
     tune_cache: str | None = None
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None

@@ -6,6 +6,7 @@ through slot reuse, finishing rows, streamed text and an abort while a frame is 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 
 import numpy as np
@@ -26,7 +27,7 @@ def _requests(speaker) -> list[dict]:
     return reqs + [req("inc", speaker, start=1, mode="incremental", seed=42, max_frames=10)]
 
 
-FLOWS = {"sync": dict(codec_pipeline=False), "pipelined": dict(codec_pipeline=True),
+FLOWS = {"sync": dict(codec_pipeline=False), "pipelined": dict(codec_pipeline=True, steps_in_flight=1),
          "ahead": dict(codec_pipeline=True, steps_in_flight=2)}  # ahead: two decode steps in flight
 
 
@@ -250,8 +251,8 @@ def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_
     cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True,
                               graph_batch_sizes=(1, 2, 4, 8), batch_invariant=invariant)
     results = {}
-    for flow, kw in {"sync": dict(codec_pipeline=False), "pipelined": {},
-                     "ahead": dict(steps_in_flight=2)}.items():  # ahead: two steps in flight
+    for flow, kw in {"sync": dict(codec_pipeline=False), "pipelined": dict(steps_in_flight=1),
+                     "ahead": {}}.items():  # ahead: two steps in flight (the default)
         engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, **kw))
         assert (engine.runner.audio is not None) == (flow != "sync")
         results[flow] = run(engine, _requests(speaker))
@@ -318,20 +319,26 @@ def test_pushing_text_does_not_wait_for_the_step_in_flight(tiny_ckpt_dir, speake
 def test_codec_on_a_green_context_makes_the_same_codes_and_audio(tiny_ckpt_dir, speaker):
     """EngineConfig.codec_sms: the pipelined codec's graphs captured on a stream of a green context of 16
     SMs order against the step's graphs as on a plain stream: bit for bit the codes and audio of
-    codec_sms=0 (batch_invariant: the same kernels either way, whatever the SMs they run on). More SMs than
-    the device has is refused, naming the setting."""
+    codec_sms=0 (batch_invariant: the same kernels either way, whatever the SMs they run on). An engine on a
+    green context is collected like any other (its context stays: a destroyed one aborted the process as
+    its codec's tensors were freed) and the next engine of as many SMs takes the same context. More SMs
+    than the device has is refused, naming the setting."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True,
                               graph_batch_sizes=(1, 2, 4, 8), batch_invariant=True)
-    results = {}
-    for sms in (0, 16):
+    results, contexts = {}, []
+    for sms in (0, 16, 16):
         engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, codec_sms=sms))
         assert (engine.runner.audio.green is not None) == (sms > 0)
+        contexts.append(engine.runner.audio.green)
         results[sms] = run(engine, _requests(speaker))
         assert engine.runner.num_graph_replays > 0
         baseline(engine)
         del engine
+        gc.collect()
+        torch.cuda.synchronize()
+    assert contexts[1] is contexts[2]
     for rid, (codes, pcm, reason) in results[0].items():
         got = results[16][rid]
         assert np.array_equal(got[0], codes) and np.array_equal(got[1], pcm) and got[2] == reason, rid
