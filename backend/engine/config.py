@@ -133,8 +133,9 @@ class EngineConfig:
                          does; 1 lands t first, and the device idles through that turn. Same codes and audio
                          either way; a row that ends at t (EOS) runs once more in t+1, its frame dropped; a
                          request added while the engine waits for t starts with t+2, not t+1. On the H200
-                         served at 64 streams (0c07a01): 446-461 audio-s/s against 420-427 with 1, the device
-                         idle between steps 0.08-0.11 against 1.07-1.15 ms, first audio no later
+                         served at 1 / 16 / 64 streams: 11.95 / 156.2 / 446-461 audio-s/s against 10.38 /
+                         136.4 / 420-427 with 1, the device idle between steps ~0 against 0.8-1.2 ms; first
+                         audio at p50 0.5 ms sooner / 2.2 ms later / no later, at p99 sooner or equal
                          (perf/results/RESULTS.md)
     tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
                          `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
