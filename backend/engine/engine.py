@@ -83,11 +83,9 @@ class Engine(RequestIntake):
         self.num_steps = 0
         self.clock = PhaseClock(self.runner.device)
         self.times = StepTimes()
-        # the device idle between steps (`StepTimes.add_gap`): the last stamp of the previous step's device work
-        # (None when that step had none or the engine ran out of work), and (that stamp, the next step's first)
-        # once the next step has one, resolved when both are reached (`_observe`, at the step's landing)
+        # the device idle between steps (`StepTimes.add_gap`, `_gap_before`): the last stamp of the previous step's
+        # device work (None when that step had none or the engine ran out of work)
         self._last_end = None
-        self._gap: tuple | None = None
 
     @classmethod
     def from_checkpoint(cls, checkpoint_or_path: Any, config: EngineConfig | None = None, **kwargs) -> Engine:
@@ -123,13 +121,9 @@ class Engine(RequestIntake):
             self._push_text(seq)
         decode = [s for s in decode if s.status is Status.RUNNING]  # not ended by a failure of its own
         t_decode = self.clock.stamp() if started or decode else None
-        t_first = t_prefill if started else t_decode
-        if t_first is None:
-            self._last_end = None
-        elif self._last_end is not None:
-            self._gap = (self._last_end, t_first)
+        gap = self._gap_before(t_prefill if started else t_decode)
         launched = bool(decode) and self.runner.audio is not None and self._launch(decode, started, t_prefill,
-                                                                                   t_decode)
+                                                                                   t_decode, gap)
         if ahead and (len(self._flights) > 1 or not launched):
             outputs += self._land(while_waiting)  # the frames of the step the last call launched
         if not launched:
@@ -138,7 +132,7 @@ class Engine(RequestIntake):
             if decode:
                 outputs += self._decode(decode)
             t_end = self.clock.stamp() if decode else None
-            self._observe(started, t_prefill, t_decode, t_end, self._take_gap())
+            self._observe(started, t_prefill, t_decode, t_end, gap)
             self._last_end = t_decode if t_end is None else t_end
         self._hear(while_waiting)
         outputs += self._outbox
@@ -151,9 +145,14 @@ class Engine(RequestIntake):
             self._last_end = None
         return outputs
 
-    def _take_gap(self):
-        gap, self._gap = self._gap, None
-        return gap
+    def _gap_before(self, t_first) -> tuple | None:
+        """(the previous step's last stamp, `t_first`): the device's idle before this step's first work (stamp
+        `t_first`; None: it has none), when the previous step had device work and the engine has had work
+        since; resolved once both are reached (`_observe`)."""
+        if t_first is None:
+            self._last_end = None
+            return None
+        return None if self._last_end is None else (self._last_end, t_first)
 
     def _observe(self, started: list[Sequence], t_prefill, t_decode, t_end, gap) -> None:
         """A step's device times (stamps; `t_end` None: it had no decode) into the totals and the scheduler.
@@ -207,7 +206,7 @@ class Engine(RequestIntake):
         results = isolated(self._decode_rows, self._rows(seqs), self.runner.device)
         return [out for _, out in self._frame_outputs(seqs, results)]
 
-    def _launch(self, seqs: list[Sequence], started: list[Sequence], t_prefill, t_decode) -> bool:
+    def _launch(self, seqs: list[Sequence], started: list[Sequence], t_prefill, t_decode, gap) -> bool:
         """Pipelined (`EngineConfig.codec_pipeline`): start the decode step of `seqs` and return; its frames
         land at a later step, their audio when the codec is done (`_land`, `_hear`). False when a row's
         metadata failed (it is packed before anything runs): the step then runs synchronously, each row
@@ -221,7 +220,7 @@ class Engine(RequestIntake):
             return False
         for seq in seqs:
             seq.in_flight += 1
-        flight = _Flight(seqs, started, t_prefill, t_decode, self.clock.stamp(), self._take_gap())
+        flight = _Flight(seqs, started, t_prefill, t_decode, self.clock.stamp(), gap)
         self._flights.append(flight)
         self._last_end = flight.t_end
         return True
