@@ -163,7 +163,7 @@ def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
     changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_pipeline", "codec_sms", "fused_code_predictor",
                                                 "fused_talker", "fp32_residual", "batch_invariant",
-                                                "programmatic_launch", "steps_in_flight")
+                                                "programmatic_launch", "steps_in_flight", "launch_at_frames")
                if getattr(args, n) != getattr(EngineConfig, n)]
     return "+".join(n if v is True else f"no_{n}" if v is False else f"{n}={v}" for n, v in changed) or "default"
 
@@ -183,6 +183,9 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
                    help="EngineConfig.codec_sms (the pipelined codec on a green context of N SMs; 0: all)")
     p.add_argument("--steps-in-flight", type=int, choices=(1, 2), default=EngineConfig.steps_in_flight,
                    help="EngineConfig.steps_in_flight (2: the next decode step launched before the last one lands)")
+    p.add_argument("--launch-at-frames", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.launch_at_frames,
+                   help="EngineConfig.launch_at_frames (two in flight: launch once the last step's frames are made)")
     p.add_argument("--fused-code-predictor", type=int, default=EngineConfig.fused_code_predictor,
                    metavar="MAX_BATCH", help="EngineConfig.fused_code_predictor: the largest bucket whose code "
                    "predictor runs its fused Triton kernels (0: never)")
@@ -222,7 +225,7 @@ def build_engine(args, frames: int) -> Engine:
                        fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker,
                        fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant,
                        programmatic_launch=args.programmatic_launch, steps_in_flight=args.steps_in_flight,
-                       tune_cache=bench_tune_cache())
+                       launch_at_frames=args.launch_at_frames, tune_cache=bench_tune_cache())
     model = make_model(args)
     engine = Engine(model, cfg)
     print(f"engine up in {engine.startup}: {engine.config.num_pages} KV pages, graphs "

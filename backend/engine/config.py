@@ -137,6 +137,12 @@ class EngineConfig:
                          136.4 / 420-427 with 1, the device idle between steps ~0 against 0.8-1.2 ms; first
                          audio at p50 0.5 ms sooner / 2.2 ms later / no later, at p99 sooner or equal
                          (perf/results/RESULTS.md)
+    launch_at_frames     with two steps in flight: launch step t+1 once step t's frames are made (its code predictor
+                         done: the host polls the mark the step graph records there, engine/audio_pipeline.py),
+                         not as soon as the call begins, so a request added before then still joins t+1 (with
+                         steps_in_flight 2 at once it joins t+2: first audio at 16 streams 2.2 ms later at p50),
+                         while the host's turn still runs beside t's talker half (about 1.9 ms at 1 and 64 rows on
+                         the H200). Same codes and audio either way. Off until served on the H200
     tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
                          `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
                          sources): an engine takes what it holds and writes back what it tuned, so an engine
@@ -179,6 +185,7 @@ class EngineConfig:
     programmatic_launch: bool = False
     run_ahead: bool = False
     steps_in_flight: int = 2
+    launch_at_frames: bool = False
     tune_cache: str | None = None
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
@@ -221,7 +228,7 @@ class EngineConfig:
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
                  f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
-                     "programmatic_launch", "run_ahead"):
+                     "programmatic_launch", "run_ahead", "launch_at_frames"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # --- derived values ---------------------------------------------------------------------------

@@ -106,10 +106,14 @@ class Engine(RequestIntake):
         (timeout_s) is called meanwhile, and may add, feed, end and abort sequences (this step admits them).
         It is called again while the step, its next one launched, waits for the landed frames' audio (the
         next step admits what it adds then). With `steps_in_flight` 2 the step launches its decode step first
-        and then waits for the one the last call launched (what `while_waiting` adds, the next call admits)."""
+        and then waits for the one the last call launched (what `while_waiting` adds then, the next call admits);
+        with `launch_at_frames` it first waits (`while_waiting` meanwhile, this step admitting what it adds) for
+        that step's frames to be made."""
+        ahead = self.config.steps_in_flight > 1
+        if ahead and self.config.launch_at_frames and self._flights:
+            self.runner.audio.wait_frames(while_waiting)
         self._admit_prepared(idle=not (self.scheduler.has_work() or self._outbox or self._flights))
         outputs, self._outbox = self._outbox, []
-        ahead = self.config.steps_in_flight > 1
         if not ahead:
             outputs += self._land(while_waiting)  # pipelined: the frames of the step the last call launched
         started, decode, victims = self.scheduler.schedule()

@@ -28,7 +28,9 @@ def _requests(speaker) -> list[dict]:
 
 
 FLOWS = {"sync": dict(codec_pipeline=False), "pipelined": dict(codec_pipeline=True, steps_in_flight=1),
-         "ahead": dict(codec_pipeline=True, steps_in_flight=2)}  # ahead: two decode steps in flight
+         "ahead": dict(codec_pipeline=True, steps_in_flight=2),  # ahead: two decode steps in flight
+         "at_frames": dict(codec_pipeline=True, steps_in_flight=2, launch_at_frames=True)}  # launched once made
+PIPELINED = ["pipelined", "ahead", "at_frames"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def test_step_gaps_are_the_device_idle_between_steps_while_there_is_work(engines
     baseline(engine)
 
 
-@pytest.mark.parametrize("flow", ["pipelined", "ahead"])
+@pytest.mark.parametrize("flow", PIPELINED)
 def test_pipelined_engine_makes_the_synchronous_engines_codes_and_audio(engines, speaker, flow):
     assert engines["sync"].runner.audio is None and engines[flow].runner.audio is not None
     want = run(engines["sync"], _requests(speaker))
@@ -79,7 +81,8 @@ def _assert_same(got: dict, want: dict) -> None:
         assert got[rid][2] == reason, rid
 
 
-def test_a_row_that_ends_at_eos_runs_once_more_and_its_frame_is_dropped(engines, speaker, monkeypatch):
+@pytest.mark.parametrize("flow", ["ahead", "at_frames"])
+def test_a_row_that_ends_at_eos_runs_once_more_and_its_frame_is_dropped(engines, speaker, monkeypatch, flow):
     """Two steps in flight: the step after a row's EOS was launched before the EOS landed; its frame is dropped,
     the slot and pages it wrote go to waiting sequences, and every sequence's codes, audio and end are the
     synchronous engine's. The EOS id is taken as a code that the sequences' first codebook makes mid-stream
@@ -91,20 +94,20 @@ def test_a_row_that_ends_at_eos_runs_once_more_and_its_frame_is_dropped(engines,
     ends = [rid for rid, c in first.items() if eos in c[1:]]
     assert len(ends) >= 2, f"code {eos} ends only {ends}"
     runs, rows = {}, {}
-    for flow in ("sync", "ahead"):
-        runner, launch = engines[flow].runner, engines[flow].runner.launch
-        rows[flow] = []
-        monkeypatch.setattr(engines[flow], "codec_eos_id", eos)
-        monkeypatch.setattr(runner, "launch", lambda decode_rows, launch=launch, flow=flow: (
-            rows[flow].append(len(decode_rows)), launch(decode_rows))[1])
-        runs[flow] = run(engines[flow], _requests(speaker))
-        baseline(engines[flow])
+    for name in ("sync", flow):
+        runner, launch = engines[name].runner, engines[name].runner.launch
+        rows[name] = []
+        monkeypatch.setattr(engines[name], "codec_eos_id", eos)
+        monkeypatch.setattr(runner, "launch", lambda decode_rows, launch=launch, name=name: (
+            rows[name].append(len(decode_rows)), launch(decode_rows))[1])
+        runs[name] = run(engines[name], _requests(speaker))
+        baseline(engines[name])
     assert [rid for rid, (_, _, reason) in runs["sync"].items() if reason[0] == "eos"] == ends
-    _assert_same(runs["ahead"], runs["sync"])
-    assert sum(rows["ahead"]) == sum(rows["sync"]) + len(ends)  # one more row for each end at EOS
+    _assert_same(runs[flow], runs["sync"])
+    assert sum(rows[flow]) == sum(rows["sync"]) + len(ends)  # one more row for each end at EOS
 
 
-@pytest.mark.parametrize("flow", ["pipelined", "ahead"])
+@pytest.mark.parametrize("flow", PIPELINED)
 def test_frames_land_at_the_next_step_with_their_audio(engines, speaker, flow):
     engine = engines[flow]
     r = req("a", speaker, greedy=True, max_frames=2)
@@ -142,12 +145,15 @@ def test_abort_while_a_frame_is_in_flight(engines, speaker):
     baseline(engine)
 
 
-@pytest.mark.parametrize("flow", ["pipelined", "ahead"])
+@pytest.mark.parametrize("flow", PIPELINED)
 def test_calls_made_while_a_step_waits_for_its_flight(engines, speaker, flow):
-    """`step(while_waiting)`: the hook runs while the step waits for the frames in flight. Pipelined, that is
-    before admission: a sequence added there is prefilled by that step. With two steps in flight the step's own
-    decode step is launched by then, and a sequence added there starts at the next call. Either way one aborted
-    there ends once, dropping its frames in flight, and every other output is the synchronous engine's."""
+    """`step(while_waiting)`: the hook runs while the step waits on the device. Pipelined, the step first waits
+    for the frames in flight, before admission: a sequence added there is prefilled by that step. With two steps
+    in flight the step's own decode step is launched first, so a sequence added while it waits for the frames
+    starts at the next call; with `launch_at_frames` the step first waits for those frames to be made (the hook
+    runs, this step admits what it adds), launches, then lands them (the hook runs again). Either way one
+    aborted at the hook's first call ends once, dropping its frames in flight, and every other output is the
+    synchronous engine's."""
     reqs = [req("playing", speaker, seed=3, max_frames=5), req("new", speaker, seed=5, max_frames=3),
             req("gone", speaker, seed=4, max_frames=5)]
     want = {rid: v for r in reqs[:2] for rid, v in run(engines["sync"], [r]).items()}
@@ -155,18 +161,18 @@ def test_calls_made_while_a_step_waits_for_its_flight(engines, speaker, flow):
     for r in (reqs[0], reqs[2]):
         engine.add(r["id"], r["voice"], r["sampling"], r["text"], True)
     outs = engine.step()  # prefilled, their first frames in flight
-    launched = []  # decode steps this call had launched when the hook first ran
+    launched = []  # at each call of the hook: the decode steps this call had launched
 
     def while_waiting(timeout_s):
-        if not launched:
-            launched.append(engine.runner.num_decode_steps - steps)
+        launched.append(engine.runner.num_decode_steps - steps)
+        if len(launched) == 1:
             engine.add(reqs[1]["id"], reqs[1]["voice"], reqs[1]["sampling"], reqs[1]["text"], True)
             engine.abort("gone")
 
     steps = engine.runner.num_decode_steps
     outs += engine.step(while_waiting)
-    ahead = flow == "ahead"
-    assert launched == [int(ahead)] and engine.stats()["queued"] == int(ahead)  # "new" started, or waits
+    assert launched == {"pipelined": [0], "ahead": [1], "at_frames": [0, 1]}[flow]
+    assert engine.stats()["queued"] == (flow == "ahead")  # "new" started by this call, or waits for the next
     while engine.has_work():
         outs += engine.step()
     gone = [o for o in outs if o.seq_id == "gone"]
@@ -237,6 +243,8 @@ def test_codec_pipeline_setting():
     for bad in (0, 3, 2.0, True):
         with pytest.raises(ValueError, match="steps_in_flight must be 1 or 2"):
             EngineConfig(steps_in_flight=bad)
+    with pytest.raises(ValueError, match="launch_at_frames must be true or false"):
+        EngineConfig(launch_at_frames=1)
 
 
 @pytest.mark.gpu
@@ -252,7 +260,7 @@ def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_
                               graph_batch_sizes=(1, 2, 4, 8), batch_invariant=invariant)
     results = {}
     for flow, kw in {"sync": dict(codec_pipeline=False), "pipelined": dict(steps_in_flight=1),
-                     "ahead": {}}.items():  # ahead: two steps in flight (the default)
+                     "ahead": {}, "at_frames": dict(launch_at_frames=True)}.items():  # ahead: the default
         engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, **kw))
         assert (engine.runner.audio is not None) == (flow != "sync")
         results[flow] = run(engine, _requests(speaker))
@@ -260,7 +268,7 @@ def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_
         baseline(engine)
         del engine
     bound = 0.0 if invariant else 2 * 2.0 ** -8  # bf16 has 8 significand bits: a step is <= 2^-8 below 1
-    for flow in ("pipelined", "ahead"):
+    for flow in ("pipelined", "ahead", "at_frames"):
         for rid, (codes, pcm, reason) in results["sync"].items():
             got = results[flow][rid]
             assert np.array_equal(got[0], codes) and got[2] == reason, (flow, rid)
