@@ -127,7 +127,7 @@ def first_step(engine: Engine, n: int, device: str, repeats: int = 3) -> dict:
             engine.add(sid, VoiceSpec(speaker=spk), SamplingParams(seed=i, max_frames=4), TEXT, True)
         t1 = time.perf_counter()
         outs = engine.step()
-        if engine.runner.audio is not None:  # pipelined: the first frames land, with audio, at the next call
+        if engine.launches_ahead:  # the first frames land, with their audio, at the next call
             outs += engine.step()
         sync(device)
         t2 = time.perf_counter()

@@ -126,7 +126,8 @@ class EngineConfig:
                          by default until an H200 A/B: on the 2-core CPU (tiny checkpoint, 8 streams) the step
                          ahead takes the cores the serving loop routes with, and first audio came ~45 ms later
                          at p50 in 3 of 3 interleaved runs (perf/results/RESULTS.md)
-    steps_in_flight      decode steps launched ahead of the host, with the pipelined codec (ignored without it):
+    steps_in_flight      decode steps launched ahead of the host, where the step runs ahead of it (the pipelined
+                         codec, or a CUDA graph; on the CPU without the pipelined codec the step is synchronous):
                          2 (default) launches step t+1 before it lands step t (scheduled with t's frames
                          counted as made: the slots' state is already on the device), so the host's turn
                          between steps (landing t's frames, scheduling, packing t+1's rows) runs while t+1
@@ -137,12 +138,13 @@ class EngineConfig:
                          136.4 / 420-427 with 1, the device idle between steps ~0 against 0.8-1.2 ms; first
                          audio at p50 0.5 ms sooner / 2.2 ms later / no later, at p99 sooner or equal
                          (perf/results/RESULTS.md)
-    launch_at_frames     with two steps in flight: launch step t+1 once step t's frames are made (its code predictor
-                         done: the host polls the mark the step graph records there, engine/audio_pipeline.py),
-                         not as soon as the call begins, so a request added before then still joins t+1 (with
-                         steps_in_flight 2 at once it joins t+2: first audio at 16 streams 2.2 ms later at p50),
-                         while the host's turn still runs beside t's talker half (about 1.9 ms at 1 and 64 rows on
-                         the H200). Same codes and audio either way. Off until served on the H200
+    launch_at_frames     with two steps in flight and the pipelined codec: launch step t+1 once step t's frames
+                         are made (its code predictor done: the host polls the mark the step graph records there,
+                         engine/audio_pipeline.py), not as soon as the call begins, so a request added before then
+                         still joins t+1 (with steps_in_flight 2 at once it joins t+2: first audio at 16 streams
+                         2.2 ms later at p50), while the host's turn still runs beside t's talker half (about
+                         1.9 ms at 1 and 64 rows on the H200). Same codes and audio either way. Off until served
+                         on the H200
     tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
                          `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
                          sources): an engine takes what it holds and writes back what it tuned, so an engine

@@ -78,7 +78,10 @@ class Engine(RequestIntake):
                                  lambda voice: self.inputs.prepare(voice, self.runner.prime_state))
         self.preparer = Preparer(self.inputs.encode, self.voices.get_or_prepare)
         self._outbox: list[StepOutput] = []  # finished outputs produced between steps (abort, errors)
-        self._flights: deque[_Flight] = deque()  # pipelined: the decode steps launched and not landed yet
+        # public: whether a decode step is launched by one step() call and landed by a later one (with the pipelined
+        # codec, or where the step is a CUDA graph: the codec inside the step, its audio lands with the frames)
+        self.launches_ahead = self.runner.audio is not None or bool(self.runner.graphs)
+        self._flights: deque[_Flight] = deque()  # the decode steps launched and not landed yet
         self._unheard: list[tuple[int, StepOutput]] | None = None  # landed outputs (row, output) without pcm
         self.num_steps = 0
         self.clock = PhaseClock(self.runner.device)
@@ -102,15 +105,16 @@ class Engine(RequestIntake):
     def step(self, while_waiting: WhileWaiting | None = None) -> list[StepOutput]:
         """One engine step: the outputs of the sequences that made a frame or ended.
 
-        Pipelined, the step first waits for the step in flight to finish on the device; `while_waiting`
+        Where the decode step runs ahead of the host (the pipelined codec, or a CUDA graph), with one step in
+        flight the call first waits for the step the last call launched to finish on the device; `while_waiting`
         (timeout_s) is called meanwhile, and may add, feed, end and abort sequences (this step admits them).
-        It is called again while the step, its next one launched, waits for the landed frames' audio (the
-        next step admits what it adds then). With `steps_in_flight` 2 the step launches its decode step first
+        Pipelined, it is called again while the step, its next one launched, waits for the landed frames' audio
+        (the next step admits what it adds then). With `steps_in_flight` 2 the step launches its decode step first
         and then waits for the one the last call launched (what `while_waiting` adds then, the next call admits);
         with `launch_at_frames` it first waits (`while_waiting` meanwhile, this step admitting what it adds) for
         that step's frames to be made."""
         ahead = self.config.steps_in_flight > 1
-        if ahead and self.config.launch_at_frames and self._flights:
+        if ahead and self.config.launch_at_frames and self._flights and self.runner.audio is not None:
             self.runner.audio.wait_frames(while_waiting)
         self._admit_prepared(idle=not (self.scheduler.has_work() or self._outbox or self._flights))
         outputs, self._outbox = self._outbox, []
@@ -126,8 +130,7 @@ class Engine(RequestIntake):
         decode = [s for s in decode if s.status is Status.RUNNING]  # not ended by a failure of its own
         t_decode = self.clock.stamp() if started or decode else None
         gap = self._gap_before(t_prefill if started else t_decode)
-        launched = bool(decode) and self.runner.audio is not None and self._launch(decode, started, t_prefill,
-                                                                                   t_decode, gap)
+        launched = bool(decode) and self.launches_ahead and self._launch(decode, started, t_prefill, t_decode, gap)
         if ahead and (len(self._flights) > 1 or not launched):
             outputs += self._land(while_waiting)  # the frames of the step the last call launched
         if not launched:
@@ -211,8 +214,8 @@ class Engine(RequestIntake):
         return [out for _, out in self._frame_outputs(seqs, results)]
 
     def _launch(self, seqs: list[Sequence], started: list[Sequence], t_prefill, t_decode, gap) -> bool:
-        """Pipelined (`EngineConfig.codec_pipeline`): start the decode step of `seqs` and return; its frames
-        land at a later step, their audio when the codec is done (`_land`, `_hear`). False when a row's
+        """Start the decode step of `seqs` and return; its frames land at a later step (`_land`), pipelined their
+        audio when the codec is done (`_hear`). False when a row's
         metadata failed (it is packed before anything runs): the step then runs synchronously, each row
         isolated. The replays themselves fail only with device faults, which propagate."""
         self._inject_fault(seqs)
@@ -240,8 +243,10 @@ class Engine(RequestIntake):
         for seq in flight.seqs:
             seq.in_flight -= 1
         self._observe(flight.started, flight.t_prefill, flight.t_decode, flight.t_end, flight.gap)
-        self._unheard = self._frame_outputs(flight.seqs, _row_results(out))
-        return [out for _, out in self._unheard]
+        landed = self._frame_outputs(flight.seqs, _row_results(out))
+        if self.runner.audio is not None:  # the codec one step behind: `_hear` attaches the audio
+            self._unheard = landed
+        return [out for _, out in landed]
 
     def _hear(self, while_waiting: WhileWaiting | None = None) -> None:
         """Pipelined: the audio of the landed step into its outputs (waits for its codec; `while_waiting`

@@ -29,13 +29,17 @@ def _requests(speaker) -> list[dict]:
 
 FLOWS = {"sync": dict(codec_pipeline=False), "pipelined": dict(codec_pipeline=True, steps_in_flight=1),
          "ahead": dict(codec_pipeline=True, steps_in_flight=2),  # ahead: two decode steps in flight
-         "at_frames": dict(codec_pipeline=True, steps_in_flight=2, launch_at_frames=True)}  # launched once made
-PIPELINED = ["pipelined", "ahead", "at_frames"]
+         "at_frames": dict(codec_pipeline=True, steps_in_flight=2, launch_at_frames=True),  # launched once made
+         "in_step": dict(codec_pipeline=False, steps_in_flight=2)}  # the codec in the step, two steps in flight
+PIPELINED = ["pipelined", "ahead", "at_frames", "in_step"]
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_ckpt) -> dict[str, Engine]:
-    return {flow: Engine(tiny_ckpt, dataclasses.replace(CFG, **kw)) for flow, kw in FLOWS.items()}
+    engines = {flow: Engine(tiny_ckpt, dataclasses.replace(CFG, **kw)) for flow, kw in FLOWS.items()}
+    assert not engines["in_step"].launches_ahead  # on the CPU its step is synchronous; where it is a CUDA graph
+    engines["in_step"].launches_ahead = True  # it runs ahead (launched, landed later): that flow, on the CPU
+    return engines
 
 
 def _steps_with_pauses(engine: Engine, r: dict, pause_s: float) -> None:
@@ -63,7 +67,7 @@ def test_step_gaps_are_the_device_idle_between_steps_while_there_is_work(engines
 
 @pytest.mark.parametrize("flow", PIPELINED)
 def test_pipelined_engine_makes_the_synchronous_engines_codes_and_audio(engines, speaker, flow):
-    assert engines["sync"].runner.audio is None and engines[flow].runner.audio is not None
+    assert engines["sync"].runner.audio is None and engines[flow].launches_ahead
     want = run(engines["sync"], _requests(speaker))
     got = run(engines[flow], _requests(speaker))
     assert sorted(got) == sorted(want)
@@ -81,7 +85,7 @@ def _assert_same(got: dict, want: dict) -> None:
         assert got[rid][2] == reason, rid
 
 
-@pytest.mark.parametrize("flow", ["ahead", "at_frames"])
+@pytest.mark.parametrize("flow", ["ahead", "at_frames", "in_step"])
 def test_a_row_that_ends_at_eos_runs_once_more_and_its_frame_is_dropped(engines, speaker, monkeypatch, flow):
     """Two steps in flight: the step after a row's EOS was launched before the EOS landed; its frame is dropped,
     the slot and pages it wrote go to waiting sequences, and every sequence's codes, audio and end are the
@@ -171,8 +175,8 @@ def test_calls_made_while_a_step_waits_for_its_flight(engines, speaker, flow):
 
     steps = engine.runner.num_decode_steps
     outs += engine.step(while_waiting)
-    assert launched == {"pipelined": [0], "ahead": [1], "at_frames": [0, 1]}[flow]
-    assert engine.stats()["queued"] == (flow == "ahead")  # "new" started by this call, or waits for the next
+    assert launched == {"pipelined": [0], "ahead": [1], "at_frames": [0, 1], "in_step": [1]}[flow]
+    assert engine.stats()["queued"] == (launched == [1])  # "new" started by this call, or waits for the next
     while engine.has_work():
         outs += engine.step()
     gone = [o for o in outs if o.seq_id == "gone"]
@@ -250,8 +254,9 @@ def test_codec_pipeline_setting():
 @pytest.mark.gpu
 @pytest.mark.parametrize("invariant", [True, False], ids=["batch_invariant", "default"])
 def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_dir, speaker, invariant):
-    """CUDA graphs, bf16: the codec graphs one step behind (the default; also with two steps in flight) give the
-    codes of the codec inside the step, and its audio: bit for bit under batch_invariant (the same kernels, no per-engine choice);
+    """CUDA graphs, bf16: the codec graphs one step behind (one or two steps in flight, the latter launched at
+    once or once the frames are made) and the codec inside the step with two steps in flight give the codes of
+    the codec inside the step with one, and its audio: bit for bit under batch_invariant (the same kernels, no per-engine choice);
     by default each engine times Triton against cuDNN per codec conv shape, so their audio may differ by
     the rounding of another conv algorithm: at most 2 bf16 steps of a sample (|pcm| <= 1)."""
     if not torch.cuda.is_available():
@@ -259,16 +264,17 @@ def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_
     cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True,
                               graph_batch_sizes=(1, 2, 4, 8), batch_invariant=invariant)
     results = {}
-    for flow, kw in {"sync": dict(codec_pipeline=False), "pipelined": dict(steps_in_flight=1),
-                     "ahead": {}, "at_frames": dict(launch_at_frames=True)}.items():  # ahead: the default
+    for flow, kw in {"sync": dict(codec_pipeline=False, steps_in_flight=1), "pipelined": dict(steps_in_flight=1),
+                     "ahead": {}, "at_frames": dict(launch_at_frames=True),  # ahead: the default
+                     "in_step": dict(codec_pipeline=False)}.items():  # the codec in the step, two in flight
         engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, **kw))
-        assert (engine.runner.audio is not None) == (flow != "sync")
+        assert (engine.runner.audio is None) == (flow in ("sync", "in_step")) and engine.launches_ahead
         results[flow] = run(engine, _requests(speaker))
         assert engine.runner.num_graph_replays > 0
         baseline(engine)
         del engine
     bound = 0.0 if invariant else 2 * 2.0 ** -8  # bf16 has 8 significand bits: a step is <= 2^-8 below 1
-    for flow in ("pipelined", "ahead", "at_frames"):
+    for flow in ("pipelined", "ahead", "at_frames", "in_step"):
         for rid, (codes, pcm, reason) in results["sync"].items():
             got = results[flow][rid]
             assert np.array_equal(got[0], codes) and got[2] == reason, (flow, rid)
