@@ -215,9 +215,9 @@ class Engine(RequestIntake):
 
     def _launch(self, seqs: list[Sequence], started: list[Sequence], t_prefill, t_decode, gap) -> bool:
         """Start the decode step of `seqs` and return; its frames land at a later step (`_land`), pipelined their
-        audio when the codec is done (`_hear`). False when a row's
-        metadata failed (it is packed before anything runs): the step then runs synchronously, each row
-        isolated. The replays themselves fail only with device faults, which propagate."""
+        audio when the codec is done (`_hear`). False when a row's metadata failed (it is packed before anything
+        runs): the step then runs synchronously, each row isolated. The replays themselves fail only with device
+        faults, which propagate."""
         self._inject_fault(seqs)
         try:
             self.runner.launch(self._rows(seqs))
@@ -233,9 +233,9 @@ class Engine(RequestIntake):
         return True
 
     def _land(self, while_waiting: WhileWaiting | None) -> list[StepOutput]:
-        """The outputs of the oldest step in flight (none: []), their pcm attached by `_hear` before the step
-        returns; a sequence that ended meanwhile (aborted, also from `while_waiting`, or at EOS in an earlier
-        step in flight) drops its frame."""
+        """The outputs of the oldest step in flight (none: []), with their pcm (pipelined: attached by `_hear`
+        before the step returns); a sequence that ended meanwhile (aborted, also from `while_waiting`, or at EOS
+        in an earlier step in flight) drops its frame."""
         if not self._flights:
             return []
         flight = self._flights.popleft()
