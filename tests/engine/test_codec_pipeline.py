@@ -256,9 +256,9 @@ def test_codec_pipeline_setting():
 def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_dir, speaker, invariant):
     """CUDA graphs, bf16: the codec graphs one step behind (one or two steps in flight, the latter launched at
     once or once the frames are made) and the codec inside the step with two steps in flight give the codes of
-    the codec inside the step with one, and its audio: bit for bit under batch_invariant (the same kernels, no per-engine choice);
-    by default each engine times Triton against cuDNN per codec conv shape, so their audio may differ by
-    the rounding of another conv algorithm: at most 2 bf16 steps of a sample (|pcm| <= 1)."""
+    the codec inside the step with one, and its audio: bit for bit under batch_invariant (the same kernels, no
+    per-engine choice); by default each engine times Triton against cuDNN per codec conv shape, so their audio
+    may differ by the rounding of another conv algorithm: at most 2 bf16 steps of a sample (|pcm| <= 1)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True,
