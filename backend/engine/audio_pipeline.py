@@ -76,10 +76,7 @@ class AudioPipeline:
     def wait_frames(self, while_waiting: WhileWaiting | None = None) -> None:
         """Wait until the last launched step's frames are made (its `frames_made` mark), running `while_waiting`
         meanwhile (on the CPU they are made already: it runs once)."""
-        if self.made is not None:
-            wait_for(self.made, while_waiting)
-        elif while_waiting is not None:
-            while_waiting(0.0)
+        wait_for(self.made, while_waiting)
 
     def before_step(self) -> None:
         """The step about to be loaded waits (on the GPU) until the codec took the last step's inputs."""

@@ -25,7 +25,12 @@ WAIT_POLL_S = 2e-4  # the longest a step's end may go unnoticed while the host w
 
 
 def wait_for(event, while_waiting: WhileWaiting | None) -> None:
-    """Block until the device reached `event` (a torch.cuda.Event); `while_waiting` runs meanwhile."""
+    """Block until the device reached `event` (a torch.cuda.Event); `while_waiting` runs meanwhile. None: there
+    is nothing to wait for (the CPU, where the work ran in line), and `while_waiting` runs once."""
+    if event is None:
+        if while_waiting is not None:
+            while_waiting(0.0)
+        return
     while while_waiting is not None and not event.query():
         while_waiting(WAIT_POLL_S)
     event.synchronize()
@@ -161,10 +166,7 @@ class GraphBuffers:
         """Rows [:n] of the `OUTPUTS` that `send_back` copied into `side`, once the step has run (the one wait of
         a step): views of the mirrors, valid until that side's next launch; without `pcm`, pcm is [n, 0].
         `while_waiting(timeout_s)` is called until the step is done (on CPU, where it is, once)."""
-        if self.copied[side] is not None:
-            wait_for(self.copied[side], while_waiting)
-        elif while_waiting is not None:
-            while_waiting(0.0)
+        wait_for(self.copied[side], while_waiting)
         arrays = self.arrays[side]
         return tuple(arrays[name][:n] if pcm or name != "pcm" else np.zeros((n, 0), np.float32) for name in OUTPUTS)
 
