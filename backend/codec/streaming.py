@@ -69,7 +69,12 @@ class StreamingDecoder:
     def decode_chunk(self, slots: Tensor, codes: Tensor) -> Tensor:
         """Decode the next T frames of each stream: slots [B], codes [B, 16, T] -> pcm [B, T·1920].
 
-        Slots must be distinct, except `scratch_slot`, which padding rows may share (its state is junk)."""
+        Slots must be distinct, except `scratch_slot`, which padding rows may share (its state is junk). A code
+        outside the codebook decodes as the nearest one in it: with two decode steps in flight, a row whose
+        sequence ended at EOS runs once more and its frame (c0 = the EOS id, past the codebook) reaches the codec,
+        its audio and state dropped; an index out of range would be a device-side assert on CUDA, which takes
+        down every stream of the process."""
+        codes = codes.clamp(0, self.decoder.config.codebook_size - 1)
         num = slots.shape[0]
         rows = self.padded_rows(num)
         if rows > num:

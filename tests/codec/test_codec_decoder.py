@@ -135,6 +135,16 @@ def test_a_frame_gathers_the_states_one_launch_per_packed_buffer(codec, codes):
     assert top.count("aten::index_select") == 2 and top.count("aten::index_copy_") == len(stream.pool) - resident
 
 
+def test_a_code_past_the_codebook_decodes_as_the_last_one(codec, codes):
+    """A frame whose c0 is the talker's EOS id, past the codebook (the frame of a row that runs once more after its
+    sequence ended, two decode steps in flight), decodes as the codebook's last code: no index out of range, which
+    on CUDA is a device-side assert that ends every stream of the process."""
+    size = codec.decoder.config.codebook_size
+    eos, last = codes[:, :, :4].clone(), codes[:, :, :4].clone()
+    eos[1, 0, 2], last[1, 0, 2] = size + 102, size - 1  # 2150, the released EOS id, at 2048 codes
+    assert torch.equal(_stream_rows(codec, eos, 4, 1), _stream_rows(codec, last, 4, 1))
+
+
 def test_padding_rows_use_the_scratch_slot(codec, codes):
     stream = StreamingDecoder(codec.decoder, max_streams=2)
     pad = stream.scratch_slot

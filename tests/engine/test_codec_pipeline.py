@@ -16,6 +16,7 @@ import torch
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.cuda_graph import WAIT_POLL_S
 from q3tts.engine.engine import Engine
+from q3tts.models import step
 from test_engine import CFG, TEXT, baseline, req, run
 
 
@@ -109,6 +110,44 @@ def test_a_row_that_ends_at_eos_runs_once_more_and_its_frame_is_dropped(engines,
     assert [rid for rid, (_, _, reason) in runs["sync"].items() if reason[0] == "eos"] == ends
     _assert_same(runs[flow], runs["sync"])
     assert sum(rows[flow]) == sum(rows["sync"]) + len(ends)  # one more row for each end at EOS
+
+
+def _draw_eos_at_frame_5(monkeypatch, ckpt) -> None:
+    """The talker draws its real EOS id (past the codec's codebook) as c0 of frame 5 of every sequence, in the eager
+    step and in graphs captured after this."""
+    eos = ckpt.config.talker.codec_eos_id
+    assert eos >= ckpt.codec_config.decoder.codebook_size
+    advance = step.advance
+
+    def eos_at_frame_5(talker, cache, batch, *args, **kwargs):
+        c0, hidden = advance(talker, cache, batch, *args, **kwargs)  # [B], [B, H]
+        return torch.where(batch.counters == 3, eos, c0), hidden  # counters: the frame the step made (0-based)
+
+    monkeypatch.setattr(step, "advance", eos_at_frame_5)
+
+
+def _ended_at_frame_5(results: dict) -> None:
+    ended = {rid: len(codes) for rid, (codes, _, reason) in results.items() if reason[0] == "eos"}
+    assert ended and set(ended.values()) == {4}, results  # frames 1-4 played, EOS drawn as the fifth's c0
+
+
+@pytest.mark.parametrize("flow", ["ahead", "at_frames", "in_step"])
+def test_a_row_that_ends_at_the_real_eos_runs_once_more_without_a_fault(engines, tiny_ckpt, speaker, monkeypatch,
+                                                                        flow):
+    """The real EOS id lies outside the codec's codebook, and the row that ends on it runs once more with two steps
+    in flight: that step's frame (c0 = EOS) reaches the codec. An index out of the codebook there was a device-side
+    assert on the H200 that took the instance down with every stream on it (served 16 streams, 2026-12-03); on the
+    CPU it raised in the launch, and the step ran again synchronously. Here the talker draws the real EOS as c0 of
+    frame 5 of every sequence: no step fails, and every sequence is the synchronous engine's."""
+    _draw_eos_at_frame_5(monkeypatch, tiny_ckpt)
+    engine, again = engines[flow], []  # steps run again synchronously after their launch raised
+    monkeypatch.setattr(engine, "_decode", lambda seqs, decode=engine._decode: again.append(seqs) or decode(seqs))
+    want = run(engines["sync"], _requests(speaker))
+    got = run(engine, _requests(speaker))
+    _assert_same(got, want)
+    _ended_at_frame_5(want)
+    assert not again
+    baseline(engine)
 
 
 @pytest.mark.parametrize("flow", PIPELINED)
@@ -280,6 +319,31 @@ def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_
             assert np.array_equal(got[0], codes) and got[2] == reason, (flow, rid)
             worst = np.abs(got[1] - pcm).max()
             assert got[1].shape == pcm.shape and worst <= bound, f"{flow} {rid}: audio differs by up to {worst}"
+
+
+@pytest.mark.gpu
+def test_rows_ending_at_the_real_eos_with_two_steps_in_flight_keep_the_device_up(tiny_ckpt_dir, tiny_ckpt, speaker,
+                                                                                 monkeypatch):
+    """CUDA graphs captured with the talker drawing its real EOS as c0 of frame 5: the row that ends runs once more
+    with two steps in flight, and its frame (c0 = EOS, past the codebook) reaches the codec, pipelined or in the
+    step. Served at 16 streams this was a device-side assert that ended the instance (2026-12-03). No device fault,
+    and the codes, ends and audio of the synchronous graphs (batch_invariant: bit for bit)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True,
+                              graph_batch_sizes=(1, 2, 4, 8), batch_invariant=True)
+    _draw_eos_at_frame_5(monkeypatch, tiny_ckpt)  # before the engines capture their graphs
+    results = {}
+    for flow, kw in {"sync": dict(codec_pipeline=False, steps_in_flight=1), "ahead": {},
+                     "in_step": dict(codec_pipeline=False)}.items():
+        engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, **kw))
+        results[flow] = run(engine, _requests(speaker))
+        assert engine.runner.num_graph_replays > 0
+        baseline(engine)
+        del engine
+    _ended_at_frame_5(results["sync"])
+    _assert_same(results["ahead"], results["sync"])
+    _assert_same(results["in_step"], results["sync"])
 
 
 @pytest.mark.gpu

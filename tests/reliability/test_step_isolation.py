@@ -44,7 +44,21 @@ def without_victim(tiny_ckpt):  # noqa: F811
     ("decode", 5, 5),  # mid-stream: the frames before the fault stand
 ], ids=["prefill", "first-decode", "mid-stream"])
 def test_a_failing_row_ends_alone(tiny_ckpt, with_victim, without_victim, stage, at_step, frames):  # noqa: F811
-    engine = make_engine(tiny_ckpt)
+    _ends_alone(make_engine(tiny_ckpt), stage, at_step, frames, with_victim, without_victim)
+
+
+def test_a_failing_row_of_a_step_launched_ahead_ends_alone(tiny_ckpt, with_victim, without_victim):  # noqa: F811
+    """The codec in the step, two decode steps in flight, launched ahead as a CUDA graph's are (`launches_ahead`):
+    the row's error raises in the launch (on the CPU, or where a bucket has no graph, the step runs in line there)
+    before anything is in flight; the step runs again synchronously, each row isolated: the same ends and bits."""
+    engine = make_engine(tiny_ckpt, codec_pipeline=False, steps_in_flight=2)
+    engine.launches_ahead = True
+    _ends_alone(engine, "decode", 5, 5, with_victim, without_victim)
+
+
+def _ends_alone(engine, stage, at_step, frames, with_victim, without_victim) -> None:
+    """VICTIM's rows fail at `stage` from step `at_step`: it ends alone with one error after `frames` frames, the
+    others are a run without it, the pools return to baseline and the victim's slot serves again."""
     fault = faulting(VICTIM, stage=stage)
     got = run(engine, fault, at_step)
     codes, _, finals = got[VICTIM]
