@@ -178,7 +178,8 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--codec-kernels", action=argparse.BooleanOptionalAction, default=EngineConfig.codec_kernels,
                    help="EngineConfig.codec_kernels (Triton conv/SnakeBeta)")
     p.add_argument("--codec-pipeline", action=argparse.BooleanOptionalAction, default=EngineConfig.codec_pipeline,
-                   help="EngineConfig.codec_pipeline (each frame's audio one step behind; default: with graphs)")
+                   help="EngineConfig.codec_pipeline (each frame's audio one step behind; default: with graphs "
+                        "and one step in flight)")
     p.add_argument("--codec-sms", type=int, default=EngineConfig.codec_sms,
                    help="EngineConfig.codec_sms (the pipelined codec on a green context of N SMs; 0: all)")
     p.add_argument("--steps-in-flight", type=int, choices=(1, 2), default=EngineConfig.steps_in_flight,

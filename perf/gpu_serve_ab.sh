@@ -3,7 +3,7 @@
 # set), interleaved ROUNDS times (A, B, A, B, ...) so that machine drift hits every side alike; prints each run's
 # table rows and leaves every run's files under $OUT/<side><round>/. Same carry as gpu_serve.sh.
 #   A="" B="codec_kernels=true" ROUNDS=2 CONCURRENCY=16 MODES=greedy,sampled bash perf/gpu_serve_ab.sh
-#   A="" B="codec_pipeline=false" C="launch_at_frames=true" ROUNDS=2 CONCURRENCY=1,16,64 bash perf/gpu_serve_ab.sh
+#   A="" B="codec_pipeline=true" C="codec_pipeline=true,launch_at_frames=true" ROUNDS=2 CONCURRENCY=1,16,64 bash perf/gpu_serve_ab.sh
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-/tmp/out}"

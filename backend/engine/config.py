@@ -72,8 +72,12 @@ class EngineConfig:
                          off, first audio no later (two interleaved A/B rounds, perf/results/RESULTS.md)
     codec_pipeline       decode each frame's audio one step behind, on the codec's own stream beside the
                          next frame's work (engine/audio_pipeline.py), instead of inside the step beside its
-                         talker half. None (default): where the decode step is a CUDA graph; True: also
-                         eager and on the CPU (same bits; tests); False: never
+                         talker half. None (default): where the decode step is a CUDA graph with one step in
+                         flight; True: also with two, eager and on the CPU (same bits; tests); False: never.
+                         With two steps in flight the codec in the step is as fast or faster (H200, served,
+                         audio-s/s: 12.44, 12.43 against 11.91, 11.91 at 1 stream; 160.5 against 154.1, 155.2
+                         at 16; 457.2, 457.8, 475.2 against 459.5, 455.7, 471.7 at 64; bench step 6.14 / 7.64 /
+                         9.87 against 6.41 / 7.83 / 9.81 ms at batch 1 / 16 / 64; perf/results/RESULTS.md)
     codec_sms            the SMs the pipelined codec may run on: 0 (default) all of them; N > 0 a CUDA green
                          context of N SMs (engine/audio_pipeline.py), so the codec's kernels cannot hold the
                          SMs the next frame's chain of small kernels waits for. Only with codec_pipeline on
@@ -132,19 +136,21 @@ class EngineConfig:
                          counted as made: the slots' state is already on the device), so the host's turn
                          between steps (landing t's frames, scheduling, packing t+1's rows) runs while t+1
                          does; 1 lands t first, and the device idles through that turn. Same codes and audio
-                         either way; a row that ends at t (EOS) runs once more in t+1, its frame dropped; a
+                         either way; a row that ends at t (EOS) runs once more in t+1, its frame dropped (the
+                         codec clamps that frame's EOS code into its codebook); a
                          request added while the engine waits for t starts with t+2, not t+1. On the H200
                          served at 1 / 16 / 64 streams: 11.95 / 156.2 / 446-461 audio-s/s against 10.38 /
                          136.4 / 420-427 with 1, the device idle between steps ~0 against 0.8-1.2 ms; first
                          audio at p50 0.5 ms sooner / 2.2 ms later / no later, at p99 sooner or equal
                          (perf/results/RESULTS.md)
-    launch_at_frames     with two steps in flight and the pipelined codec: launch step t+1 once step t's frames
-                         are made (its code predictor done: the host polls the mark the step graph records there,
-                         engine/audio_pipeline.py), not as soon as the call begins, so a request added before then
-                         still joins t+1 (with steps_in_flight 2 at once it joins t+2: first audio at 16 streams
-                         2.2 ms later at p50), while the host's turn still runs beside t's talker half (about
-                         1.9 ms at 1 and 64 rows on the H200). Same codes and audio either way. Off until served
-                         on the H200
+    launch_at_frames     with two steps in flight and the pipelined codec (codec_pipeline true): launch step t+1
+                         once step t's frames are made (its code predictor done: the host polls the mark the
+                         step graph records there, engine/audio_pipeline.py), not as soon as the call begins,
+                         so a request added before then still joins t+1 (with steps_in_flight 2 at once it
+                         joins t+2: first audio at 16 streams 2.2 ms later at p50), while the host's turn still
+                         runs beside t's talker half (about 1.9 ms at 1 and 64 rows on the H200). Same codes
+                         and audio either way. Off: served at 64 streams on the H200, first audio no sooner (p50
+                         48.5 and 60.9 against 49.6 and 53.3 ms)
     tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
                          `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
                          sources): an engine takes what it holds and writes back what it tuned, so an engine
@@ -249,7 +255,7 @@ class EngineConfig:
     def pipelines_codec(self, device: torch.device) -> bool:
         """Whether the codec runs one step behind (`codec_pipeline`) on `device`."""
         if self.codec_pipeline is None:
-            return device.type == "cuda" and self.use_cuda_graphs
+            return device.type == "cuda" and self.use_cuda_graphs and self.steps_in_flight == 1
         return self.codec_pipeline
 
     @property

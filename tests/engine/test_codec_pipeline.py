@@ -273,10 +273,12 @@ def test_calls_made_while_a_step_waits_for_its_audio_run_then(engines, speaker):
 
 
 def test_codec_pipeline_setting():
-    assert not EngineConfig().pipelines_codec(torch.device("cpu"))  # default: where the step is a graph
-    assert EngineConfig().pipelines_codec(torch.device("cuda"))
-    assert not EngineConfig(use_cuda_graphs=False).pipelines_codec(torch.device("cuda"))
-    assert EngineConfig(codec_pipeline=True).pipelines_codec(torch.device("cpu"))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig(steps_in_flight=1).pipelines_codec(cuda)  # default: where the step is a graph, one in flight
+    assert not EngineConfig(steps_in_flight=1).pipelines_codec(cpu)
+    assert not EngineConfig(steps_in_flight=1, use_cuda_graphs=False).pipelines_codec(cuda)
+    assert not EngineConfig().pipelines_codec(cuda)  # two in flight (the default): the codec in the step
+    assert EngineConfig(codec_pipeline=True).pipelines_codec(cpu)
     for bad in ("yes", 1):
         with pytest.raises(ValueError, match="codec_pipeline must be true, false or null"):
             EngineConfig(codec_pipeline=bad)
@@ -304,8 +306,8 @@ def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_
                               graph_batch_sizes=(1, 2, 4, 8), batch_invariant=invariant)
     results = {}
     for flow, kw in {"sync": dict(codec_pipeline=False, steps_in_flight=1), "pipelined": dict(steps_in_flight=1),
-                     "ahead": {}, "at_frames": dict(launch_at_frames=True),  # ahead: the default
-                     "in_step": dict(codec_pipeline=False)}.items():  # the codec in the step, two in flight
+                     "ahead": dict(codec_pipeline=True), "at_frames": dict(codec_pipeline=True, launch_at_frames=True),
+                     "in_step": {}}.items():  # the default: the codec in the step, two in flight
         engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, **kw))
         assert (engine.runner.audio is None) == (flow in ("sync", "in_step")) and engine.launches_ahead
         results[flow] = run(engine, _requests(speaker))
@@ -334,8 +336,8 @@ def test_rows_ending_at_the_real_eos_with_two_steps_in_flight_keep_the_device_up
                               graph_batch_sizes=(1, 2, 4, 8), batch_invariant=True)
     _draw_eos_at_frame_5(monkeypatch, tiny_ckpt)  # before the engines capture their graphs
     results = {}
-    for flow, kw in {"sync": dict(codec_pipeline=False, steps_in_flight=1), "ahead": {},
-                     "in_step": dict(codec_pipeline=False)}.items():
+    for flow, kw in {"sync": dict(codec_pipeline=False, steps_in_flight=1), "ahead": dict(codec_pipeline=True),
+                     "in_step": {}}.items():  # in_step: the default
         engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, **kw))
         results[flow] = run(engine, _requests(speaker))
         assert engine.runner.num_graph_replays > 0
@@ -348,7 +350,7 @@ def test_rows_ending_at_the_real_eos_with_two_steps_in_flight_keep_the_device_up
 
 @pytest.mark.gpu
 def test_adding_a_request_does_not_wait_for_the_step_in_flight(tiny_ckpt_dir, speaker):
-    """Pipelined, a decode step is in flight between step() calls: adding a request (its text tokenized,
+    """With CUDA graphs a decode step is in flight between step() calls: adding a request (its text tokenized,
     its prompt built on the device) must not synchronize the device, or every add waits for that step.
     torch's sync debug mode raises on any synchronizing call."""
     if not torch.cuda.is_available():
@@ -403,7 +405,7 @@ def test_codec_on_a_green_context_makes_the_same_codes_and_audio(tiny_ckpt_dir, 
     than the device has is refused, naming the setting."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True,
+    cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True, codec_pipeline=True,
                               graph_batch_sizes=(1, 2, 4, 8), batch_invariant=True)
     results, contexts = {}, []
     for sms in (0, 16, 16):
