@@ -80,10 +80,11 @@ class EngineConfig:
                          9.87 against 6.41 / 7.83 / 9.81 ms at batch 1 / 16 / 64; perf/results/RESULTS.md)
     codec_sms            the SMs the pipelined codec may run on: 0 (default) all of them; N > 0 a CUDA green
                          context of N SMs (engine/audio_pipeline.py), so the codec's kernels cannot hold the
-                         SMs the next frame's chain of small kernels waits for. Only with codec_pipeline on
-                         CUDA (ignored elsewhere). On the H200 (profile_step's overlap probe, frame work and
-                         codec forked in one graph at 64 rows): 64 SMs 8.14 against 8.98 ms per frame;
-                         no gain at 1 and 16 rows (perf/results/RESULTS.md)
+                         SMs the next frame's chain of small kernels waits for. For the pipelined codec only
+                         (refused where the codec runs in the step; ignored on the CPU). On the H200
+                         (profile_step's overlap probe, frame work and codec forked in one graph at 64 rows):
+                         64 SMs 8.14 against 8.98 ms per frame; no gain at 1 and 16 rows
+                         (perf/results/RESULTS.md)
     fused_code_predictor the largest decode bucket whose code predictor runs its 15 passes through the fused
                          kernels (kernels/code_predictor.py, 23 launches a pass; where the kernels serve the
                          device); larger buckets run the eager passes; 0: never. 16: on the H200 (1.7B, bf16,
@@ -143,10 +144,10 @@ class EngineConfig:
                          136.4 / 420-427 with 1, the device idle between steps ~0 against 0.8-1.2 ms; first
                          audio at p50 0.5 ms sooner / 2.2 ms later / no later, at p99 sooner or equal
                          (perf/results/RESULTS.md)
-    launch_at_frames     with two steps in flight and the pipelined codec (codec_pipeline true): launch step t+1
-                         once step t's frames are made (its code predictor done: the host polls the mark the
-                         step graph records there, engine/audio_pipeline.py), not as soon as the call begins,
-                         so a request added before then still joins t+1 (with steps_in_flight 2 at once it
+    launch_at_frames     with two steps in flight and the pipelined codec (codec_pipeline true; refused without
+                         them): launch step t+1 once step t's frames are made (its code predictor done: the
+                         host polls the mark the step graph records there, engine/audio_pipeline.py), not as
+                         soon as the call begins, so a request added before then still joins t+1 (at once it
                          joins t+2: first audio at 16 streams 2.2 ms later at p50), while the host's turn still
                          runs beside t's talker half (about 1.9 ms at 1 and 64 rows on the H200). Same codes
                          and audio either way. Off: served at 64 streams on the H200, first audio no sooner (p50
@@ -238,6 +239,14 @@ class EngineConfig:
         for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
                      "programmatic_launch", "run_ahead", "launch_at_frames"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        # the pipelined codec's own settings, refused where the codec runs in the step on every device
+        in_step = self.codec_pipeline is False or (self.codec_pipeline is None and self.steps_in_flight == 2)
+        need(not self.codec_sms or not in_step,
+             f"codec_sms={self.codec_sms} sets the pipelined codec's SMs, but the codec runs in the step (codec_pipeline "
+             f"{self.codec_pipeline}, steps_in_flight {self.steps_in_flight}): set codec_pipeline=true")
+        need(not self.launch_at_frames or (self.codec_pipeline is True and self.steps_in_flight == 2),
+             "launch_at_frames waits for the mark the pipelined codec reads: it needs codec_pipeline=true and "
+             f"steps_in_flight=2, got {self.codec_pipeline} and {self.steps_in_flight}")
 
     # --- derived values ---------------------------------------------------------------------------
 

@@ -290,6 +290,15 @@ def test_codec_pipeline_setting():
             EngineConfig(steps_in_flight=bad)
     with pytest.raises(ValueError, match="launch_at_frames must be true or false"):
         EngineConfig(launch_at_frames=1)
+    # the pipelined codec's settings where the codec runs in the step: one error naming the setting
+    for kw in (dict(), dict(codec_pipeline=False, steps_in_flight=1)):
+        with pytest.raises(ValueError, match="codec_sms=16 sets the pipelined codec's SMs.*set codec_pipeline=true"):
+            EngineConfig(codec_sms=16, **kw)
+    for kw in (dict(), dict(codec_pipeline=False), dict(codec_pipeline=True, steps_in_flight=1)):
+        with pytest.raises(ValueError, match="launch_at_frames .* needs codec_pipeline=true and steps_in_flight=2"):
+            EngineConfig(launch_at_frames=True, **kw)
+    assert EngineConfig(codec_sms=16, steps_in_flight=1).codec_sms == 16  # pipelined where the step is a graph
+    assert EngineConfig(codec_sms=16, codec_pipeline=True, launch_at_frames=True).launch_at_frames
 
 
 @pytest.mark.gpu
