@@ -239,8 +239,8 @@ class EngineConfig:
         for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
                      "programmatic_launch", "run_ahead", "launch_at_frames"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
-        # the pipelined codec's own settings, refused where the codec runs in the step on every device
-        in_step = self.codec_pipeline is False or (self.codec_pipeline is None and self.steps_in_flight == 2)
+        # the pipelined codec's own settings, refused where the codec runs in the step even on CUDA
+        in_step = not self.pipelines_codec(torch.device("cuda"))
         need(not self.codec_sms or not in_step,
              f"codec_sms={self.codec_sms} sets the pipelined codec's SMs, but the codec runs in the step (codec_pipeline "
              f"{self.codec_pipeline}, steps_in_flight {self.steps_in_flight}): set codec_pipeline=true")
