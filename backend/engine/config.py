@@ -240,7 +240,7 @@ class EngineConfig:
                      "programmatic_launch", "run_ahead", "launch_at_frames"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         # the pipelined codec's own settings, refused where the codec runs in the step even on CUDA
-        in_step = not self.pipelines_codec(torch.device("cuda"))
+        in_step = not self._pipelines_codec("cuda")
         need(not self.codec_sms or not in_step,
              f"codec_sms={self.codec_sms} sets the pipelined codec's SMs, but the codec runs in the step (codec_pipeline "
              f"{self.codec_pipeline}, steps_in_flight {self.steps_in_flight}): set codec_pipeline=true")
@@ -263,8 +263,11 @@ class EngineConfig:
 
     def pipelines_codec(self, device: torch.device) -> bool:
         """Whether the codec runs one step behind (`codec_pipeline`) on `device`."""
+        return self._pipelines_codec(device.type)
+
+    def _pipelines_codec(self, device_type: str) -> bool:
         if self.codec_pipeline is None:
-            return device.type == "cuda" and self.use_cuda_graphs and self.steps_in_flight == 1
+            return device_type == "cuda" and self.use_cuda_graphs and self.steps_in_flight == 1
         return self.codec_pipeline
 
     @property
