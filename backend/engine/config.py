@@ -138,8 +138,8 @@ class EngineConfig:
                          between steps (landing t's frames, scheduling, packing t+1's rows) runs while t+1
                          does; 1 lands t first, and the device idles through that turn. Same codes and audio
                          either way; a row that ends at t (EOS) runs once more in t+1, its frame dropped (the
-                         codec clamps that frame's EOS code into its codebook); a
-                         request added while the engine waits for t starts with t+2, not t+1. On the H200
+                         codec clamps that frame's EOS code into its codebook); a request added while the
+                         engine waits for t starts with t+2, not t+1. On the H200
                          served at 1 / 16 / 64 streams: 11.95 / 156.2 / 446-461 audio-s/s against 10.38 /
                          136.4 / 420-427 with 1, the device idle between steps ~0 against 0.8-1.2 ms; first
                          audio at p50 0.5 ms sooner / 2.2 ms later / no later, at p99 sooner or equal
