@@ -184,10 +184,11 @@ def tuning():
     return _tuning()
 
 
-def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """SnakeBeta of x [B, C, T] with log-parameters alpha, beta [C]. See kernels/snake.py."""
+def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
+    """SnakeBeta of x [B, C, T] with log-parameters alpha, beta [C]; `channels_last`: the kernel stores it [B, T, C]
+    (a view is returned; the reference's layout is torch's). See kernels/snake.py."""
     if use_triton(x):
-        return _sn.snake_beta(x, alpha, beta)
+        return _sn.snake_beta(x, alpha, beta, channels_last)
     return reference.snake_beta_ref(x, alpha, beta)
 
 

@@ -21,6 +21,15 @@ Two tilings of the GEMM [C_out, K·C_in] x [K·C_in, columns]:
   the next step's x tile before its own dot. With the same BLOCK_I it adds the same products in the same
   order as the row tiling, hence the same bits.
 
+- channels-last (`_conv1d_cl_kernel`, impl a `ChannelsLastTiles`, or "triton" for a channels-last call): x and
+  history stored channels-last (x [B, C_in, L] a view with stride(1) == 1, as `snake_beta(channels_last=True)`
+  writes it; the streaming convs keep their histories that way), columns flattened as in the flat tiling. Tap
+  k reads whole channel rows at t + k·dilation, each starting at a multiple of the row stride: aligned,
+  vectorized loads the pipeliner copies asynchronously. Time-contiguous x puts tap k's loads 2·k·dilation
+  bytes off a 16-byte boundary, which neither allows; at the codec frame's k7 shapes the channels-last
+  kernel is 2-4x faster than the row kernel and cuDNN, at 1 and 64 streams (H200,
+  perf/results/RESULTS.md, twenty-first session). Output and residual stay time-contiguous.
+
 Why a kernel: cuDNN's heuristics pick a non-tensor-core implicit GEMM for some of the codec's layer and
 batch shapes (~1 ms per conv at batch 64 on the H200, 10x its neighbours), and the pointwise (K=1)
 convs are 2-3x faster here. On CUDA `causal_conv1d` times `candidates()` (cuDNN, row tiling configs and
@@ -81,6 +90,21 @@ def _tap(acc, x_cols, h_cols, w_ptr, o, o_ok, t, t_ok, c_in, stride_xc, stride_h
                     SPLIT)  # [BLOCK_I, BLOCK_T]
         acc += dot(w, x, DOT_PRECISION)
     return acc
+
+
+@triton.jit
+def _cl_x_tile(x_rows, h_rows, p, n_ok, i, i_ok, stride_xt, stride_ht, HIST: tl.constexpr):
+    """[BLOCK_M, BLOCK_I] channels-last conv input cat(history, x) at positions p [BLOCK_M] (one per column) and
+    input channels i. x_rows / h_rows [BLOCK_M]: each column's batch row of x / history. HIST > 0: positions
+    < HIST are read from the history, the others from x at p - HIST (two masked loads, both aligned)."""
+    mask = n_ok[:, None] & i_ok[None, :]
+    if HIST > 0:
+        in_h = (p < HIST)[:, None]
+        xh = tl.load(h_rows[:, None] + p[:, None] * stride_ht + i[None, :], mask=mask & in_h, other=0.0)
+        xx = tl.load(x_rows[:, None] + (p - HIST)[:, None] * stride_xt + i[None, :], mask=mask & ~in_h, other=0.0)
+        return tl.where(in_h, xh, xx)
+    else:
+        return tl.load(x_rows[:, None] + p[:, None] * stride_xt + i[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -184,6 +208,37 @@ def _conv1d_flat_kernel(
               stride_oc, HAS_BIAS, HAS_RESIDUAL)
 
 
+@triton.jit
+def _conv1d_cl_kernel(
+    x_ptr, h_ptr, w_ptr, b_ptr, r_ptr, out_ptr,
+    c_in, c_out, t_out, n_cols,
+    stride_xb, stride_xt, stride_hb, stride_ht, stride_wo, stride_wi, stride_wk,
+    stride_rb, stride_rc, stride_ob, stride_oc,
+    K: tl.constexpr, DILATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HIST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The channels-last tiling: program (column tile, output channel tile), column = b·t_out + t of n_cols =
+    B·t_out; x [B, L, C_in] and history [B, HIST, C_in] channels-last (channel stride 1), output time-contiguous."""
+    n = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # columns
+    o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)  # output channels
+    n_ok, o_ok = n < n_cols, o < c_out
+    row = n // t_out
+    t = n - row * t_out  # [BLOCK_M]: each column's output position in its batch row
+    b = row.to(tl.int64)
+    x_rows, h_rows = x_ptr + b * stride_xb, h_ptr + b * stride_hb  # [BLOCK_M]
+    chunks = tl.cdiv(c_in, BLOCK_I)  # input channel blocks per tap
+    acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
+    for step in range(0, K * chunks):  # (tap, channel block), taps outer: one loop the pipeliner stages
+        k, i = _step_channels(step, chunks, BLOCK_I)
+        i_ok = i < c_in
+        x = _cl_x_tile(x_rows, h_rows, t + k * DILATION, n_ok, i, i_ok, stride_xt, stride_ht, HIST)  # [M, I]
+        w = _w_tile(w_ptr, o, o_ok, i, i_ok, k, stride_wo, stride_wi, stride_wk)  # [BLOCK_O, BLOCK_I]
+        acc += dot(x, tl.trans(w), DOT_PRECISION)
+    _epilogue(tl.trans(acc), b_ptr, r_ptr + b * stride_rb + t, out_ptr + b * stride_ob + t, o, o_ok, n_ok,
+              stride_rc, stride_oc, HAS_BIAS, HAS_RESIDUAL)
+
+
 class RowTiles(NamedTuple):
     """A launch config of the row tiling (`causal_conv1d(impl=RowTiles(...))`; a tuning candidate). impl "triton"
     is the row tiling at `_blocks`' config, the batch-invariant one."""
@@ -207,6 +262,32 @@ class FlatTiles(NamedTuple):
 
     def __str__(self) -> str:
         return f"flat o{self.block_o} i{self.block_i} n{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+class ChannelsLastTiles(NamedTuple):
+    """A launch config of the channels-last tiling (`causal_conv1d(impl=ChannelsLastTiles(...))` on a channels-last
+    call; a tuning candidate)."""
+    block_m: int  # (batch row, position) columns per program
+    block_o: int  # output channels per program
+    block_i: int  # input channels per reduction step
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __str__(self) -> str:
+        return f"cl m{self.block_m} o{self.block_o} i{self.block_i} w{self.num_warps} s{self.num_stages}"
+
+
+# the channels-last configs, each the fastest at some codec frame shape on the H200 (perf/results/RESULTS.md,
+# twenty-first session): the first at every shape at one stream (the default: batch-invariant calls run it), the
+# others at 64 streams (768, 384, 96-192 channels)
+_CL_CONFIGS = (ChannelsLastTiles(64, 32, 64, 4, 3), ChannelsLastTiles(64, 64, 64, 4, 4),
+               ChannelsLastTiles(128, 128, 64, 8, 3), ChannelsLastTiles(128, 64, 32, 4, 3))
+
+
+def _cl_configs(c_in: int, c_out: int) -> list[ChannelsLastTiles]:
+    """`_CL_CONFIGS` with BLOCK_O and BLOCK_I clamped to the shape (distinct ones; the default first)."""
+    fitted = (c._replace(block_o=_fit(c.block_o, c_out), block_i=_fit(c.block_i, c_in)) for c in _CL_CONFIGS)
+    return list(dict.fromkeys(fitted))
 
 
 def _blocks(c_in: int, c_out: int, t_out: int) -> RowTiles:
@@ -245,23 +326,33 @@ def _flat_configs(c_in: int, c_out: int) -> list[FlatTiles]:
     return list(dict.fromkeys(fitted))  # a small c_out can make both the same
 
 
-def candidates(c_in: int, c_out: int, t_out: int) -> tuple:
+def candidates(c_in: int, c_out: int, t_out: int, channels_last: bool = False) -> tuple:
     """What `causal_conv1d` times for a shape on CUDA, the same at every batch: "cudnn", "triton" (the row
     tiling's default), the row tiling's other `RowTiles` and, at T_out = 1 (the frame's first conv, where a row
     tile is 1/16 full), the flat tiling's `FlatTiles` (configs are hashable and picklable: the tuned table is
     saved). The flat tiling lost to cuDNN or the row tiling at every T_out >= 4 of the codec's frame on the H200
-    (perf/results/RESULTS.md, thirteenth session), so it is not timed there."""
+    (perf/results/RESULTS.md, thirteenth session), so it is not timed there. A channels-last call: "cudnn",
+    "triton" (the channels-last default) and the other `ChannelsLastTiles`."""
+    if channels_last:
+        return ("cudnn", "triton", *_cl_configs(c_in, c_out)[1:])
     return ("cudnn", "triton", *_row_configs(c_in, c_out, t_out),
             *(_flat_configs(c_in, c_out) if t_out == 1 else ()))
 
 
+def is_channels_last(x: torch.Tensor, history: torch.Tensor | None = None) -> bool:
+    """Whether a `causal_conv1d` call takes the channels-last tiling: x [B, C_in, L] (and the history, if any) with
+    channel stride 1 (a time-contiguous x of one sample is both)."""
+    return x.stride(1) == 1 and (history is None or history.stride(1) == 1)
+
+
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,
                   residual: torch.Tensor | None = None, weight_oik: torch.Tensor | None = None,
-                  impl: str | RowTiles | FlatTiles | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
+                  impl: str | RowTiles | FlatTiles | ChannelsLastTiles | None = None,
+                  history: torch.Tensor | None = None) -> torch.Tensor:
     """Valid (unpadded) conv1d of x [B, C_in, L] (history included) with weight [C_out, C_in, K],
     bias [C_out] or None -> [B, C_out, L - (K-1)·dilation] in x.dtype, plus residual (same shape as the
-    output) when given. The time dim of x (unless it has one sample), history, residual and the output
-    must be contiguous.
+    output) when given. x and history either both time-contiguous or both channels-last (`is_channels_last`:
+    the channels-last tiling); residual and the output are time-contiguous.
 
     history: [B, C_in, (K-1)·dilation], x.dtype: the samples before x [B, C_in, T] (new samples only).
     The conv then runs over cat(history, x) -> [B, C_out, T], bit for bit what the concatenated x gives,
@@ -270,25 +361,27 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     weight_oik: optional copy of `weight` stored input-channel-fastest (`q3tts.kernels.conv_kernel_weight`), read
     coalesced by the kernels; cuDNN keeps using `weight`. On CUDA: the fastest of `candidates()` for
     shapes tuned in `autotune.tuning()`, cuDNN for the rest; the row kernel under
-    `autotune.batch_invariant()` and off CUDA. impl="triton" (the row tiling's default) | "cudnn" | a `RowTiles` |
-    a `FlatTiles` forces one."""
+    `autotune.batch_invariant()` and off CUDA (channels-last: the channels-last default). impl="triton" (the
+    row tiling's default; channels-last, the channels-last tiling's) | "cudnn" | a `RowTiles` | a `FlatTiles` |
+    a `ChannelsLastTiles` (channels-last calls) forces one."""
     bsz, c_in, length = x.shape
     c_out, w_in, k = weight.shape
     hist = (k - 1) * dilation
+    cl = is_channels_last(x, history)
     if history is not None:
         assert history.shape == (bsz, c_in, hist), \
             f"history {tuple(history.shape)} != {(bsz, c_in, hist)} (batch, input channels, (K-1)·dilation)"
-        assert history.stride(-1) == 1 or hist <= 1, "history's time dim must be contiguous"
+        assert cl or history.stride(-1) == 1 or hist <= 1, "history's time dim (or channel dim) must be contiguous"
         assert history.dtype == x.dtype and history.device == x.device, \
             "history must match x's dtype and device"
         history = history if hist else None  # K = 1: nothing before x is read
     t_out = length if history is not None else length - hist
     assert w_in == c_in, f"weight takes {w_in} input channels, x has {c_in} (groups are not supported)"
     assert t_out >= 1, f"input length {length} < receptive field {hist + 1}"
-    assert x.stride(-1) == 1 or length == 1, "x's time dim must be contiguous"
+    assert cl or x.stride(-1) == 1 or length == 1, "x's time dim (or channel dim) must be contiguous"
     assert weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype), "one dtype for x, weight, bias"
-    assert impl is None or impl in ("triton", "cudnn") or isinstance(impl, (RowTiles, FlatTiles)), \
-        f"unknown impl {impl!r}"
+    assert impl is None or impl in ("triton", "cudnn") or isinstance(impl, ChannelsLastTiles if cl else
+                                                                     (RowTiles, FlatTiles)), f"unknown impl {impl!r}"
     if residual is not None:
         assert residual.shape == (bsz, c_out, t_out) and residual.stride(-1) == 1, \
             f"residual {tuple(residual.shape)} != output {(bsz, c_out, t_out)} or not contiguous in time"
@@ -301,28 +394,31 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if impl == "cudnn":
             full = x if history is None else torch.cat([history, x], dim=-1)
             return causal_conv1d_ref(full, weight, bias, dilation, residual)
-        tiles = _blocks(c_in, c_out, t_out) if impl == "triton" else impl
-        return _launch(x, w_kernel, bias, dilation, residual, t_out, history, tiles)
+        if impl == "triton":
+            impl = _cl_configs(c_in, c_out)[0] if cl else _blocks(c_in, c_out, t_out)
+        return _launch(x, w_kernel, bias, dilation, residual, t_out, history, impl)
 
     key = ("conv1d", tuple(x.shape), tuple(weight.shape), dilation, x.dtype, bias is not None,
-           residual is not None, weight_oik is not None, history is not None)
+           residual is not None, weight_oik is not None, history is not None) + (("channels_last",) if cl else ())
     with device_guard(x):  # the tuning launches too: x may sit on another GPU than the current one
         if impl is not None or not x.is_cuda or batch_invariant():
             return launch(impl or "triton")
-        return launch(choose(key, candidates(c_in, c_out, t_out), launch, x.device, default="cudnn"))
+        return launch(choose(key, candidates(c_in, c_out, t_out, cl), launch, x.device, default="cudnn"))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int,
             residual: torch.Tensor | None, t_out: int, history: torch.Tensor | None,
-            tiles: RowTiles | FlatTiles) -> torch.Tensor:
-    """Run the row or the flat tiling with `tiles`' config -> [B, C_out, t_out]."""
+            tiles: RowTiles | FlatTiles | ChannelsLastTiles) -> torch.Tensor:
+    """Run the row, flat or channels-last tiling with `tiles`' config -> [B, C_out, t_out]."""
     bsz, c_in, _ = x.shape
     c_out, _, k = weight.shape
     out = torch.empty(bsz, c_out, t_out, dtype=x.dtype, device=x.device)
     r = residual if residual is not None else out
     h = history if history is not None else x  # unread without history
     args = (x, h, weight, bias if bias is not None else weight, r, out, c_in, c_out, t_out)
-    strides = (x.stride(0), x.stride(1), h.stride(0), h.stride(1), weight.stride(0), weight.stride(1),
+    # the channels-last kernel takes x's and history's time strides where the others take their channel strides
+    along = 2 if isinstance(tiles, ChannelsLastTiles) else 1
+    strides = (x.stride(0), x.stride(along), h.stride(0), h.stride(along), weight.stride(0), weight.stride(1),
                weight.stride(2), r.stride(0), r.stride(1), out.stride(0), out.stride(1))
     meta = dict(K=k, DILATION=dilation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                 HIST=(k - 1) * dilation if history is not None else 0,
@@ -331,6 +427,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, di
     if isinstance(tiles, RowTiles):
         grid = (triton.cdiv(t_out, tiles.block_t), triton.cdiv(c_out, tiles.block_o), bsz)
         _conv1d_kernel[grid](*args, *strides, **meta, BLOCK_T=tiles.block_t)
+    elif isinstance(tiles, ChannelsLastTiles):
+        grid = (triton.cdiv(bsz * t_out, tiles.block_m), triton.cdiv(c_out, tiles.block_o))
+        _conv1d_cl_kernel[grid](*args, bsz * t_out, *strides, **meta, BLOCK_M=tiles.block_m)
     else:
         grid = (triton.cdiv(bsz * t_out, tiles.block_n), triton.cdiv(c_out, tiles.block_o))
         _conv1d_flat_kernel[grid](*args, bsz * t_out, *strides, **meta, BLOCK_N=tiles.block_n)

@@ -1,7 +1,8 @@
 """SnakeBeta activation of the codec decoder in one pass: x + sin(x·e^α)² / (e^β + 1e-9).
 
 x [B, C, T] (time contiguous), α and β [C] log-parameters. Computed in fp32 and rounded once; the torch
-reference rounds after every elementwise op in low precision (seven kernels in bf16).
+reference rounds after every elementwise op in low precision (seven kernels in bf16). The output is time-contiguous
+or (`channels_last`) stored [B, T, C]: the layout the codec's convs read fastest (kernels/conv1d.py).
 """
 
 from __future__ import annotations
@@ -15,35 +16,40 @@ from ._launch import device_guard
 
 
 @triton.jit
-def _snake_kernel(x_ptr, alpha_ptr, beta_ptr, out_ptr, n_rows, channels, length, stride_xb, stride_xc,
-                  BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # b * channels + c
+def _snake_kernel(x_ptr, alpha_ptr, beta_ptr, out_ptr, channels, length, stride_xb, stride_xc, stride_ob, stride_oc,
+                  stride_ot, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program (channel block, time block, batch row): loads along time, stores along time or channels."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < n_rows
-    c = rows % channels
-    x_rows = (rows // channels).to(tl.int64) * stride_xb + c * stride_xc
-    mask = row_ok[:, None] & (t < length)[None, :]
-    x = tl.load(x_ptr + x_rows[:, None] + t[None, :], mask=mask, other=0.0).to(tl.float32)
-    alpha = tl.exp(tl.load(alpha_ptr + c, mask=row_ok, other=0.0).to(tl.float32))
-    inv_beta = 1.0 / (tl.exp(tl.load(beta_ptr + c, mask=row_ok, other=0.0).to(tl.float32)) + 1e-9)
+    b = tl.program_id(2).to(tl.int64)
+    c_ok = c < channels
+    mask = c_ok[:, None] & (t < length)[None, :]
+    x = tl.load(x_ptr + b * stride_xb + c[:, None] * stride_xc + t[None, :], mask=mask, other=0.0).to(tl.float32)
+    alpha = tl.exp(tl.load(alpha_ptr + c, mask=c_ok, other=0.0).to(tl.float32))
+    inv_beta = 1.0 / (tl.exp(tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(tl.float32)) + 1e-9)
     s = tl.sin(x * alpha[:, None])
     out = x + inv_beta[:, None] * s * s
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * length + t[None, :], cast(out, out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + b * stride_ob + c[:, None] * stride_oc + t[None, :] * stride_ot,
+             cast(out, out_ptr.dtype.element_ty), mask=mask)
 
 
-def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """SnakeBeta of x [B, C, T] with per-channel log-parameters alpha, beta [C] -> contiguous [B, C, T]."""
+def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
+    """SnakeBeta of x [B, C, T] with per-channel log-parameters alpha, beta [C] -> [B, C, T], contiguous, or
+    (`channels_last`) a view of a contiguous [B, T, C]."""
     bsz, channels, length = x.shape
     assert alpha.shape == (channels,) and beta.shape == (channels,), "alpha/beta must be [C]"
     assert x.stride(-1) == 1, "x's time dim must be contiguous"
-    out = torch.empty(bsz, channels, length, dtype=x.dtype, device=x.device)
-    n_rows = bsz * channels
-    block_t = triton.next_power_of_2(min(length, 1024))  # short rows (early stages): many per program
-    block_r = max(1, 1024 // block_t)
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(length, block_t))
+    if channels_last:
+        out = torch.empty(bsz, length, channels, dtype=x.dtype, device=x.device).transpose(1, 2)
+    else:
+        out = torch.empty(bsz, channels, length, dtype=x.dtype, device=x.device)
+    # 1024 elements a program: short rows (early stages) many channels each; channels-last at least 32 channels,
+    # so that each position's outputs are stored 64 contiguous bytes (bf16) at a time
+    block_t = triton.next_power_of_2(min(length, 128 if channels_last else 1024))
+    block_c = min(max(1, 1024 // block_t), triton.next_power_of_2(channels))
+    grid = (triton.cdiv(channels, block_c), triton.cdiv(length, block_t), bsz)
     if out.numel():
         with device_guard(x):
-            _snake_kernel[grid](x, alpha, beta, out, n_rows, channels, length, x.stride(0), x.stride(1),
-                                BLOCK_R=block_r, BLOCK_T=block_t, num_warps=4)
+            _snake_kernel[grid](x, alpha, beta, out, channels, length, x.stride(0), x.stride(1), out.stride(0),
+                                out.stride(1), out.stride(2), BLOCK_C=block_c, BLOCK_T=block_t, num_warps=4)
     return out

@@ -1,6 +1,7 @@
 """Per-layer codec bench: each distinct conv of one streamed frame, every launch choice the conv tuner times
-(cuDNN, the row-tiled kernel's default and other configs, at T = 1 the flat-tiled kernel's:
-`kernels.conv1d.candidates`), and SnakeBeta torch vs kernel, per batch size. Shows which choice wins where
+(cuDNN, the row-tiled kernel's default and other configs, at T = 1 the flat-tiled kernel's; with x stored
+channels-last, as the codec runs them, the channels-last tiling's: `kernels.conv1d.candidates`), and SnakeBeta
+torch vs kernel, per batch size. Shows which choice wins where
 (cuDNN's slow heuristics drove `EngineConfig.codec_kernels`; the tuner keeps the fastest per shape and batch
 bucket).
 
@@ -24,7 +25,7 @@ import torch
 
 from bench_codec import _graphed, _time_ms
 from q3tts.codec import CodecDecoder, StreamingDecoder, read_speech_tokenizer, write_speech_tokenizer
-from q3tts.codec.layers import CausalConv1d, SnakeBeta
+from q3tts.codec.layers import CausalConv1d, SnakeBeta, channels_last
 from q3tts.kernels import reference as R
 from q3tts.kernels.conv1d import candidates, causal_conv1d
 from q3tts.kernels.snake import snake_beta
@@ -58,8 +59,9 @@ def us_per_call(fn, calls: int = 20) -> float:
     return _time_ms(_graphed(lambda: [fn() for _ in range(calls)]), 10, True) * 1e3 / calls
 
 
-def conv_row(m: CausalConv1d, bsz: int, t: int, residual: bool) -> str:
-    """One table row: µs per call of each `candidates` choice for conv `m` (bf16) at batch `bsz`, T new samples."""
+def conv_row(m: CausalConv1d, bsz: int, t: int, residual: bool, cl: bool) -> str:
+    """One table row: µs per call of each `candidates` choice for conv `m` (bf16) at batch `bsz`, T new samples,
+    x and its history time-contiguous or (`cl`) channels-last."""
     w, b, d = m.conv.weight, m.conv.bias, m.conv.dilation[0]
     (c_out, c_in, k), hist, like = w.shape, m.history, dict(device=w.device, dtype=w.dtype)
     x = torch.randn(bsz, c_in, t, **like)
@@ -67,15 +69,18 @@ def conv_row(m: CausalConv1d, bsz: int, t: int, residual: bool) -> str:
     r = torch.randn(bsz, c_out, t, **like) if residual else None
     full = x if h is None else torch.cat([h, x], dim=-1)
     ref = R.causal_conv1d_ref(full.float(), w.float(), b.float(), d, None if r is None else r.float())
+    if cl:
+        x, h = channels_last(x), None if h is None else channels_last(h)
     us, diff = {}, 0.0
-    for impl in candidates(c_in, c_out, t):
+    for impl in candidates(c_in, c_out, t, cl):
         call = lambda impl=impl: causal_conv1d(x, w, b, d, r, m.weight_oik, impl=impl, history=h)  # noqa: E731
         us[impl] = us_per_call(call)
         diff = diff if impl == "cudnn" else max(diff, (call().float() - ref).abs().max().item())
     others = "; ".join(f"{impl}: {v:.1f}" for impl, v in us.items() if impl not in ("cudnn", "triton"))
     best = min(us, key=us.get)
-    return (f"| {c_in}→{c_out} k{k} d{d} T{t}{' +res' if residual else ''} | {bsz} | {us['cudnn']:.1f} | "
-            f"{us['triton']:.1f} | {others} | {best} | {diff:.3g} |")
+    return (f"| {c_in}→{c_out} k{k} d{d} T{t}{' +res' if residual else ''} | {bsz} | "
+            f"{'channels-last' if cl else 'time'} | {us['cudnn']:.1f} | {us['triton']:.1f} | {others} | {best} | "
+            f"{diff:.3g} |")
 
 
 def main() -> None:
@@ -89,16 +94,18 @@ def main() -> None:
     decoder = CodecDecoder.from_weights(cfg, weights, torch.bfloat16, "cuda")
     convs, snakes = frame_layers(decoder)
     decoder.use_kernels(True)  # the convs' weights in the kernel layout, as the engine runs them
-    lines = ["| conv c_in→c_out k d T | batch | cuDNN µs | row kernel µs | other kernel configs µs | best | max abs diff |",
-             "|---|---:|---:|---:|---|---|---:|"]
+    lines = ["| conv c_in→c_out k d T | batch | x stored | cuDNN µs | default kernel µs | other kernel configs µs | "
+             "best | max abs diff |", "|---|---:|---|---:|---:|---|---|---:|"]
     for (*_, t, residual), m in sorted(convs.items()):
-        lines += [conv_row(m, bsz, t, residual) for bsz in args.batches]
-    lines += ["", "| SnakeBeta C×T | batch | torch µs | kernel µs |", "|---|---:|---:|---:|"]
+        lines += [conv_row(m, bsz, t, residual, cl) for bsz in args.batches for cl in (False, True)]
+    lines += ["", "| SnakeBeta C×T | batch | torch µs | kernel µs | kernel, channels-last output µs |",
+              "|---|---:|---:|---:|---:|"]
     for (ch, t), m in sorted(snakes.items()):
         for bsz in args.batches:
             x = torch.randn(bsz, ch, t, device="cuda", dtype=torch.bfloat16)
             lines.append(f"| {ch}×{t} | {bsz} | {us_per_call(lambda: R.snake_beta_ref(x, m.alpha, m.beta)):.1f} | "
-                         f"{us_per_call(lambda: snake_beta(x, m.alpha, m.beta)):.1f} |")
+                         f"{us_per_call(lambda: snake_beta(x, m.alpha, m.beta)):.1f} | "
+                         f"{us_per_call(lambda: snake_beta(x, m.alpha, m.beta, channels_last=True)):.1f} |")
     report = f"# Codec layers, one streamed frame ({args.scale} codec, {torch.cuda.get_device_name()})\n\n" + "\n".join(lines) + "\n"
     emit(report, "codec_layers.md")
 

@@ -275,7 +275,7 @@ class CodecDecoder(nn.Module):
         for m in self.modules():
             if isinstance(m, CausalConv1d):
                 m.set_use_kernels(on)
-            elif isinstance(m, (SnakeBeta, Attention, RMSNorm)):
+            elif isinstance(m, (SnakeBeta, Attention, RMSNorm, CausalTransConv1d)):
                 m.use_kernels = on
 
     def zero_states(self, batch: int) -> States:

@@ -92,11 +92,19 @@ class StateSpec:
 States = list[Tensor]  # one tensor per StateSpec entry, each [B, ...]; updated in place of the list
 
 
+def channels_last(x: Tensor) -> Tensor:
+    """x [B, C, T] as stored channels-last (channel stride 1; a copy unless it is already): the layout in which the
+    conv kernel reads its taps aligned (kernels/conv1d.py)."""
+    return x if x.stride(1) == 1 else x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 class CausalConv1d(nn.Module):
     """Conv1d with left zero padding `(k-1)·d` (stride 1), streamed with a history of its input.
 
     `use_kernels` (`set_use_kernels`, from `CodecDecoder.use_kernels`) or `kernels.batch_invariant()`: groups-1
-    convs go through `kernels.causal_conv1d`; depthwise convs under the latter: `depthwise_conv1d`."""
+    convs go through `kernels.causal_conv1d` with x channels-last (`channels_last`; the SnakeBeta kernel before
+    most of them writes it so); depthwise convs under the latter: `depthwise_conv1d`. A groups-1 conv keeps its
+    history channels-last too (state [history, C]; `history_of` gives it as [B, C, history]), whichever path runs."""
 
     use_kernels = False
 
@@ -105,25 +113,36 @@ class CausalConv1d(nn.Module):
         super().__init__()
         self.conv = nn.Conv1d(c_in, c_out, kernel, dilation=dilation, groups=groups)
         self.history = (kernel - 1) * dilation
-        self.state = spec.add((c_in, self.history)) if self.history else -1
+        self._state_cl = groups == 1
+        shape = (self.history, c_in) if self._state_cl else (c_in, self.history)
+        self.state = spec.add(shape) if self.history else -1
         self.weight_oik: Tensor | None = None  # the conv kernel's weight layout, set by use_kernels
+
+    def history_of(self, states: States) -> Tensor:
+        """This conv's history in `states` as [B, C, history] (a view)."""
+        state = states[self.state]
+        return state.transpose(1, 2) if self._state_cl else state
+
+    def keep_history(self, states: States, history: Tensor) -> None:
+        """Set this conv's history in `states` to `history` [B, C, history] (kept as a view)."""
+        states[self.state] = history.transpose(1, 2) if self._state_cl else history
 
     def forward(self, x: Tensor, states: States, residual: Tensor | None = None) -> Tensor:
         """[B, C, T] -> [B, C', T] (+ residual [B, C', T], fused into the conv when it is a kernel)."""
         if self.conv.groups == 1 and (self.use_kernels or kernels.batch_invariant()):
             # the kernel reads the state in front of x in place: no cat of the history (cuDNN, if the
             # tuner picks it, does the cat); the new state is the last `history` samples of cat(state, x)
-            x = x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
-            history = states[self.state] if self.history else None
+            x = channels_last(x)
+            history = self.history_of(states) if self.history else None
             if history is not None:
                 t = x.shape[-1]
-                states[self.state] = (x[..., -self.history:] if t >= self.history
-                                      else torch.cat([history[..., t:], x], dim=-1))
+                self.keep_history(states, x[..., -self.history:] if t >= self.history
+                                  else torch.cat([history[..., t:], x], dim=-1))
             return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual,
                                          self.weight_oik, history=history)
         if self.history:
-            x = torch.cat([states[self.state], x], dim=-1)  # [B, C, hist + T]
-            states[self.state] = x[..., -self.history:]
+            x = torch.cat([self.history_of(states), x], dim=-1)  # [B, C, hist + T]
+            self.keep_history(states, x[..., -self.history:])
         if self.conv.groups == self.conv.in_channels == self.conv.out_channels and kernels.batch_invariant():
             out = depthwise_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0])
         else:
@@ -157,8 +176,11 @@ class CausalTransConv1d(nn.Module):
 
     With k = 2s, output block t depends on inputs t and t-1, so the state is the previous input sample.
     With k = s there is no overlap and no state.
-    Under `kernels.batch_invariant()` it runs as a stride-1 conv of k/s taps over its input (`as_conv`).
+    `use_kernels` (from `CodecDecoder.use_kernels`) or `kernels.batch_invariant()`: it runs as a stride-1 conv
+    of k/s taps over its input (`as_conv`), channels-last, the state read in place as the conv's history.
     """
+
+    use_kernels = False
 
     def __init__(self, spec: StateSpec, c_in: int, c_out: int, kernel: int, stride: int) -> None:
         super().__init__()
@@ -170,24 +192,25 @@ class CausalTransConv1d(nn.Module):
         self._conv_form: tuple[Tensor, Tensor] | None = None  # (weight, bias) of `as_conv`, per dtype/device
 
     def forward(self, x: Tensor, states: States) -> Tensor:  # [B, C, T] -> [B, C', T·s]
+        if self.use_kernels or kernels.batch_invariant():
+            history = states[self.state] if self.state >= 0 else None  # [B, C, 1]
+            if history is not None:
+                states[self.state] = x[..., -1:]
+            return self.as_conv(x, history)
         if self.state >= 0:
             x = torch.cat([states[self.state], x], dim=-1)  # [B, C, 1 + T]
             states[self.state] = x[..., -1:]
-        if kernels.batch_invariant():
-            return self.as_conv(x)
         if self.state < 0:
             return self.conv(x)
         y = self.conv(x)  # [B, C', (T + 2)·s]
         return y[..., self.stride: y.shape[-1] - self.stride]
 
-    def as_conv(self, x: Tensor) -> Tensor:
-        """The trimmed transposed conv of x [B, C, T + taps - 1] (history first, taps = k/s) as one
-        `kernels.causal_conv1d` of taps taps into C'·s channels, channel (o, r) = output phase r of
-        channel o, then the phases interleaved in time -> [B, C', T·s]."""
-        if x.stride(-1) != 1:  # the kernel reads time contiguously
-            x = x.clone(memory_format=torch.contiguous_format)
+    def as_conv(self, x: Tensor, history: Tensor | None = None) -> Tensor:
+        """The trimmed transposed conv of x [B, C, T] after `history` [B, C, taps - 1] (taps = k/s; None: x holds
+        the history first) as one `kernels.causal_conv1d` of taps taps into C'·s channels, channel (o, r) = output
+        phase r of channel o, then the phases interleaved in time -> [B, C', T·s]."""
         weight, bias = self._conv_weights()
-        y = kernels.causal_conv1d(x, weight, bias)  # [B, C'·s, T]
+        y = kernels.causal_conv1d(channels_last(x), weight, bias, history=history)  # [B, C'·s, T]
         b, _, t = y.shape
         return y.view(b, self.conv.out_channels, self.stride, t).transpose(2, 3).reshape(b, -1, t * self.stride)
 
@@ -211,7 +234,8 @@ class CausalTransConv1d(nn.Module):
 
 class SnakeBeta(nn.Module):
     """`x + sin(x·e^α)² / (e^β + 1e-9)`, α and β per channel (log-parameterised); one fused kernel
-    (`kernels.snake_beta`) when `use_kernels` is set, the torch reference otherwise."""
+    (`kernels.snake_beta`, its output stored channels-last) when `use_kernels` is set, the torch reference
+    otherwise."""
 
     use_kernels = False
 
@@ -221,8 +245,8 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: Tensor) -> Tensor:  # [B, C, T]
-        if self.use_kernels:
-            return kernels.snake_beta(x, self.alpha, self.beta)
+        if self.use_kernels:  # stored channels-last: a conv reads it next (`CausalConv1d`, `CausalTransConv1d`)
+            return kernels.snake_beta(x, self.alpha, self.beta, channels_last=True)
         return snake_beta_ref(x, self.alpha, self.beta)
 
 

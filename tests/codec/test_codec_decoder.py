@@ -190,7 +190,7 @@ def test_kernel_convs_reading_the_history_in_place_match_concatenating_it(codec,
     Frame by frame, both branches of the state update run: T < history (pre-conv, first conv) and
     T >= history."""
     from q3tts import kernels
-    from q3tts.codec.layers import CausalConv1d
+    from q3tts.codec.layers import CausalConv1d, channels_last
 
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
     split_forward = CausalConv1d.forward
@@ -199,10 +199,10 @@ def test_kernel_convs_reading_the_history_in_place_match_concatenating_it(codec,
         if self.conv.groups != 1:
             return split_forward(self, x, states, residual)
         if self.history:
-            x = torch.cat([states[self.state], x], dim=-1)
-            states[self.state] = x[..., -self.history:]
-        return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual,
-                                     self.weight_oik)
+            x = torch.cat([self.history_of(states), x], dim=-1)
+            self.keep_history(states, x[..., -self.history:])
+        return kernels.causal_conv1d(channels_last(x), self.conv.weight, self.conv.bias, self.conv.dilation[0],
+                                     residual, self.weight_oik)
 
     def run(frames=2):
         stream = StreamingDecoder(codec.decoder, max_streams=3, use_kernels=True)

@@ -202,21 +202,100 @@ def test_flat_tiling_gives_the_row_tilings_bits(dtype, case, residual, bias, spl
     assert torch.equal(got, want), f"max diff {(got.float() - want.float()).abs().max().item()}"
 
 
+def _channels_last(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The same values stored [B, L, C] (a [B, C, L] view with channel stride 1)."""
+    return None if t is None else t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+# the channels-last tiling: (batch, c_in, c_out, kernel, dilation, T_out, BLOCK_M) as FLAT_CASES, plus channel
+# counts past two input blocks and a history longer than a tile
+CL_CASES = [*FLAT_CASES, (2, 80, 24, 7, 3, 9, 16), (1, 16, 16, 3, 30, 70, 16)]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["concat", "history"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("case", CL_CASES, ids=lambda c: "b{}_ci{}_co{}_k{}_d{}_t{}_m{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_channels_last_tiling_matches_the_reference(dtype, case, residual, bias, split):
+    """x (and its history) stored channels-last take the channels-last tiling: within the reference's tolerance,
+    and the split history gives the bits of the concatenated input, whichever rows share a tile."""
+    full, call = _flat_inputs(case, dtype, residual, bias, split)
+    bsz, c_in, c_out, _, _, t, block_m = case
+    call = dict(call, x=_channels_last(call["x"]), history=_channels_last(call.get("history")))
+    assert conv1d.is_channels_last(call["x"], call["history"])
+    tiles = conv1d.ChannelsLastTiles(block_m, *conv1d._cl_configs(c_in, c_out)[0][1:])
+    got = conv1d.causal_conv1d(**call, impl=tiles)
+    w, b, d, r = call["weight"], call["bias"], call["dilation"], call["residual"]
+    out_pt = causal_conv1d_ref(full, w, b, d, r)
+    out_ref = causal_conv1d_ref(full.double(), w.double(), None if b is None else b.double(), d,
+                                None if r is None else r.double())
+    assert got.shape == (bsz, c_out, t) and got.dtype == dtype and got.stride(-1) == 1
+    assert_close_3way(got, out_pt, out_ref, dtype, f"conv1d channels-last {dtype} {case}")
+    concat = conv1d.causal_conv1d(_channels_last(full), w, b, d, r, impl=tiles)
+    assert torch.equal(got, concat), f"max diff {(got.float() - concat.float()).abs().max().item()}"
+
+
+def test_channels_last_rows_do_not_depend_on_the_batch():
+    """A batch row's output from the channels-last default is the same alone and among other rows (tiles span rows)."""
+    _, history, new, w, b, d, r = _split((5, 24, 20, 7, 3, 3), torch.bfloat16, True)
+    x, h = _channels_last(new), _channels_last(history)
+    together = conv1d.causal_conv1d(x, w, b, d, r, impl="triton", history=h)
+    for row in range(5):
+        alone = conv1d.causal_conv1d(x[row:row + 1], w, b, d, r[row:row + 1], impl="triton", history=h[row:row + 1])
+        assert torch.equal(alone, together[row:row + 1]), f"row {row}"
+
+
+def test_channels_last_calls_time_their_own_candidates(monkeypatch):
+    """A channels-last call offers the tuner cuDNN and the channels-last configs (its own key); a time-contiguous
+    x with a channels-last history is refused."""
+    import contextlib
+
+    _, history, new, w, b, d, r = _split((3, 16, 20, 7, 3, 4), torch.float32, True)
+    offered, keys = [], []
+
+    def fake_choose(key, impls, launch, device, default):
+        offered.append(impls)
+        keys.append(key)
+        return impls[-1]
+
+    monkeypatch.setattr(conv1d, "choose", fake_choose)
+    monkeypatch.setattr(conv1d, "batch_invariant", lambda: False)
+    monkeypatch.setattr(conv1d, "device_guard", lambda t: contextlib.nullcontext())
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+        tuned = conv1d.causal_conv1d(_channels_last(new), w, b, d, r, history=_channels_last(history))
+        conv1d.causal_conv1d(new, w, b, d, r, history=history)
+    impls = conv1d.candidates(16, 20, 4, channels_last=True)
+    assert offered[0] == impls and impls[:2] == ("cudnn", "triton") and len(impls) > 2
+    assert all(isinstance(c, conv1d.ChannelsLastTiles) for c in impls[2:])
+    assert keys[0][-1] == "channels_last" and keys[1][-1] is True  # the history flag closes the other key
+    assert torch.equal(tuned, conv1d.causal_conv1d(_channels_last(new), w, b, d, r, impl=impls[-1],
+                                                   history=_channels_last(history)))
+    with pytest.raises(AssertionError, match="contiguous"):
+        conv1d.causal_conv1d(new, w, b, d, r, history=_channels_last(history))
+
+
 # T_out = 1 (flat candidates: one column tile; two, with a partial second), longer (cuDNN and rows only)
 CANDIDATE_CASES = [(3, 40, 72, 3, 1, 1), (70, 24, 20, 7, 3, 1), (4, 96, 20, 3, 1, 160), (3, 24, 1, 7, 1, 200)]
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["time_contiguous", "channels_last"])
 @pytest.mark.parametrize("case", CANDIDATE_CASES, ids=lambda c: "b{}_ci{}_co{}_k{}_d{}_t{}".format(*c))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_every_tuning_candidate_matches_the_reference(dtype, case):
+def test_every_tuning_candidate_matches_the_reference(dtype, case, channels_last):
     """Each of `candidates()` (their own BLOCK_I: other sums than the row kernel's) within the reference's
-    tolerance, on the history-split form the codec runs, residual fused."""
+    tolerance, on the history-split form the codec runs, residual fused; time-contiguous and channels-last."""
     full, history, new, w, b, d, r = _split(case, dtype, True)
     out_pt = causal_conv1d_ref(full, w, b, d, r)
     out_ref = causal_conv1d_ref(full.double(), w.double(), b.double(), d, r.double())
-    impls = conv1d.candidates(case[1], case[2], case[5])
-    rows, flat = ([c for c in impls if isinstance(c, kind)] for kind in (conv1d.RowTiles, conv1d.FlatTiles))
-    assert impls == ("cudnn", "triton", *rows, *flat) and rows and bool(flat) == (case[5] == 1)  # flat: T_out = 1
+    impls = conv1d.candidates(case[1], case[2], case[5], channels_last)
+    if channels_last:
+        new, history = _channels_last(new), _channels_last(history)
+        assert impls[:2] == ("cudnn", "triton") and all(isinstance(c, conv1d.ChannelsLastTiles) for c in impls[2:])
+    else:
+        rows, flat = ([c for c in impls if isinstance(c, kind)] for kind in (conv1d.RowTiles, conv1d.FlatTiles))
+        assert impls == ("cudnn", "triton", *rows, *flat) and rows and bool(flat) == (case[5] == 1)  # flat: T_out = 1
     for impl in impls:
         out = conv1d.causal_conv1d(new, w, b, d, r, impl=impl, history=history)
         assert_close_3way(out, out_pt, out_ref, dtype, f"conv1d {impl} {dtype} {case}")
@@ -279,7 +358,7 @@ CODEC_FRAME = [(512, 1024, 3, 1, 1, False), (1024, 1536, 7, 1, 4, False),
 @pytest.mark.parametrize("shape", CODEC_FRAME, ids=lambda s: "ci{}_co{}_k{}_d{}_t{}_r{:d}".format(*s))
 def test_every_candidate_at_the_codec_frame_shapes_batch64(shape):
     """Each tuning candidate at batch 64 (bf16, history split, kernel weight layout, as the engine runs
-    them) within the reference's tolerance."""
+    them; time-contiguous and channels-last) within the reference's tolerance."""
     import q3tts.kernels as K
 
     c_in, c_out, k, d, t, residual = shape
@@ -293,6 +372,8 @@ def test_every_candidate_at_the_codec_frame_shapes_batch64(shape):
     out_pt = causal_conv1d_ref(full, w, b, d, r)
     out_ref = causal_conv1d_ref(full.double(), w.double(), b.double(), d, None if r is None else r.double())
     oik = K.conv_kernel_weight(w)
-    for impl in conv1d.candidates(c_in, c_out, t):
-        out = conv1d.causal_conv1d(new, w, b, d, r, oik, impl=impl, history=history)
-        assert_close_3way(out, out_pt, out_ref, dtype, f"conv1d {impl} {shape}")
+    for channels_last in (False, True):
+        x, h = (_channels_last(new), _channels_last(history)) if channels_last else (new, history)
+        for impl in conv1d.candidates(c_in, c_out, t, channels_last):
+            out = conv1d.causal_conv1d(x, w, b, d, r, oik, impl=impl, history=h)
+            assert_close_3way(out, out_pt, out_ref, dtype, f"conv1d {impl} {shape}")
