@@ -134,10 +134,10 @@ class CausalConv1d(nn.Module):
             # tuner picks it, does the cat); the new state is the last `history` samples of cat(state, x)
             x = channels_last(x)
             history = self.history_of(states) if self.history else None
-            if history is not None:
+            if history is not None:  # kept channels-last (the next call's kernel reads it so): cat along time there
                 t = x.shape[-1]
-                self.keep_history(states, x[..., -self.history:] if t >= self.history
-                                  else torch.cat([history[..., t:], x], dim=-1))
+                self.keep_history(states, x[..., -self.history:] if t >= self.history else
+                                  torch.cat([history[..., t:].transpose(1, 2), x.transpose(1, 2)], 1).transpose(1, 2))
             return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual,
                                          self.weight_oik, history=history)
         if self.history:
@@ -176,8 +176,9 @@ class CausalTransConv1d(nn.Module):
 
     With k = 2s, output block t depends on inputs t and t-1, so the state is the previous input sample.
     With k = s there is no overlap and no state.
-    `use_kernels` (from `CodecDecoder.use_kernels`) or `kernels.batch_invariant()`: it runs as a stride-1 conv
-    of k/s taps over its input (`as_conv`), channels-last, the state read in place as the conv's history.
+    `use_kernels` (from `CodecDecoder.use_kernels`) where the kernels serve x's device, or
+    `kernels.batch_invariant()`: it runs as a stride-1 conv of k/s taps over its input (`as_conv`), channels-last,
+    the state read in place as the conv's history.
     """
 
     use_kernels = False
@@ -192,7 +193,7 @@ class CausalTransConv1d(nn.Module):
         self._conv_form: tuple[Tensor, Tensor] | None = None  # (weight, bias) of `as_conv`, per dtype/device
 
     def forward(self, x: Tensor, states: States) -> Tensor:  # [B, C, T] -> [B, C', T·s]
-        if self.use_kernels or kernels.batch_invariant():
+        if (self.use_kernels and kernels.use_triton(x)) or kernels.batch_invariant():
             history = states[self.state] if self.state >= 0 else None  # [B, C, 1]
             if history is not None:
                 states[self.state] = x[..., -1:]

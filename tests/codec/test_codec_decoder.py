@@ -226,6 +226,27 @@ def test_kernel_convs_reading_the_history_in_place_match_concatenating_it(codec,
         assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+def test_kernel_chunks_on_one_states_list_match_the_streaming_pool(codec, codes, monkeypatch):
+    """forward_chunk frame by frame on one states list with the kernels (perf/bench_codec.py --stages, a decode in
+    pieces): a conv's history kept from a chunk shorter than it stays channels-last for the conv kernel's next
+    call, and the pcm is the streaming pool's (which gathers the states afresh each frame), bit for bit."""
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
+    decoder = codec.decoder
+    stream = StreamingDecoder(decoder, max_streams=2, use_kernels=True)
+    slots = torch.tensor([0])
+    stream.reset(slots)
+    try:
+        with torch.no_grad():
+            states = decoder.zero_states(1)
+            pcm = [decoder.forward_chunk(codes[1:2, :, t:t + 1], states) for t in range(2)]
+            want = [stream.decode_frame(slots, codes[1:2, :, t]) for t in range(2)]
+    finally:
+        decoder.use_kernels(False)  # the session's codec fixture is shared
+    assert torch.equal(torch.cat(pcm, dim=1), torch.cat(want, dim=1))
+
+
 def test_reset_zeroes_exactly_the_given_slots(codec):
     stream = StreamingDecoder(codec.decoder, max_streams=3)
     for state in stream.pool:
