@@ -172,6 +172,16 @@ def _flat_x_tile(x_cols, h_cols, t, n_ok, step, steps, chunks, c_in, stride_xc, 
 
 
 @triton.jit
+def _flat_columns(t_out, n_cols, c_out, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr):
+    """This program's columns (b·t_out + t of n_cols = B·t_out) and output channels: (columns in range, each
+    column's output position t and batch row b (int64) [BLOCK_N], output channels o and o in range [BLOCK_O])."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    row = n // t_out
+    return n < n_cols, n - row * t_out, row.to(tl.int64), o, o < c_out
+
+
+@triton.jit
 def _conv1d_flat_kernel(
     x_ptr, h_ptr, w_ptr, b_ptr, r_ptr, out_ptr,
     c_in, c_out, t_out, n_cols,
@@ -182,12 +192,7 @@ def _conv1d_flat_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """The flat tiling: program (column tile, output channel tile), column = b·t_out + t of n_cols = B·t_out."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns
-    o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)  # output channels
-    n_ok, o_ok = n < n_cols, o < c_out
-    row = n // t_out
-    t = n - row * t_out  # [BLOCK_N]: each column's output position in its batch row
-    b = row.to(tl.int64)
+    n_ok, t, b, o, o_ok = _flat_columns(t_out, n_cols, c_out, BLOCK_N, BLOCK_O)
     x_cols = x_ptr + b * stride_xb + t  # [BLOCK_N]
     h_cols = h_ptr + b * stride_hb + t  # [BLOCK_N]
     chunks = tl.cdiv(c_in, BLOCK_I)  # input channel blocks per tap
@@ -220,12 +225,7 @@ def _conv1d_cl_kernel(
 ):
     """The channels-last tiling: program (column tile, output channel tile), column = b·t_out + t of n_cols =
     B·t_out; x [B, L, C_in] and history [B, HIST, C_in] channels-last (channel stride 1), output time-contiguous."""
-    n = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # columns
-    o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)  # output channels
-    n_ok, o_ok = n < n_cols, o < c_out
-    row = n // t_out
-    t = n - row * t_out  # [BLOCK_M]: each column's output position in its batch row
-    b = row.to(tl.int64)
+    n_ok, t, b, o, o_ok = _flat_columns(t_out, n_cols, c_out, BLOCK_M, BLOCK_O)
     x_rows, h_rows = x_ptr + b * stride_xb, h_ptr + b * stride_hb  # [BLOCK_M]
     chunks = tl.cdiv(c_in, BLOCK_I)  # input channel blocks per tap
     acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
