@@ -193,22 +193,19 @@ class CausalTransConv1d(nn.Module):
         self._conv_form: tuple[Tensor, Tensor] | None = None  # (weight, bias) of `as_conv`, per dtype/device
 
     def forward(self, x: Tensor, states: States) -> Tensor:  # [B, C, T] -> [B, C', T·s]
-        if (self.use_kernels and kernels.use_triton(x)) or kernels.batch_invariant():
-            history = states[self.state] if self.state >= 0 else None  # [B, C, 1]
-            if history is not None:
-                states[self.state] = x[..., -1:]
-            return self.as_conv(x, history)
-        if self.state >= 0:
-            x = torch.cat([states[self.state], x], dim=-1)  # [B, C, 1 + T]
+        history = states[self.state] if self.state >= 0 else None  # [B, C, 1]
+        if history is not None:
             states[self.state] = x[..., -1:]
-        if self.state < 0:
+        if (self.use_kernels and kernels.use_triton(x)) or kernels.batch_invariant():
+            return self.as_conv(x, history)
+        if history is None:
             return self.conv(x)
-        y = self.conv(x)  # [B, C', (T + 2)·s]
+        y = self.conv(torch.cat([history, x], dim=-1))  # [B, C', (T + 2)·s]
         return y[..., self.stride: y.shape[-1] - self.stride]
 
     def as_conv(self, x: Tensor, history: Tensor | None = None) -> Tensor:
-        """The trimmed transposed conv of x [B, C, T] after `history` [B, C, taps - 1] (taps = k/s; None: x holds
-        the history first) as one `kernels.causal_conv1d` of taps taps into C'·s channels, channel (o, r) = output
+        """The trimmed transposed conv of x [B, C, T] after `history` [B, C, taps - 1] (taps = k/s; None: taps = 1)
+        as one `kernels.causal_conv1d` of taps taps into C'·s channels, channel (o, r) = output
         phase r of channel o, then the phases interleaved in time -> [B, C', T·s]."""
         weight, bias = self._conv_weights()
         y = kernels.causal_conv1d(channels_last(x), weight, bias, history=history)  # [B, C'·s, T]
