@@ -96,10 +96,12 @@ def _tap(acc, x_cols, h_cols, w_ptr, o, o_ok, t, t_ok, c_in, stride_xc, stride_h
 def _cl_x_tile(x_rows, h_rows, p, n_ok, i, i_ok, stride_xt, stride_ht, HIST: tl.constexpr):
     """[BLOCK_M, BLOCK_I] channels-last conv input cat(history, x) at positions p [BLOCK_M] (one per column) and
     input channels i. x_rows / h_rows [BLOCK_M]: each column's batch row of x / history. HIST > 0: positions
-    < HIST are read from the history, the others from x at p - HIST. One load: each column's channel row starts
-    where its source says (the choice is per column, the channels stay contiguous and aligned, so the load is
-    vectorized and pipelined as without a history; two masked loads and a select took twice as long at the
-    codec frame's shapes on the H200, perf/results/RESULTS.md, twenty-second session)."""
+    < HIST are read from the history, the others from x at p - HIST. One load whose rows start where each column's
+    source says: the choice is per column, the channels stay contiguous and aligned, so the pipeliner stages it as
+    it stages a load without a history (tests/kernels/test_conv1d_sm90.py). Two masked loads and a select staged
+    three tiles a stage instead of two, and the same kernel read the history that way in twice the time it took
+    over one tensor holding both (64 rows, the codec frame's convs, H200; perf/results/RESULTS.md, twenty-second
+    session)."""
     if HIST > 0:
         row = tl.where(p < HIST, h_rows + p * stride_ht, x_rows + (p - HIST) * stride_xt)  # [BLOCK_M]
     else:
@@ -109,27 +111,15 @@ def _cl_x_tile(x_rows, h_rows, p, n_ok, i, i_ok, stride_xt, stride_ht, HIST: tl.
 
 @triton.jit
 def _epilogue(acc, b_ptr, r_cols, out_cols, o, o_ok, n_ok, stride_rc, stride_oc, HAS_BIAS: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, COLUMNS_FIRST: tl.constexpr = False):
-    """Store acc [BLOCK_O, BLOCK_N] ([BLOCK_N, BLOCK_O] when COLUMNS_FIRST) (+ bias, + residual) at output
-    channels o of the columns, rounded once. r_cols / out_cols [BLOCK_N]: each column's address in the residual /
-    output at channel 0."""
-    if COLUMNS_FIRST:
-        mask = o_ok[None, :] & n_ok[:, None]
-        r_at = r_cols[:, None] + o[None, :] * stride_rc
-        out_at = out_cols[:, None] + o[None, :] * stride_oc
-    else:
-        mask = o_ok[:, None] & n_ok[None, :]
-        r_at = r_cols[None, :] + o[:, None] * stride_rc
-        out_at = out_cols[None, :] + o[:, None] * stride_oc
+              HAS_RESIDUAL: tl.constexpr):
+    """Store acc [BLOCK_O, BLOCK_N] (+ bias, + residual) at output channels o of the columns, rounded once.
+    r_cols / out_cols [BLOCK_N]: each column's address in the residual / output at channel 0."""
     if HAS_BIAS:
-        bias = tl.load(b_ptr + o, mask=o_ok, other=0.0).to(tl.float32)
-        if COLUMNS_FIRST:
-            acc += bias[None, :]
-        else:
-            acc += bias[:, None]
+        acc += tl.load(b_ptr + o, mask=o_ok, other=0.0).to(tl.float32)[:, None]
+    mask = o_ok[:, None] & n_ok[None, :]
     if HAS_RESIDUAL:
-        acc += tl.load(r_at, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_at, cast(acc, out_cols.dtype.element_ty), mask=mask)
+        acc += tl.load(r_cols[None, :] + o[:, None] * stride_rc, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_cols[None, :] + o[:, None] * stride_oc, cast(acc, out_cols.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -247,9 +237,8 @@ def _conv1d_cl_kernel(
         x = _cl_x_tile(x_rows, h_rows, t + k * DILATION, n_ok, i, i_ok, stride_xt, stride_ht, HIST)  # [M, I]
         w = _w_tile(w_ptr, o, o_ok, i, i_ok, k, stride_wo, stride_wi, stride_wk)  # [BLOCK_O, BLOCK_I]
         acc += dot(x, tl.trans(w), DOT_PRECISION)
-    # stored as computed, [M, O] (a transposed [O, M] store took up to 1.7x as long on the k1 convs)
-    _epilogue(acc, b_ptr, r_ptr + b * stride_rb + t, out_ptr + b * stride_ob + t, o, o_ok, n_ok,
-              stride_rc, stride_oc, HAS_BIAS, HAS_RESIDUAL, COLUMNS_FIRST=True)
+    _epilogue(tl.trans(acc), b_ptr, r_ptr + b * stride_rb + t, out_ptr + b * stride_ob + t, o, o_ok, n_ok,
+              stride_rc, stride_oc, HAS_BIAS, HAS_RESIDUAL)
 
 
 class RowTiles(NamedTuple):

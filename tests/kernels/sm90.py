@@ -5,7 +5,8 @@ test_register_spills.py (the interpreter that the other kernel tests set up must
 `resources(launch)` runs `launch()` (a kernel wrapper's `_launch(cfg, ...)` on CPU tensors of the
 real shapes) with every JIT kernel's `run` replaced: each launch is bound and specialized exactly as
 on a GPU (the JIT's own binder, for a CUDA sm_90 backend), compiled by triton.compile to a cubin,
-and measured by the cuobjdump that ships with Triton.
+and measured by the cuobjdump that ships with Triton (registers, spill stack), plus the shared memory it
+takes. `python tests/kernels/sm90.py [qkv | conv]` prints one spec set's as JSON.
 """
 
 from __future__ import annotations
@@ -55,13 +56,13 @@ def _compile_run(fn: JITFunction, records: list):
         assert all(attrs.get((i,)) for i in pointers), f"{fn.__name__}: unaligned pointer args"
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
                                   options=options.__dict__)
-        records.append({"kernel": fn.__name__, **_usage(compiled.asm["cubin"])})
+        records.append({"kernel": fn.__name__, **_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared})
 
     return run
 
 
 def resources(launch) -> list[dict]:
-    """[{kernel, regs, stack}] of each kernel launch that `launch()` makes, compiled for sm_90."""
+    """[{kernel, regs, stack, shared}] of each kernel launch that `launch()` makes, compiled for sm_90."""
     records: list[dict] = []
     with ExitStack() as stack:
         for module in [m for name, m in sys.modules.items() if name.startswith("q3tts.kernels")]:
@@ -106,5 +107,25 @@ def _qkv_specs():
                     torch.zeros(4, heads * d, **bf), cnt, 1e-6)
 
 
+def _conv_specs():
+    """(name, launch) of the channels-last conv at the codec frame's 96-channel k7 shape, 64 rows (the config the
+    H200's tuner picked there), with the input's history split off as the streaming decoder keeps it, and without."""
+    import torch
+
+    from q3tts.kernels import conv1d
+
+    bf = dict(dtype=torch.bfloat16)
+    rows, c, k, t = 64, 96, 7, 1920
+    tiles = conv1d.ChannelsLastTiles(128, 64, 32, 4, 3)
+    x = torch.zeros(rows, t, c, **bf).transpose(1, 2)  # [B, C, T] channels-last: the new samples
+    w = torch.zeros(c, k, c, **bf).permute(0, 2, 1)  # the kernel weight layout, input channels fastest
+    history = torch.zeros(rows, k - 1, c, **bf).transpose(1, 2)
+    whole = torch.zeros(rows, k - 1 + t, c, **bf).transpose(1, 2)  # history and new samples in one tensor
+    bias = torch.zeros(c, **bf)
+    yield "cl k7 history", lambda: conv1d._launch(x, w, bias, 1, None, t, history, tiles)
+    yield "cl k7", lambda: conv1d._launch(whole, w, bias, 1, None, t, None, tiles)
+
+
 if __name__ == "__main__":
-    print(json.dumps({name: resources(launch) for name, launch in _qkv_specs()}))
+    specs = {"qkv": _qkv_specs, "conv": _conv_specs}[sys.argv[1] if len(sys.argv) > 1 else "qkv"]
+    print(json.dumps({name: resources(launch) for name, launch in specs()}))
