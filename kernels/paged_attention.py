@@ -6,7 +6,9 @@ its share of the row's context, writing an unnormalised partial (acc, max, sum) 
 Each row's *actual* context is divided evenly among the splits in-kernel, so short and long
 contexts both spread over the whole grid while the launch shape depends only on (B, max_pages).
 Phase 2, grid (B, NH): merges the partials (log-sum-exp) and writes the output; a row with
-context_len 0 has only empty splits and returns zeros.
+context_len 0 has only empty splits and returns zeros. With one split a row (`num_splits_for`: the code
+predictor's 16 positions, or few pages over many rows) one launch, grid (B, KVH), does both: each program
+normalises its own result (`_decode_single_kernel`, the values phase 2 makes of one partial).
 CUDA-graph safe: no host syncs, no data-dependent shapes; split counts are not specialised on.
 """
 
@@ -27,25 +29,14 @@ _MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_split_kernel(
-    # pointers
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
-    # sizes
-    num_splits, scale_log2,
-    # strides
-    stride_ctx,  # context_lens may be a strided column of the engine's row metadata
-    stride_qb, stride_qh,
-    stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh,
-    stride_bt,
-    # meta
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,  # BLOCK_G >= 16: the smallest tl.dot M
-    PAGE_SIZE: tl.constexpr,  # constexpr so that token -> (page, offset) is a shift and a mask
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
+@triton.jit
+def _attend_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, num_splits, scale_log2,
+                  stride_ctx, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                  stride_bt, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Program (row b, kv head, split)'s online softmax over its share of the row's context -> (max, sum [BLOCK_G],
+    unnormalised acc [BLOCK_G, BLOCK_D] in fp32, the q heads [BLOCK_G] and which of them are real)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,14 +78,62 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v, DOT_PRECISION)
         m_i = m_new
+    return m_i, l_i, acc, heads, g_mask
 
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_split_kernel(
+    # pointers
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    # sizes
+    num_splits, scale_log2,
+    # strides
+    stride_ctx,  # context_lens may be a strided column of the engine's row metadata
+    stride_qb, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_bt,
+    # meta
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,  # BLOCK_G >= 16: the smallest tl.dot M
+    PAGE_SIZE: tl.constexpr,  # constexpr so that token -> (page, offset) is a shift and a mask
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    m_i, l_i, acc, heads, g_mask = _attend_split(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, num_splits, scale_log2, stride_ctx,
+        stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
     # partials are contiguous [B, NH, num_splits, (HEAD_DIM)]
+    b, split = tl.program_id(0), tl.program_id(2)
+    offs_d = tl.arange(0, BLOCK_D)
     num_heads = tl.num_programs(1) * GROUP
     part = (b.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_G]
     tl.store(part_max_ptr + part, m_i, mask=g_mask)
     tl.store(part_sum_ptr + part, l_i, mask=g_mask)
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
-             mask=g_mask[:, None] & d_mask[None, :])
+             mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _decode_single_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+    scale_log2,
+    stride_ctx, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One split a row (grid (B, KVH)): the program normalises its own result and stores the output, the values
+    phase 2 would merge from its one partial (acc / sum; 0 for an empty context), without the second launch."""
+    m_i, l_i, acc, heads, g_mask = _attend_split(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, 1, scale_log2, stride_ctx,
+        stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
+    out = tl.where(l_i[:, None] > 0.0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             cast(out, out_ptr.dtype.element_ty), mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -166,32 +205,47 @@ def num_splits_for(batch: int, num_kv_heads: int, max_pages: int, page_size: int
     return max(1, min(want, _MAX_SPLITS, triton.cdiv(max_pages * page_size, block_n)))
 
 
+def _operands(q, k_cache, v_cache, block_tables, context_lens) -> tuple[tuple, tuple]:
+    """The attention kernels' input tensors and their strides, in the kernels' argument order."""
+    return ((q, k_cache, v_cache, block_tables, context_lens),
+            (context_lens.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0)))
+
+
+def _meta(cfg: DecodeConfig, q, k_cache) -> dict:
+    """The attention kernels' constexprs and launch options for config cfg."""
+    num_heads, head_dim = q.shape[1:]
+    group = num_heads // k_cache.shape[2]
+    return dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group,
+                BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE_SIZE=k_cache.shape[1],
+                BLOCK_N=cfg.block_n, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _splits(cfg: DecodeConfig, q, k_cache, block_tables) -> int:
+    return num_splits_for(q.shape[0], k_cache.shape[2], block_tables.shape[1], k_cache.shape[1], cfg.block_n,
+                          q.device)
+
+
 def split_launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, scale):
     """Phase 1's grid, its fp32 partials (acc, max, sum), its positional arguments and its meta
     (constexprs and launch options) for config cfg."""
     bsz, num_heads, head_dim = q.shape
-    page_size, num_kv = k_cache.shape[1], k_cache.shape[2]
-    splits = num_splits_for(bsz, num_kv, block_tables.shape[1], page_size, cfg.block_n, q.device)
+    splits = _splits(cfg, q, k_cache, block_tables)
     part_acc = torch.empty(bsz, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(bsz, num_heads, splits, dtype=torch.float32, device=q.device)
     parts = (part_acc, part_max, torch.empty_like(part_max))
-    group = num_heads // num_kv
-    args = (q, k_cache, v_cache, block_tables, context_lens, *parts,
-            splits, scale * _LOG2E,
-            context_lens.stride(0),
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0))
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group,
-                BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE_SIZE=page_size,
-                BLOCK_N=cfg.block_n,
-                DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return (bsz, num_kv, splits), parts, args, meta
+    inputs, strides = _operands(q, k_cache, v_cache, block_tables, context_lens)
+    args = (*inputs, *parts, splits, scale * _LOG2E, *strides)
+    return (bsz, k_cache.shape[2], splits), parts, args, _meta(cfg, q, k_cache)
 
 
 def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, scale, out):
+    if _splits(cfg, q, k_cache, block_tables) == 1:  # the code predictor's 16 positions; short contexts of many rows
+        inputs, strides = _operands(q, k_cache, v_cache, block_tables, context_lens)
+        _decode_single_kernel[(q.shape[0], k_cache.shape[2])](
+            *inputs, out, scale * _LOG2E, *strides, out.stride(0), out.stride(1), **_meta(cfg, q, k_cache))
+        return
     grid, parts, args, meta = split_launch(cfg, q, k_cache, v_cache, block_tables, context_lens,
                                            scale)
     _decode_split_kernel[grid](*args, **meta)

@@ -93,3 +93,26 @@ def test_contract_violations_raise():
         pa.paged_decode_attention(*args[:3], args[3].long(), *args[4:])
     with pytest.raises(AssertionError, match="kv heads"):
         pa.paged_decode_attention(args[0][:, :3], *args[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_split_a_row_is_one_launch_with_the_merged_values(dtype, monkeypatch):
+    """The code predictor's shape (one page of 16 positions a row, 8 kv heads; an empty row): one split a row, so
+    one launch normalises its own result, equal to phase 1 + phase 2 over the same inputs; no merge launch."""
+    q, k_cache, v_cache, tables, ctx, scale = make_inputs(4, 16, 8, 32, 16, 1, [16, 1, 0, 9], dtype)
+    cfg = pa._INTERPRET_CONFIG
+    grid, parts, args, meta = pa.split_launch(cfg, q, k_cache, v_cache, tables, ctx, scale)
+    assert grid[2] == 1
+    pa._decode_split_kernel[grid](*args, **meta)
+    merged = torch.empty(q.shape, dtype=dtype, device=q.device)
+    pa._decode_reduce_kernel[(q.shape[0], q.shape[1])](*parts, merged, 1, merged.stride(0), merged.stride(1),
+                                                       HEAD_DIM=32, BLOCK_D=32, BLOCK_S=16)
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("a merge launch with one split a row")
+
+    monkeypatch.setattr(pa, "_decode_reduce_kernel", NoLaunch())
+    out = pa.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+    assert torch.equal(out, merged)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # the empty row
