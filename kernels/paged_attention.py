@@ -81,6 +81,13 @@ def _attend_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_len
     return m_i, l_i, acc, heads, g_mask
 
 
+@triton.jit
+def _normalised(acc, total):
+    """The attention output from an online softmax's acc and its sum of weights (broadcast to acc): acc / sum,
+    zeros where nothing was weighed (an empty context). Phase 2's merge and the one-split kernel both end here."""
+    return tl.where(total > 0.0, acc / tl.maximum(total, 1e-30), 0.0)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     # pointers
@@ -130,7 +137,7 @@ def _decode_single_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, 1, scale_log2, stride_ctx,
         stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
         HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
-    out = tl.where(l_i[:, None] > 0.0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    out = _normalised(acc, l_i[:, None])
     offs_d = tl.arange(0, BLOCK_D)
     tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
              cast(out, out_ptr.dtype.element_ty), mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
@@ -161,7 +168,7 @@ def merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, row, num_splits,
         l_run = l_run * alpha + tl.sum(l * w, 0)
         acc = acc * alpha + tl.sum(o * w[:, None], 0)
         m_run = m_new
-    return tl.where(l_run > 0.0, acc / tl.maximum(l_run, 1e-30), 0.0)
+    return _normalised(acc, l_run)
 
 
 @triton.jit(do_not_specialize=["num_splits"])

@@ -106,7 +106,7 @@ def test_one_split_a_row_is_one_launch_with_the_merged_values(dtype, monkeypatch
     pa._decode_split_kernel[grid](*args, **meta)
     merged = torch.empty(q.shape, dtype=dtype, device=q.device)
     pa._decode_reduce_kernel[(q.shape[0], q.shape[1])](*parts, merged, 1, merged.stride(0), merged.stride(1),
-                                                       HEAD_DIM=32, BLOCK_D=32, BLOCK_S=16)
+                                                       HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=meta["BLOCK_D"], BLOCK_S=16)
 
     class NoLaunch:
         def __getitem__(self, grid):
