@@ -14,16 +14,15 @@ Every GEMM is a split-K skinny GEMM whose last program per unit runs the epilogu
 shape only under `set_batch_invariant(True)`).
 Each kernel's torch reference is in code_predictor_reference.py (sampling: models/sampling.warp_and_draw_reference).
 `counters` (int32 zeros, left zero by every launch) is the tickets' workspace: size it with
-`counters_needed(rows, units)`, units = the largest output width / MIN_BLOCK_N, or
-`qkv_units(NH, KVH)` (qkv_attention's tickets) where that is more.
+`counters_needed(rows, units)`, units = the largest output width / MIN_BLOCK_N.
 """
 
 from __future__ import annotations
 
-from .code_predictor_attention import qkv_attention, qkv_units
+from .code_predictor_attention import qkv_attention
 from .code_predictor_gemm import MIN_BLOCK_N, GemmConfig, counters_needed
 from .code_predictor_linear import linear_residual, norm_gate_up, norm_head, project
 from .code_predictor_sampling import sample
 
 __all__ = ["GemmConfig", "MIN_BLOCK_N", "counters_needed", "linear_residual", "norm_gate_up",
-           "norm_head", "project", "qkv_attention", "qkv_units", "sample"]
+           "norm_head", "project", "qkv_attention", "sample"]

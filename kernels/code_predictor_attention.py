@@ -2,18 +2,14 @@
 write -> attention over the row's <= 16 cached positions, all in one kernel.
 
 Grid (row blocks, QKV column tiles, K slices) runs the split-K GEMM of code_predictor_gemm.py into
-fp32 partials. Then two tickets per row block, so that no epilogue waits behind another:
-  head    the last program of each head of the result (q head, k head or v head: its D // BLOCK_N
-          tiles x every slice) sums that head's partials, rounds to the model dtype and, for q and
-          k, QK-norms and rotates (RoPE from the [positions, D] tables); q goes to `out`, k and v to
-          the row's position of the small contiguous cache [B, P, KVH, D]. The NH + 2 KVH heads'
-          epilogues run side by side on as many programs.
-  group   the last of a kv head's GROUP + 2 head epilogues runs online-softmax attention of the
-          group's q heads over positions 0..pos (held in registers; no paging), written over the
-          rotated q in `out`.
+fp32 partials; the last program of each (row block, kv head) group (its GROUP q heads, its k and v
+columns, every slice) runs the epilogue for those rows: sum the partials, round to the model dtype,
+QK-norm, RoPE from the [positions, D] tables, store k and v at the row's position of the small
+contiguous cache [B, P, KVH, D], then online-softmax attention of the GROUP heads over positions
+0..pos (held in registers; no paging), written over the rotated q in `out`.
 Rows are (batch row b, token t) = (r // T, r % T) at position pos0 + t: T = 2 on the first pass
-(past hidden and c0 at positions 0, 1: a row block holds both tokens of a batch row, so the group
-epilogue of position 1 sees position 0's k/v), T = 1 after.
+(past hidden and c0 at positions 0, 1: a row block holds both tokens of a batch row, so position 1
+sees position 0's k/v written by the same program), T = 1 after.
 Roundings follow the eager layer (models/layers.py): bf16 GEMM output, rms_norm_ref's two roundings,
 rotary products rounded when the tables have the activation dtype (kernels/rotary.py).
 """
@@ -65,12 +61,10 @@ def _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, cache_rows, pos, last_pos, he
             stride_out, stride_kp, stride_vp, BLOCK_M: tl.constexpr, D: tl.constexpr):
     """Head `head` of each row over cache positions 0..pos (q read from, result written to out),
     CHUNK positions per step: their k and v loads are issued together (one dependent L2 round trip
-    per chunk instead of per position); positions past a row's pos are neither read nor weighed.
-    NOTE: q and this launch's k/v were written by other programs: every read is .cg (at L2)."""
+    per chunk instead of per position); positions past a row's pos are neither read nor weighed."""
     d = tl.arange(0, D)
     o_offs = rows.to(tl.int64)[:, None] * stride_out + head * D + d[None, :]
-    q = tl.load(out_ptr + o_offs, mask=row_mask[:, None], other=0.0,
-                cache_modifier=".cg").to(tl.float32)
+    q = tl.load(out_ptr + o_offs, mask=row_mask[:, None], other=0.0).to(tl.float32)
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -79,11 +73,10 @@ def _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, cache_rows, pos, last_pos, he
         valid = p[None, :] <= pos[:, None]  # [BLOCK_M, CHUNK]
         read = (row_mask[:, None] & valid)[:, :, None]  # rows past M weigh zeros (no 0 / 0)
         at = cache_rows[:, None] + p.to(tl.int64)[None, :] * stride_kp  # [BLOCK_M, CHUNK]
-        k = tl.load(k_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0,
-                    cache_modifier=".cg").to(tl.float32)  # [BLOCK_M, CHUNK, D]
+        k = tl.load(k_ptr + at[:, :, None] + d[None, None, :], mask=read,
+                    other=0.0).to(tl.float32)  # [BLOCK_M, CHUNK, D]
         at = cache_rows[:, None] + p.to(tl.int64)[None, :] * stride_vp
-        v = tl.load(v_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0,
-                    cache_modifier=".cg").to(tl.float32)
+        v = tl.load(v_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0).to(tl.float32)
         s = tl.where(valid, tl.sum(q[:, None, :] * k, 2) * scale, _NEG)  # [BLOCK_M, CHUNK]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -95,80 +88,59 @@ def _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, cache_rows, pos, last_pos, he
              mask=row_mask[:, None])
 
 
-def qkv_units(num_heads: int, num_kv: int) -> int:
-    """Tickets a fused qkv launch takes per row block: one per head of the QKV result (NH + 2 KVH)
-    and one per kv-head group (KVH; the code predictor's attention). Size `counters` with
-    counters_needed(M, qkv_units(NH, KVH))."""
-    return num_heads + 3 * num_kv
-
-
 @triton.jit
-def _store_rotated(ptr, offs, r1, r2, mask, HALF: tl.constexpr):
-    """The two rotated halves [BLOCK_M, HALF] of a head at element offsets offs [BLOCK_M]."""
-    d = tl.arange(0, HALF)
-    tl.store(ptr + offs[:, None] + d[None, :], r1, mask=mask[:, None])
-    tl.store(ptr + offs[:, None] + HALF + d[None, :], r2, mask=mask[:, None])
-
-
-@triton.jit
-def rope_halves(cos_ptr, sin_ptr, pos, row_mask, stride_cos, stride_sin, D: tl.constexpr):
-    """The RoPE tables' rows at positions pos [BLOCK_M] (int64), halves c1, c2, s1, s2 [BLOCK_M, D / 2]
-    in fp32 (zeros outside row_mask)."""
-    HALF: tl.constexpr = D // 2
-    d = tl.arange(0, HALF)
-    c_offs = pos[:, None] * stride_cos + d[None, :]
-    s_offs = pos[:, None] * stride_sin + d[None, :]
-    mask = row_mask[:, None]
-    c1 = tl.load(cos_ptr + c_offs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + c_offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + s_offs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + s_offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    return c1, c2, s1, s2
-
-
-@triton.jit
-def head_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, h, rows, row_mask, keep,
-                  q_rows, k_rows, v_rows, stride_kh, stride_vh, c1, c2, s1, s2, eps, M_PAD, NP,
-                  DT: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
-                  D: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
-    """Head h of the QKV result for `rows`: a q head (h < NH) QK-normed and rotated to
-    q_ptr + q_rows + h * D; a k head (kv head g = h - NH) normed and rotated to
-    k_ptr + k_rows + g * stride_kh; a v head rounded to v_ptr + v_rows + g * stride_vh.
-    q_rows / k_rows / v_rows [BLOCK_M]: element offsets of each row's destination; k and v are
-    stored for the `keep` rows only. c1, c2, s1, s2 [BLOCK_M, D / 2]: the rows' RoPE halves."""
-    HALF: tl.constexpr = D // 2
-    if h < NUM_HEADS:
-        r1, r2 = _norm_rope(part_ptr, rows, row_mask, h * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2,
-                            eps, DT, HALF, SPLIT, ROUND)
-        _store_rotated(q_ptr, q_rows + h * D, r1, r2, row_mask, HALF)
-    elif h < NUM_HEADS + NUM_KV:
-        r1, r2 = _norm_rope(part_ptr, rows, row_mask, h * D, M_PAD, NP, kn_ptr, c1, c2, s1, s2,
-                            eps, DT, HALF, SPLIT, ROUND)
-        _store_rotated(k_ptr, k_rows + (h - NUM_HEADS) * stride_kh, r1, r2, keep, HALF)
-    else:
-        dd = tl.arange(0, D)
-        v = load_sum(part_ptr, rows, row_mask, h * D + dd, M_PAD, NP, SPLIT)
-        at = v_rows + (h - NUM_HEADS - NUM_KV) * stride_vh
-        tl.store(v_ptr + at[:, None] + dd[None, :], cast(v, DT), mask=keep[:, None])
-
-
-@triton.jit
-def kv_group(h, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr):
-    """The kv head whose group head h of the QKV result belongs to (q heads g*GROUP.., k head g, v head g)."""
+def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
+                    rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
+                    stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+                    stride_cos, stride_sin,
+                    DT: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
+                    D: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
-    return tl.where(h < NUM_HEADS, h // GROUP, (h - NUM_HEADS) % NUM_KV)
+    HALF: tl.constexpr = D // 2
+    pos = pos0 + rows % T  # [BLOCK_M]
+    b = (rows // T).to(tl.int64)
+    d = tl.arange(0, HALF)
+    c_offs = pos.to(tl.int64)[:, None] * stride_cos + d[None, :]
+    s_offs = pos.to(tl.int64)[:, None] * stride_sin + d[None, :]
+    c1 = tl.load(cos_ptr + c_offs).to(tl.float32)
+    c2 = tl.load(cos_ptr + c_offs + HALF).to(tl.float32)
+    s1 = tl.load(sin_ptr + s_offs).to(tl.float32)
+    s2 = tl.load(sin_ptr + s_offs + HALF).to(tl.float32)
+    mask = row_mask[:, None]
+    r64 = rows.to(tl.int64)[:, None]
+    for j in tl.static_range(GROUP):  # rotated q parked in out, where its attention output goes
+        head = g * GROUP + j
+        r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2,
+                            eps, DT, HALF, SPLIT, ROUND)
+        tl.store(out_ptr + r64 * stride_out + head * D + d[None, :], r1, mask=mask)
+        tl.store(out_ptr + r64 * stride_out + head * D + HALF + d[None, :], r2, mask=mask)
+    k_rows = b * stride_kb + pos.to(tl.int64) * stride_kp + g * stride_kh
+    v_rows = b * stride_vb + pos.to(tl.int64) * stride_vp + g * stride_vh
+    r1, r2 = _norm_rope(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2,
+                        s1, s2, eps, DT, HALF, SPLIT, ROUND)
+    tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=mask)
+    tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=mask)
+    dd = tl.arange(0, D)
+    v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
+    tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=mask)
+    tl.debug_barrier()  # this program's k/v and q stores are read below by its other threads
+    last_pos = pos0 + T - 1
+    for j in tl.static_range(GROUP):
+        _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, b * stride_kb + g * stride_kh, pos,
+                last_pos, g * GROUP + j, scale, stride_out, stride_kp, stride_vp, BLOCK_M, D)
 
 
 @triton.jit
-def qkv_head_partials(x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm,
-                      stride_w, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+def qkv_group_partials(x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm,
+                       stride_w, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """This program's share of RMSNorm(X) @ W_qkv^T (grid: row blocks, column tiles, K slices),
-    stored as an fp32 partial [SPLIT, M_PAD, (NH + 2 KVH) D], then a ticket on its (row block,
-    head h). PDL: see `wait_for_inputs`.
-    Returns rows, row_mask [BLOCK_M], h, whether this is the head's last program (which runs
-    `head_epilogue`), and the row block's tickets (`qkv_units`: heads 0.., then kv groups)."""
+    stored as an fp32 partial [SPLIT, M_PAD, (NH + 2 KVH) D], then a ticket on its (row block, kv
+    head g) group: q heads g*GROUP.., k head g, v head g. PDL: see `wait_for_inputs`.
+    Returns rows, row_mask [BLOCK_M], g, and whether this is the group's last program (which runs
+    the group's epilogue)."""
     m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_off = cols.to(tl.int64) * stride_w
@@ -181,10 +153,12 @@ def qkv_head_partials(x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD,
     acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, _NORM, BLOCK_M,
                    BLOCK_N, BLOCK_K, DOT_PRECISION)
     store_partial(part_ptr, acc, split, rows, row_mask, cols, M_PAD, (NUM_HEADS + 2 * NUM_KV) * D)
-    TILES_PER_HEAD: tl.constexpr = D // BLOCK_N
-    h = tile // TILES_PER_HEAD
-    tickets = cnt_ptr + m * (NUM_HEADS + 3 * NUM_KV)  # qkv_units per row block
-    return rows, row_mask, h, arrive(tickets + h, TILES_PER_HEAD * SPLIT), tickets
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
+    col0 = tile * BLOCK_N
+    g = tl.where(col0 < NUM_HEADS * D, col0 // (GROUP * D),
+                 (col0 - NUM_HEADS * D) // D % NUM_KV)
+    TILES_PER_GROUP: tl.constexpr = (GROUP + 2) * D // BLOCK_N
+    return rows, row_mask, g, arrive(cnt_ptr + m * NUM_KV + g, TILES_PER_GROUP * SPLIT)
 
 
 @triton.jit(do_not_specialize=["M", "pos0", "M_PAD"])
@@ -202,26 +176,16 @@ def _qkv_attention_kernel(
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    rows, row_mask, h, last, tickets = qkv_head_partials(
+    rows, row_mask, g, last = qkv_group_partials(
         x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_w, NUM_HEADS,
         NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL)
+    NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
-        pos = pos0 + rows % T  # [BLOCK_M]
-        b = (rows // T).to(tl.int64)
-        c1, c2, s1, s2 = rope_halves(cos_ptr, sin_ptr, pos.to(tl.int64), row_mask, stride_cos,
-                                     stride_sin, D)
-        head_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, h, rows, row_mask, row_mask,
-                      rows.to(tl.int64) * stride_out, b * stride_kb + pos.to(tl.int64) * stride_kp,
-                      b * stride_vb + pos.to(tl.int64) * stride_vp, stride_kh, stride_vh,
-                      c1, c2, s1, s2, eps, M_PAD, (NUM_HEADS + 2 * NUM_KV) * D,
-                      w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
-        g = kv_group(h, NUM_HEADS, NUM_KV)
-        GROUP: tl.constexpr = NUM_HEADS // NUM_KV
-        if arrive(tickets + NUM_HEADS + 2 * NUM_KV + g, GROUP + 2):
-            for j in tl.static_range(GROUP):
-                _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, b * stride_kb + g * stride_kh, pos,
-                        pos0 + T - 1, g * GROUP + j, scale, stride_out, stride_kp, stride_vp,
-                        BLOCK_M, D)
+        _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
+                        rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
+                        stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
+                        stride_vh, stride_cos, stride_sin,
+                        w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, T, SPLIT, ROUND, BLOCK_M)
 
 
 def qkv_candidates(qkv_weight: torch.Tensor, head_dim: int) -> list[GemmConfig]:
@@ -261,7 +225,7 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
 
     qkv_weight [(NH + 2 KVH) D, H] (rows q | k | v); q/k_norm_weight [D]; cos, sin [P, D] RoPE
     tables; k_cache, v_cache [>= B, P, KVH, D] (written at each row's position; positions < pos0
-    must hold this frame's earlier k/v). counters: int32 zeros, >= counters_needed(M, qkv_units(NH, KVH)).
+    must hold this frame's earlier k/v). counters: int32 zeros, >= counters_needed(M, KVH).
     Returns attention output [M, NH * D] in x.dtype (before o_proj).
     """
     rows, hidden = x.shape
@@ -285,9 +249,8 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
                       ("k_cache", k_cache), ("v_cache", v_cache)):
         assert ten.stride(-1) == 1, f"qkv_attention: {name} last dim must be contiguous"
         assert ten.device == x.device, f"qkv_attention: {name} on {ten.device}, x on {x.device}"
-    assert counters.dtype == torch.int32 \
-        and counters.numel() >= counters_needed(rows, qkv_units(num_heads, num_kv)), \
-        "qkv_attention: counters must be int32 zeros, counters_needed(M, qkv_units(NH, KVH)) long"
+    assert counters.dtype == torch.int32 and counters.numel() >= counters_needed(rows, num_kv), \
+        "qkv_attention: counters must be int32 zeros, counters_needed(M, KVH) long"
     if out is None:
         out = torch.empty(rows, num_heads * d, dtype=x.dtype, device=x.device)
     assert out.shape == (rows, num_heads * d) and out.stride(-1) == 1, "qkv_attention: bad out"

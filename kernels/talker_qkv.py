@@ -2,13 +2,13 @@
 into the paged cache, in one kernel (the attention runs next, kernels/talker_attention.py).
 
 Grid (row blocks, QKV column tiles, K slices) runs the split-K skinny GEMM of
-code_predictor_gemm.py into fp32 partials (`qkv_head_partials`, shared with the code predictor's
-qkv_attention); the last program of each (row block, head) of the result (a q, k or v head: its
-tiles, every slice) runs that head's epilogue for those rows (`head_epilogue`): sum the partials,
-round to the model dtype, QK-norm and RoPE at each row's position (cos/sin gathered from the
-[max_pos, D] tables), rotated q to `out`, k and v to the row's cache slot (slot < 0: a padding row,
-nothing stored). Roundings are the eager layer's (models/layers.py), through the code predictor's
-epilogue: bf16 GEMM output, rms_norm_ref's two roundings, rotary products rounded when the tables have the
+code_predictor_gemm.py into fp32 partials (`qkv_group_partials`, shared with the code predictor's
+qkv_attention); the last program of each (row block, kv head) group (its GROUP q heads, its k and
+v columns, every slice) runs the epilogue for those rows: sum the partials, round to the model
+dtype, QK-norm and RoPE at each row's position (cos/sin gathered from the [max_pos, D] tables),
+rotated q to `out`, k and v to the row's cache slot (slot < 0: a padding row, nothing stored).
+Roundings are the eager layer's (models/layers.py), through the code predictor's `_norm_rope`:
+bf16 GEMM output, rms_norm_ref's two roundings, rotary products rounded when the tables have the
 activation dtype (kernels/rotary.py). Torch reference: talker_reference.qkv_rope_store_ref.
 """
 
@@ -18,12 +18,66 @@ import torch
 import triton
 import triton.language as tl
 
+from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import pick
-from .code_predictor_attention import (head_epilogue, qkv_candidates, qkv_head_partials,
-                                       qkv_units, rope_halves)
+from .code_predictor_attention import _norm_rope, qkv_candidates, qkv_group_partials
 from .code_predictor_gemm import (BLOCK_M, GemmConfig, counters_needed, dot_precision,
-                                  interpret_config, row_blocks)
+                                  interpret_config, load_sum, row_blocks)
+
+
+@triton.jit
+def _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, row_mask, keep, k_rows, v_rows, g, c1,
+                   c2, s1, s2, eps, M_PAD, NP, DT: tl.constexpr, NUM_HEADS: tl.constexpr,
+                   NUM_KV: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                   ROUND: tl.constexpr):
+    """kv head g of the GEMM result: k normed and rotated, v rounded, stored at the kept rows'
+    cache offsets k_rows / v_rows [BLOCK_M]."""
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, HALF)
+    mask = keep[:, None]
+    r1, r2 = _norm_rope(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2,
+                        s1, s2, eps, DT, HALF, SPLIT, ROUND)
+    tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=mask)
+    tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=mask)
+    dd = tl.arange(0, D)
+    v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
+    tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=mask)
+
+
+@triton.jit
+def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
+                    slot_ptr, rows, row_mask, g, eps, M_PAD, NP,
+                    stride_q, stride_pos, stride_slot, stride_kp, stride_ks, stride_kh,
+                    stride_vp, stride_vs, stride_vh, stride_cos, stride_sin,
+                    DT: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
+                    D: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+                    ROUND: tl.constexpr):
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
+    HALF: tl.constexpr = D // 2
+    r64 = rows.to(tl.int64)
+    pos = tl.load(pos_ptr + r64 * stride_pos, mask=row_mask, other=0).to(tl.int64)  # [BLOCK_M]
+    slot = tl.load(slot_ptr + r64 * stride_slot, mask=row_mask, other=-1).to(tl.int64)
+    d = tl.arange(0, HALF)
+    c_offs = pos[:, None] * stride_cos + d[None, :]
+    s_offs = pos[:, None] * stride_sin + d[None, :]
+    mask = row_mask[:, None]
+    c1 = tl.load(cos_ptr + c_offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + c_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + s_offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + s_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(GROUP):
+        head = g * GROUP + j
+        r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2,
+                            eps, DT, HALF, SPLIT, ROUND)
+        tl.store(q_ptr + r64[:, None] * stride_q + head * D + d[None, :], r1, mask=mask)
+        tl.store(q_ptr + r64[:, None] * stride_q + head * D + HALF + d[None, :], r2, mask=mask)
+    keep = row_mask & (slot >= 0)
+    page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE  # [BLOCK_M] each (junk where not kept)
+    _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, row_mask, keep,
+                   page * stride_kp + offset * stride_ks + g * stride_kh,
+                   page * stride_vp + offset * stride_vs + g * stride_vh, g, c1, c2, s1, s2, eps,
+                   M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
 
 
 @triton.jit(do_not_specialize=["M", "M_PAD"])
@@ -41,20 +95,16 @@ def _talker_qkv_kernel(
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    rows, row_mask, h, last, _ = qkv_head_partials(
+    rows, row_mask, g, last = qkv_group_partials(
         x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_w, NUM_HEADS,
         NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL)
+    NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
-        r64 = rows.to(tl.int64)
-        pos = tl.load(pos_ptr + r64 * stride_pos, mask=row_mask, other=0).to(tl.int64)  # [BLOCK_M]
-        slot = tl.load(slot_ptr + r64 * stride_slot, mask=row_mask, other=-1).to(tl.int64)
-        c1, c2, s1, s2 = rope_halves(cos_ptr, sin_ptr, pos, row_mask, stride_cos, stride_sin, D)
-        page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE  # [BLOCK_M] each (junk where not kept)
-        head_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, h, rows, row_mask,
-                      row_mask & (slot >= 0), r64 * stride_q, page * stride_kp + offset * stride_ks,
-                      page * stride_vp + offset * stride_vs, stride_kh, stride_vh, c1, c2, s1, s2,
-                      eps, M_PAD, (NUM_HEADS + 2 * NUM_KV) * D, w_ptr.dtype.element_ty, NUM_HEADS,
-                      NUM_KV, D, SPLIT, ROUND)
+        _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
+                        slot_ptr, rows, row_mask, g, eps, M_PAD, NP,
+                        stride_q, stride_pos, stride_slot, stride_kp, stride_ks, stride_kh,
+                        stride_vp, stride_vs, stride_vh, stride_cos, stride_sin,
+                        w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, PAGE_SIZE, SPLIT, ROUND)
 
 
 def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, positions,
@@ -101,9 +151,8 @@ def _check(x, qkv_weight, cos, sin, positions, slot_mapping, k_cache, v_cache, c
         assert ten.stride(-1) == 1 or ten.dim() == 1, \
             f"qkv_rope_store: {name} last dim must be contiguous"
         assert ten.device == x.device, f"qkv_rope_store: {name} on {ten.device}, x on {x.device}"
-    assert counters.dtype == torch.int32 \
-        and counters.numel() >= counters_needed(rows, qkv_units(num_heads, num_kv)), \
-        "qkv_rope_store: counters must be int32 zeros, counters_needed(M, qkv_units(NH, KVH)) long"
+    assert counters.dtype == torch.int32 and counters.numel() >= counters_needed(rows, num_kv), \
+        "qkv_rope_store: counters must be int32 zeros, counters_needed(M, KVH) long"
     return num_heads
 
 
@@ -119,7 +168,7 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch
     RoPE tables; positions [M] (< max_pos, not checked: no host sync) and slot_mapping [M]
     (page * page_size + offset, < 0 = padding row: nothing stored), int, any stride;
     k_cache, v_cache [num_pages, page_size, KVH, D] (one layer's). counters: int32 zeros,
-    >= counters_needed(M, qkv_units(NH, KVH)) (left zero).
+    >= counters_needed(M, KVH) (left zero).
     Returns the rotated q [M, NH * D] in x.dtype; k and v are written to the cache.
     """
     num_heads = _check(x, qkv_weight, cos, sin, positions, slot_mapping, k_cache, v_cache,

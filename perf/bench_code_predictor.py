@@ -144,8 +144,8 @@ def pass_launches(cp: CodePredictor, bsz: int, j: int = 7) -> list[tuple[str, in
     cfg, dtype, dev = model.cfg, cp.lm_head[0].weight.dtype, cp.lm_head[0].weight.device
     esz = torch.empty((), dtype=dtype).element_size()
     hid, inter, nkv, d = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads, cfg.head_dim
-    units = max(inter // cpk.MIN_BLOCK_N, cpk.qkv_units(cfg.num_heads, nkv))
-    counters = torch.zeros(cpk.counters_needed(bsz, units), dtype=torch.int32, device=dev)
+    counters = torch.zeros(cpk.counters_needed(bsz, inter // cpk.MIN_BLOCK_N), dtype=torch.int32,
+                           device=dev)
     h = torch.randn(bsz, hid, device=dev, dtype=dtype)
     k_cache, v_cache = (torch.randn(bsz, cp.num_groups, nkv, d, device=dev, dtype=dtype)
                         for _ in range(2))

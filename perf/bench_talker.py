@@ -101,8 +101,8 @@ def layer_launches(stack: DecoderStack, step: Step) -> list[tuple[str, int, Call
     attn, mlp, x = layer.self_attn, layer.mlp, step.x
     bsz, esz = x.shape[0], x.element_size()
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    units = max(cfg.intermediate_size // cpk.MIN_BLOCK_N, cpk.qkv_units(cfg.num_heads, cfg.num_kv_heads))
-    counters = torch.zeros(cpk.counters_needed(bsz, units), dtype=torch.int32, device=x.device)
+    counters = torch.zeros(cpk.counters_needed(bsz, cfg.intermediate_size // cpk.MIN_BLOCK_N),
+                           dtype=torch.int32, device=x.device)
     rope = stack.rope(x.device, x.dtype)
     q = torch.randn(bsz, q_width, device=x.device, dtype=x.dtype)
     act = torch.randn(bsz, cfg.intermediate_size, device=x.device, dtype=x.dtype)

@@ -56,9 +56,9 @@ class FusedCodePredictor:
             shape = (cfg.num_layers, batch, self.cp.num_groups, cfg.num_kv_heads, cfg.head_dim)
             kv = self._kv = (torch.zeros(shape, dtype=ref.dtype, device=ref.device),
                              torch.zeros(shape, dtype=ref.dtype, device=ref.device))
-            # one ticket per (row block, output tile) of the widest GEMM, or qkv_attention's
+            # one ticket per (row block, output tile) of the widest GEMM, or per kv head
             widths = (cfg.hidden_size, cfg.intermediate_size, self.cp.lm_head[0].out_features)
-            units = max(max(widths) // cpk.MIN_BLOCK_N, cpk.qkv_units(cfg.num_heads, cfg.num_kv_heads))
+            units = max(max(widths) // cpk.MIN_BLOCK_N, cfg.num_kv_heads)
             need = cpk.counters_needed(2 * batch, units)  # pass 0 runs 2 rows per batch row
             self._counters = torch.zeros(need, dtype=torch.int32, device=ref.device)
         return kv[0], kv[1], self._counters

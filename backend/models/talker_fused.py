@@ -54,12 +54,11 @@ class FusedTalker:
 
     def _workspace(self, batch: int, ref: torch.Tensor) -> torch.Tensor:
         """The kernels' ticket counters (int32 zeros) for >= batch rows: one per (row block, output
-        tile) of the widest GEMM, the QKV launch's (`qkv_units` per row block), one per (row, kv
-        head) of the attention."""
+        tile) of the widest GEMM, per (row block, kv head) of the QKV launch, per (row, kv head) of
+        the attention."""
         cfg = self.stack.cfg
-        units = max(max(cfg.hidden_size, cfg.intermediate_size) // cpk.MIN_BLOCK_N,
-                    cpk.qkv_units(cfg.num_heads, cfg.num_kv_heads))
-        need = max(cpk.counters_needed(batch, units), batch * cfg.num_kv_heads)
+        need = max(cpk.counters_needed(batch, max(cfg.hidden_size, cfg.intermediate_size)
+                                       // cpk.MIN_BLOCK_N), batch * cfg.num_kv_heads)
         counters = self._counters
         if counters is None or counters.numel() < need or counters.device != ref.device:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
