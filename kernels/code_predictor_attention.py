@@ -5,8 +5,12 @@ Grid (row blocks, QKV column tiles, K slices) runs the split-K GEMM of code_pred
 fp32 partials; the last program of each (row block, kv head) group (its GROUP q heads, its k and v
 columns, every slice) runs the epilogue for those rows: sum the partials, round to the model dtype,
 QK-norm, RoPE from the [positions, D] tables, store k and v at the row's position of the small
-contiguous cache [B, P, KVH, D], then online-softmax attention of the GROUP heads over positions
-0..pos (held in registers; no paging), written over the rotated q in `out`.
+contiguous cache [B, P, KVH, D], then attention of the GROUP heads over positions 0..pos (held in
+registers; no paging), written over the rotated q in `out`: online softmax over CHUNK positions at a
+time, each head in turn (a dependent round trip to L2 per chunk and head: about 0.8 µs each on the
+H200, where the launch at one row took 12.8 / 15.7 / 17.4 µs at pass 2 / 8 / 15 at bf7f9f3); a
+launch of at most FEW_ROWS rows (the 1-row step's passes after the first) loads both heads' q and
+every position's k and v in one round instead (`_attend_few`).
 Rows are (batch row b, token t) = (r // T, r % T) at position pos0 + t: T = 2 on the first pass
 (past hidden and c0 at positions 0, 1: a row block holds both tokens of a batch row, so position 1
 sees position 0's k/v written by the same program), T = 1 after.
@@ -22,7 +26,7 @@ import triton.language as tl
 
 from ._cast import cast
 from ._launch import device_guard, programmatic_launch
-from .autotune import pick
+from .autotune import batch_invariant, pick
 from .code_predictor_gemm import (BLOCK_M, NORM, GemmConfig, arrive, interpret_config,
                                   candidates, counters_needed, dot_precision, k_slice, load_sum,
                                   mainloop, row_blocks, row_offsets, row_rstd, store_partial,
@@ -31,6 +35,7 @@ from .code_predictor_gemm import (BLOCK_M, NORM, GemmConfig, arrive, interpret_c
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": the first update has no inf - inf
 _NORM = tl.constexpr(NORM)  # a jit function reads globals only as constexpr (the interpreter does not check)
 _CHUNK = tl.constexpr(4)  # cache positions the attention reads per step
+FEW_ROWS = 1  # launches of at most this many rows attend in one round of loads (`attention_rows`)
 
 
 @triton.jit
@@ -89,13 +94,43 @@ def _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, cache_rows, pos, last_pos, he
 
 
 @triton.jit
+def _attend_few(out_ptr, k_ptr, v_ptr, m, M, g, pos0, scale, stride_out, stride_kb, stride_kp,
+                stride_kh, stride_vb, stride_vp, stride_vh, T: tl.constexpr, GROUP: tl.constexpr,
+                ROWS: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """The group's GROUP heads of the row block's first ROWS rows (every row of the launch: M <= ROWS)
+    over all their cached positions at once: q of both heads, k and v of positions 0..P-1 in one
+    round of loads (`_attend` takes a dependent round trip per CHUNK positions and per head), one
+    softmax over the row's positions. Positions past a row's pos are neither read nor weighed."""
+    rows = m * BLOCK_M + tl.arange(0, ROWS)
+    row_mask = rows < M
+    pos = pos0 + rows % T  # [ROWS]
+    b = (rows // T).to(tl.int64)
+    d, j, p = tl.arange(0, D), tl.arange(0, GROUP), tl.arange(0, P)
+    valid = p[None, :] <= pos[:, None]  # [ROWS, P]
+    read = (row_mask[:, None] & valid)[:, :, None]  # rows past M weigh zeros (no 0 / 0)
+    q_offs = (rows.to(tl.int64)[:, None, None] * stride_out + (g * GROUP + j)[None, :, None] * D
+              + d[None, None, :])  # [ROWS, GROUP, D]
+    q = tl.load(out_ptr + q_offs, mask=row_mask[:, None, None], other=0.0).to(tl.float32)
+    at = (b * stride_kb + g * stride_kh)[:, None] + p.to(tl.int64)[None, :] * stride_kp
+    k = tl.load(k_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0)  # [ROWS, P, D]
+    at = (b * stride_vb + g * stride_vh)[:, None] + p.to(tl.int64)[None, :] * stride_vp
+    v = tl.load(v_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0)
+    s = tl.sum(q[:, :, None, :] * k.to(tl.float32)[:, None, :, :], 3) * scale  # [ROWS, GROUP, P]
+    s = tl.where(valid[:, None, :], s, _NEG)
+    w = tl.where(valid[:, None, :], tl.exp(s - tl.max(s, 2)[:, :, None]), 0.0)
+    acc = tl.sum(w[:, :, :, None] * v.to(tl.float32)[:, None, :, :], 2)  # [ROWS, GROUP, D]
+    tl.store(out_ptr + q_offs, cast(acc / tl.sum(w, 2)[:, :, None], out_ptr.dtype.element_ty),
+             mask=row_mask[:, None, None])
+
+
+@triton.jit
 def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                    rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
+                    m, M, rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
                     stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
                     stride_cos, stride_sin,
                     DT: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
                     D: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
+                    BLOCK_M: tl.constexpr, ATT_ROWS: tl.constexpr, P: tl.constexpr):
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     HALF: tl.constexpr = D // 2
     pos = pos0 + rows % T  # [BLOCK_M]
@@ -125,10 +160,15 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
     v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
     tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=mask)
     tl.debug_barrier()  # this program's k/v and q stores are read below by its other threads
-    last_pos = pos0 + T - 1
-    for j in tl.static_range(GROUP):
-        _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, b * stride_kb + g * stride_kh, pos,
-                last_pos, g * GROUP + j, scale, stride_out, stride_kp, stride_vp, BLOCK_M, D)
+    if ATT_ROWS < BLOCK_M:
+        _attend_few(out_ptr, k_ptr, v_ptr, m, M, g, pos0, scale, stride_out,
+                    stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, T, GROUP,
+                    ATT_ROWS, P, BLOCK_M, D)
+    else:
+        for j in tl.static_range(GROUP):
+            _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, b * stride_kb + g * stride_kh, pos,
+                    pos0 + T - 1, g * GROUP + j, scale, stride_out, stride_kp, stride_vp,
+                    BLOCK_M, D)
 
 
 @triton.jit
@@ -174,7 +214,8 @@ def _qkv_attention_kernel(
     # meta
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ATT_ROWS: tl.constexpr,
+    P: tl.constexpr,
 ):
     rows, row_mask, g, last = qkv_group_partials(
         x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_w, NUM_HEADS,
@@ -182,10 +223,11 @@ def _qkv_attention_kernel(
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
         _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                        rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
+                        tl.program_id(0), M, rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
                         stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
                         stride_vh, stride_cos, stride_sin,
-                        w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, T, SPLIT, ROUND, BLOCK_M)
+                        w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, T, SPLIT, ROUND, BLOCK_M,
+                        ATT_ROWS, P)
 
 
 def qkv_candidates(qkv_weight: torch.Tensor, head_dim: int) -> list[GemmConfig]:
@@ -209,9 +251,18 @@ def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_c
         NUM_HEADS=num_heads, NUM_KV=k_cache.shape[2], D=d, T=tokens,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
-        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, num_warps=cfg.num_warps,
+        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, ATT_ROWS=attention_rows(rows),
+        P=triton.next_power_of_2(k_cache.shape[1]), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=pdl,
     )
+
+
+def attention_rows(rows: int) -> int:
+    """Rows the attention step holds at once: a launch of at most FEW_ROWS rows (the 1-row step's
+    passes after the first) holds them all, with every cached position in one round of loads; others
+    BLOCK_M, in chunks of positions (2 rows at FEW_ROWS 2 spilled registers in one sm_90 config).
+    Under `batch_invariant()` always BLOCK_M (one arithmetic whatever the batch)."""
+    return rows if rows <= FEW_ROWS and not batch_invariant() else BLOCK_M
 
 
 def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,

@@ -78,7 +78,8 @@ H200_SMS = 132  # streaming multiprocessors: the tuner's split counts follow the
 
 def _qkv_specs():
     """(name, launch) of each qkv kernel config the H200's tuner times (`qkv_candidates` with its SM
-    count): the code predictor's (1.7B shapes, T = 1 and 2) and the talker's."""
+    count): the code predictor's (1.7B shapes, T = 1 and 2; 4 rows, and the one batch row that attends in
+    one round of loads) and the talker's."""
     import torch
 
     from q3tts.kernels import code_predictor_attention as cpa, code_predictor_gemm, talker_qkv
@@ -94,11 +95,11 @@ def _qkv_specs():
             configs = cpa.qkv_candidates(w, d)
         for cfg in configs:
             if name == "cp":
-                cache = torch.zeros(2, 32, kv, d, **bf)
-                for t in (1, 2):
-                    yield f"cp_qkv_attention T={t} {cfg}", lambda c=cfg, t=t: cpa._launch(
-                        c, x, norm_w, w, qn, kn, cos, sin, cache, cache.clone(),
-                        torch.zeros(4, heads * d, **bf), cnt, 0, t, 1e-6, 0.1)
+                cache = torch.zeros(4, 16, kv, d, **bf)  # 16 positions: the 1.7B's code groups
+                for t, rows in ((1, 4), (2, 4), (1, 1)):  # 1 row: `attention_rows` FEW_ROWS
+                    yield f"cp_qkv_attention T={t} rows={rows} {cfg}", lambda c=cfg, t=t, r=rows: cpa._launch(
+                        c, x[:r], norm_w, w, qn, kn, cos, sin, cache, cache.clone(),
+                        torch.zeros(r, heads * d, **bf), cnt, 0, t, 1e-6, 0.1)
             else:
                 cache = torch.zeros(8, 16, kv, d, **bf)
                 ids = torch.arange(4, dtype=torch.int64)
