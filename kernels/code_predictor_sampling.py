@@ -9,6 +9,7 @@ ties as `apply_top_k_capped`) -> softmax -> inverse-CDF draw with the row's unif
 last id of non-zero probability; greedy rows take the argmax. The kept set is exactly the
 reference's; the probabilities are summed in another order, so a draw can differ from the reference
 only where u * total lands within fp32 rounding of a CDF step.
+Each program's warp count is tuned once per vocabulary and mode (`warp_candidates`).
 The finite guard is the reference's (`guard_ids`): a row whose scores (after temperature) hold a NaN
 or +inf, or are all -inf, draws id 0 and is or-ed into `faults`.
 """
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._launch import device_guard, programmatic_launch
+from .autotune import pick
 from .code_predictor_gemm import wait_for_previous
 
 
@@ -114,13 +116,27 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         return out
     block_v = triton.next_power_of_2(vocab)
     pdl = programmatic_launch(logits)
-    with device_guard(logits):
+
+    def launch(num_warps: int) -> None:  # idempotent: out overwritten, faults or-ed
         _sample_kernel[(bsz,)](
             logits, temperature, top_k, greedy, u, out, faults if faults is not None else greedy,
             cap,
             logits.stride(0), temperature.stride(0), top_k.stride(0), greedy.stride(0),
             u.stride(0), out.stride(0), faults.stride(0) if faults is not None else 0,
             V=vocab, BLOCK_V=block_v, TOPK=topk, HAS_FAULTS=faults is not None, PDL=pdl,
-            num_warps=8 if block_v >= 4096 else 4, launch_pdl=pdl,
+            num_warps=num_warps, launch_pdl=pdl,
         )
+
+    with device_guard(logits):
+        launch(pick(("sample", block_v, topk), warp_candidates(block_v, topk), launch, logits.device))
     return out
+
+
+def warp_candidates(block_v: int, topk: bool) -> list[int]:
+    """The warps a draw's program may run with, the heuristic first (the CPU's; the GPU times them once per
+    vocabulary and mode, never per batch). One program is one row's chain of reductions (TOPK: 32 select
+    steps and a few more), each across the program's warps, with 2+ warps through shared memory and a
+    barrier: fewer warps hold more of the row each. TOPK leaves out 1 warp: it spills on sm_90 from a
+    2048-wide row (72 bytes a thread; 2 warps: 209 registers, none spilled)."""
+    first = 8 if block_v >= 4096 else 4
+    return [first] + [w for w in ((2, 8) if topk else (1, 2, 8)) if w != first]

@@ -12,6 +12,7 @@ takes. `python tests/kernels/sm90.py [qkv | conv]` prints one spec set's as JSON
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -127,6 +128,38 @@ def _conv_specs():
     yield "cl k7", lambda: conv1d._launch(whole, w, bias, 1, None, t, None, tiles)
 
 
+def _sample_specs():
+    """(name, launch) of each warp count `warp_candidates` offers the draw kernel, both modes, at the code
+    predictor's vocabulary (2048) and the talker's (3072: a 4096-wide row)."""
+    import torch
+
+    from q3tts.kernels import code_predictor_sampling as cs
+
+    ones, top_k, flags = torch.ones(4), torch.ones(4, dtype=torch.int64), torch.zeros(4, dtype=torch.bool)
+
+    def draw(vocab: int, topk: bool, warps: int) -> None:
+        with mock.patch.object(cs, "pick", lambda *_: warps):
+            cs.sample(torch.zeros(4, vocab), ones, top_k, flags, ones, topk, 50, faults=flags.clone())
+
+    for vocab in (2048, 3072):
+        for topk in (False, True):
+            for warps in cs.warp_candidates(triton.next_power_of_2(vocab), topk):
+                yield f"sample V={vocab} topk={topk} warps={warps}", lambda a=(vocab, topk, warps): draw(*a)
+
+
+SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs}
+
+
+def compiled(spec_set: str) -> dict[str, list[dict]]:
+    """{spec: [{kernel, regs, stack, shared}]} of one of SPECS, compiled by this file run in a fresh interpreter
+    without TRITON_INTERPRET (the tests that import this run with it on)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__, spec_set], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 if __name__ == "__main__":
-    specs = {"qkv": _qkv_specs, "conv": _conv_specs}[sys.argv[1] if len(sys.argv) > 1 else "qkv"]
+    specs = SPECS[sys.argv[1] if len(sys.argv) > 1 else "qkv"]
     print(json.dumps({name: resources(launch) for name, launch in specs()}))

@@ -5,24 +5,15 @@ rows start in the history or in x (kernels/conv1d.py `_cl_x_tile`); two masked l
 staged three tiles a pipeline stage instead of two and took twice as long at the codec frame's 64-row shapes
 on the H200 (perf/results/RESULTS.md, twenty-second session)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton", reason="triton is not installed")
+from sm90 import compiled  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def usage() -> dict[str, list[dict]]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("sm90.py")), "conv"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return compiled("conv")
 
 
 def test_a_split_history_stages_no_more_than_one_input(usage):

@@ -1,27 +1,19 @@
-"""The fused qkv kernels compiled for the H200 (sm_90) spill no registers: every launch config their
-tuner times there (4 candidates of 132-SM split counts, each kernel and token count; the code predictor's also
-at one row, which attends in one round of loads), with the alignment a real launch specializes on (tests/kernels/sm90.py, run in a fresh
-interpreter without TRITON_INTERPRET: it compiles, it does not interpret). A spill puts a thread's
-values in local memory, whose round trips every program of these kernels would wait on."""
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+"""Kernels compiled for the H200 (sm_90) spill no registers (tests/kernels/sm90.py, run in a fresh interpreter
+without TRITON_INTERPRET: it compiles, it does not interpret; the alignment a real launch specializes on).
+The fused qkv kernels: every launch config their tuner times there (4 candidates of 132-SM split counts, each
+kernel and token count; the code predictor's also at one row, which attends in one round of loads). The draw
+kernel: every warp count its tuner times. A spill puts a thread's values in local memory, whose round trips
+every program of these kernels would wait on."""
 
 import pytest
 
 pytest.importorskip("triton", reason="triton is not installed")
+from sm90 import compiled  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def usage() -> dict[str, list[dict]]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("sm90.py"))], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return compiled("qkv")
 
 
 def test_every_qkv_spec_compiles_once(usage):
@@ -30,5 +22,14 @@ def test_every_qkv_spec_compiles_once(usage):
 
 
 def test_no_qkv_spec_spills(usage):
+    spilled = {spec: k for spec, (k,) in usage.items() if k["stack"] > 0}
+    assert not spilled, spilled
+
+
+def test_no_draw_warp_candidate_spills():
+    """The draw kernel's warp counts the tuner times (kernels/code_predictor_sampling.py `warp_candidates`):
+    none spills (one warp does in TOPK mode, so it is not offered there)."""
+    usage = compiled("sample")
+    assert len(usage) == 12, usage  # 2 vocabularies x (greedy: 4 counts; TOPK: 3 at 2048, 2 at 4096 wide)
     spilled = {spec: k for spec, (k,) in usage.items() if k["stack"] > 0}
     assert not spilled, spilled
