@@ -42,7 +42,6 @@ LAYER = {"full": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)],  # (N
          "tiny": [(64, 32), (32, 32), (96, 32), (32, 64)]}
 BLOCK_K = {"full": 512, "tiny": 32}
 BLOCK_N = 8  # weight rows per tile: 128-768 tiles a GEMV at full size, about one per SM for the smallest
-META = 5  # per GEMV: weight offset, input offset, output offset, N, K (elements)
 
 
 @triton.jit
@@ -66,7 +65,7 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
 
 @triton.jit
 def _meta(meta_ptr, g):
-    """GEMV g's weight, input and output offsets, N and K."""
+    """GEMV g's weight, input and output offsets, N and K (elements; 5 int64 a GEMV in `Chain.meta`)."""
     base = meta_ptr + g * 5
     return tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), tl.load(base + 4)
 

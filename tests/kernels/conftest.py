@@ -12,3 +12,14 @@ import kernel_checks
 @pytest.fixture
 def device() -> str:
     return kernel_checks.DEVICE
+
+
+@pytest.fixture
+def invariant():
+    """kernels.set_batch_invariant(True) for one test (process-wide), then as it was before."""
+    from q3tts.kernels import autotune
+
+    before = autotune.batch_invariant()
+    autotune.set_batch_invariant(True)
+    yield
+    autotune.set_batch_invariant(before)

@@ -6,7 +6,8 @@ test_register_spills.py (the interpreter that the other kernel tests set up must
 real shapes) with every JIT kernel's `run` replaced: each launch is bound and specialized exactly as
 on a GPU (the JIT's own binder, for a CUDA sm_90 backend), compiled by triton.compile to a cubin,
 and measured by the cuobjdump that ships with Triton (registers, spill stack), plus the shared memory it
-takes. `python tests/kernels/sm90.py [qkv | conv]` prints one spec set's as JSON.
+takes. `python tests/kernels/sm90.py [qkv | conv | sample]` prints one spec set's (SPECS) as JSON;
+`compiled(spec_set)` runs that from a test.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import torch
 from code_predictor_cases import (TINY, AttentionFrame, Inputs, assert_as_faithful, check_gemms,
                                   forced_logits)
 from kernel_checks import DEVICE, kernel_module
-from q3tts import kernels
 from q3tts.checkpoint.maker import make_checkpoint, random_main_weights
 from q3tts.checkpoint.presets import model_config_dict
 from q3tts.config import ModelConfig
@@ -62,28 +61,23 @@ def test_qkv_attention_over_a_frame(dtype, bsz, config):
     AttentionFrame(cpk, TINY, bsz, dtype, inp).run_frame(config)
 
 
-def test_one_row_attention_is_batch_invariant_under_the_switch():
+def test_one_row_attention_is_batch_invariant_under_the_switch(invariant):
     """A one-row launch attends in one round of loads (`_attend_few`; checked against the references by
     test_qkv_attention_over_a_frame at bsz 1), other launches in chunks of positions: under
     `batch_invariant()` the one-row launch takes the chunked path too, so the row alone is bit-equal to the
     same row among 3 (fp32, where another softmax order shows)."""
-    before = kernels.batch_invariant()
-    kernels.set_batch_invariant(True)
-    try:
-        inp, s = Inputs(DEVICE, 31), TINY
-        weights = (inp.norm_weight(s.hidden, torch.float32),
-                   inp.weight((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, torch.float32),
-                   inp.norm_weight(s.head_dim, torch.float32), inp.norm_weight(s.head_dim, torch.float32))
-        rope = rope_cos_sin(torch.arange(s.positions), s.head_dim, 1e6, torch.float32)
-        caches = {b: [torch.zeros(b, s.positions, s.kv_heads, s.head_dim) for _ in range(2)] for b in (1, 3)}
-        for pos0, t in ((0, 2), (2, 1), (3, 1), (4, 1), (5, 1)):
-            x = inp.randn(3 * t, s.hidden, scale=2)  # batch row 0: rows 0..t-1
-            args = (pos0, t, 1e-6, s.head_dim ** -0.5)
-            alone = cpk.qkv_attention(x[:t], *weights, *rope, *caches[1], *args, inp.counters())
-            among = cpk.qkv_attention(x, *weights, *rope, *caches[3], *args, inp.counters())[:t]
-            assert torch.equal(alone, among), f"pass at {pos0}: max |diff| {(alone - among).abs().max():.3g}"
-    finally:
-        kernels.set_batch_invariant(before)
+    inp, s = Inputs(DEVICE, 31), TINY
+    weights = (inp.norm_weight(s.hidden, torch.float32),
+               inp.weight((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, torch.float32),
+               inp.norm_weight(s.head_dim, torch.float32), inp.norm_weight(s.head_dim, torch.float32))
+    rope = rope_cos_sin(torch.arange(s.positions), s.head_dim, 1e6, torch.float32)
+    caches = {b: [torch.zeros(b, s.positions, s.kv_heads, s.head_dim) for _ in range(2)] for b in (1, 3)}
+    for pos0, t in ((0, 2), (2, 1), (3, 1), (4, 1), (5, 1)):
+        x = inp.randn(3 * t, s.hidden, scale=2)  # batch row 0: rows 0..t-1
+        args = (pos0, t, 1e-6, s.head_dim ** -0.5)
+        alone = cpk.qkv_attention(x[:t], *weights, *rope, *caches[1], *args, inp.counters())
+        among = cpk.qkv_attention(x, *weights, *rope, *caches[3], *args, inp.counters())[:t]
+        assert torch.equal(alone, among), f"pass at {pos0}: max |diff| {(alone - among).abs().max():.3g}"
 
 
 def test_qkv_attention_contract_violations_raise():

@@ -23,14 +23,6 @@ from q3tts.kernels.code_predictor_gemm import (ROW_CLASSES, GemmConfig, candidat
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture
-def invariant():
-    """set_batch_invariant(True) for one test, off again after it."""
-    autotune.set_batch_invariant(True)
-    yield
-    autotune.set_batch_invariant(False)
-
-
 # --------------------------------------------------------------------- BLOCK_M 32 / 64 configs
 
 @pytest.mark.parametrize("config, rows", [

@@ -25,13 +25,6 @@ from q3tts.kernels.code_predictor_gemm import row_class  # noqa: E402
 BF16 = torch.bfloat16
 
 
-@pytest.fixture
-def invariant():
-    kernels.set_batch_invariant(True)
-    yield
-    kernels.set_batch_invariant(False)
-
-
 @pytest.mark.parametrize("rows", [1, 16, 64, 256])
 def test_gemm_kernels_tuned_per_row_class(rows):
     with kernels.tuning():
