@@ -8,11 +8,9 @@ QK-norm, RoPE from the [positions, D] tables, store k and v at the row's positio
 contiguous cache [B, P, KVH, D], then attention of the GROUP heads over positions 0..pos (held in
 registers; no paging), written over the rotated q in `out`: online softmax over CHUNK positions at a
 time, each head in turn (a dependent round trip to L2 per chunk and head: about 0.8 µs each on the
-H200, where the launch at one row took 12.8 / 15.7 / 17.4 µs at pass 2 / 8 / 15 at bf7f9f3). A
-launch of at most FEW_ROWS one-token rows (the 1-row step's passes after the first) runs its whole
-epilogue on one round of loads instead (`_group_epilogue_few`: partials and the cached positions
-together, q kept in registers; at 2f7de9c, which still parked q in `out` and read it back, the
-launch took 15.1 µs at every pass).
+H200, where the launch at one row took 12.8 / 15.7 / 17.4 µs at pass 2 / 8 / 15 at bf7f9f3); a
+launch of at most FEW_ROWS rows (the 1-row step's passes after the first) loads both heads' q and
+every position's k and v in one round instead (`_attend_few`).
 Rows are (batch row b, token t) = (r // T, r % T) at position pos0 + t: T = 2 on the first pass
 (past hidden and c0 at positions 0, 1: a row block holds both tokens of a batch row, so position 1
 sees position 0's k/v written by the same program), T = 1 after.
@@ -32,7 +30,7 @@ from .autotune import batch_invariant, pick
 from .code_predictor_gemm import (BLOCK_M, NORM, GemmConfig, arrive, interpret_config,
                                   candidates, counters_needed, dot_precision, k_slice, load_sum,
                                   mainloop, row_blocks, row_offsets, row_rstd, store_partial,
-                                  sum_splits, wait_for_inputs)
+                                  wait_for_inputs)
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": the first update has no inf - inf
 _NORM = tl.constexpr(NORM)  # a jit function reads globals only as constexpr (the interpreter does not check)
@@ -96,82 +94,43 @@ def _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, cache_rows, pos, last_pos, he
 
 
 @triton.jit
-def _heads_rope(part_ptr, offs, partner, mask, nw_ptr, cos, sin, eps, M_PAD, NP,
-                DT: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
-    """Heads of the GEMM result at offs [..., D] (partner: the same heads' rotate-half columns,
-    d + D/2 mod D): rounded, RMS-normed over each head, rotated with cos, sin [D] -> DT, the
-    roundings of `_norm_rope` (first half x1 c1 - x2 s1, second half x2 c2 + x1 s2)."""
-    d = tl.arange(0, D)
-    partner_d = (d + D // 2) % D
-    x = cast(sum_splits(part_ptr, offs, mask, M_PAD, NP, SPLIT), DT).to(tl.float32)
-    xp = cast(sum_splits(part_ptr, partner, mask, M_PAD, NP, SPLIT), DT).to(tl.float32)
-    rstd = (1.0 / tl.sqrt(tl.sum(x * x, 2) / D + eps))[:, :, None]
-    n = cast(cast(x * rstd, DT).to(tl.float32) * tl.load(nw_ptr + d).to(tl.float32), DT)
-    n_p = cast(cast(xp * rstd, DT).to(tl.float32) * tl.load(nw_ptr + partner_d).to(tl.float32), DT)
-    a = n.to(tl.float32) * cos
-    b = n_p.to(tl.float32) * sin
-    if ROUND:
-        a = cast(a, DT).to(tl.float32)
-        b = cast(b, DT).to(tl.float32)
-    return cast(a + tl.where(d < D // 2, -b, b), DT)
-
-
-@triton.jit
-def _group_epilogue_few(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                        m, M, g, pos, eps, scale, M_PAD, NP,
-                        stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
-                        stride_vh, stride_cos, stride_sin,
-                        DT: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
-                        D: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr,
-                        BLOCK_M: tl.constexpr, ROWS: tl.constexpr, P: tl.constexpr):
-    """The group's epilogue for a launch of at most ROWS one-token rows (M <= ROWS), all at `pos`,
-    in one round of loads: the partials of its GROUP q heads, k and v, and the k and v of every
-    earlier position (which never depend on the partials). Then norm and RoPE in registers, one
-    softmax of both heads over positions 0..pos (this position's k and v taken from registers), and
-    the stores: k and v at pos, the attention output. (`_group_epilogue` parks rotated q in `out`
-    and reads it back: a dependent round trip per head and per chunk of positions.)"""
-    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
+def _attend_few(out_ptr, k_ptr, v_ptr, m, M, g, pos0, scale, stride_out, stride_kb, stride_kp,
+                stride_kh, stride_vb, stride_vp, stride_vh, T: tl.constexpr, GROUP: tl.constexpr,
+                ROWS: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """The group's GROUP heads of the row block's first ROWS rows (every row of the launch: M <= ROWS)
+    over all their cached positions at once: q of both heads, k and v of positions 0..P-1 in one
+    round of loads (`_attend` takes a dependent round trip per CHUNK positions and per head), one
+    softmax over the row's positions. Positions past a row's pos are neither read nor weighed."""
     rows = m * BLOCK_M + tl.arange(0, ROWS)
-    r64 = rows.to(tl.int64)[:, None, None]  # [ROWS, 1, 1]; a row is its batch row (one token)
-    mask = r64 < M
-    d = tl.arange(0, D)[None, None, :]  # [1, 1, D]
-    p = tl.arange(0, P)[None, :, None]  # [1, P, 1]
-    k_at = r64 * stride_kb + g * stride_kh + d
-    v_at = r64 * stride_vb + g * stride_vh + d
-    k = tl.load(k_ptr + k_at + p * stride_kp, mask=mask & (p < pos), other=0.0)  # [ROWS, P, D]
-    v = tl.load(v_ptr + v_at + p * stride_vp, mask=mask & (p < pos), other=0.0)
-    cos = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_sin + d).to(tl.float32)
-    partner = (d + D // 2) % D
-    head = (g * GROUP + tl.arange(0, GROUP))[None, :, None] * D  # [1, GROUP, 1]
-    q = _heads_rope(part_ptr, r64 * NP + head + d, r64 * NP + head + partner, mask, qn_ptr, cos,
-                    sin, eps, M_PAD, NP, DT, D, SPLIT, ROUND)  # [ROWS, GROUP, D]
-    col = (NUM_HEADS + g) * D
-    k_here = _heads_rope(part_ptr, r64 * NP + col + d, r64 * NP + col + partner, mask, kn_ptr, cos,
-                         sin, eps, M_PAD, NP, DT, D, SPLIT, ROUND)  # [ROWS, 1, D]
-    v_here = cast(sum_splits(part_ptr, r64 * NP + col + NUM_KV * D + d, mask, M_PAD, NP, SPLIT),
-                  DT)
-    k = tl.where(p == pos, k_here, k).to(tl.float32)
-    v = tl.where(p == pos, v_here, v).to(tl.float32)
-    s = tl.sum(q.to(tl.float32)[:, :, None, :] * k[:, None, :, :], 3) * scale  # [ROWS, GROUP, P]
-    valid = tl.arange(0, P)[None, None, :] <= pos
-    s = tl.where(valid, s, _NEG)
-    w = tl.where(valid, tl.exp(s - tl.max(s, 2)[:, :, None]), 0.0)
-    acc = tl.sum(w[:, :, :, None] * v[:, None, :, :], 2)  # [ROWS, GROUP, D]
-    tl.store(out_ptr + r64 * stride_out + head + d, cast(acc / tl.sum(w, 2)[:, :, None], DT),
-             mask=mask)
-    tl.store(k_ptr + k_at + pos * stride_kp, k_here, mask=mask)
-    tl.store(v_ptr + v_at + pos * stride_vp, v_here, mask=mask)
+    row_mask = rows < M
+    pos = pos0 + rows % T  # [ROWS]
+    b = (rows // T).to(tl.int64)
+    d, j, p = tl.arange(0, D), tl.arange(0, GROUP), tl.arange(0, P)
+    valid = p[None, :] <= pos[:, None]  # [ROWS, P]
+    read = (row_mask[:, None] & valid)[:, :, None]  # rows past M weigh zeros (no 0 / 0)
+    q_offs = (rows.to(tl.int64)[:, None, None] * stride_out + (g * GROUP + j)[None, :, None] * D
+              + d[None, None, :])  # [ROWS, GROUP, D]
+    q = tl.load(out_ptr + q_offs, mask=row_mask[:, None, None], other=0.0).to(tl.float32)
+    at = (b * stride_kb + g * stride_kh)[:, None] + p.to(tl.int64)[None, :] * stride_kp
+    k = tl.load(k_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0)  # [ROWS, P, D]
+    at = (b * stride_vb + g * stride_vh)[:, None] + p.to(tl.int64)[None, :] * stride_vp
+    v = tl.load(v_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0)
+    s = tl.sum(q[:, :, None, :] * k.to(tl.float32)[:, None, :, :], 3) * scale  # [ROWS, GROUP, P]
+    s = tl.where(valid[:, None, :], s, _NEG)
+    w = tl.where(valid[:, None, :], tl.exp(s - tl.max(s, 2)[:, :, None]), 0.0)
+    acc = tl.sum(w[:, :, :, None] * v.to(tl.float32)[:, None, :, :], 2)  # [ROWS, GROUP, D]
+    tl.store(out_ptr + q_offs, cast(acc / tl.sum(w, 2)[:, :, None], out_ptr.dtype.element_ty),
+             mask=row_mask[:, None, None])
 
 
 @triton.jit
 def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                    rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
+                    m, M, rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
                     stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
                     stride_cos, stride_sin,
                     DT: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
                     D: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
+                    BLOCK_M: tl.constexpr, ATT_ROWS: tl.constexpr, P: tl.constexpr):
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     HALF: tl.constexpr = D // 2
     pos = pos0 + rows % T  # [BLOCK_M]
@@ -201,9 +160,15 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
     v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
     tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=mask)
     tl.debug_barrier()  # this program's k/v and q stores are read below by its other threads
-    for j in tl.static_range(GROUP):
-        _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, b * stride_kb + g * stride_kh, pos,
-                pos0 + T - 1, g * GROUP + j, scale, stride_out, stride_kp, stride_vp, BLOCK_M, D)
+    if ATT_ROWS < BLOCK_M:
+        _attend_few(out_ptr, k_ptr, v_ptr, m, M, g, pos0, scale, stride_out,
+                    stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, T, GROUP,
+                    ATT_ROWS, P, BLOCK_M, D)
+    else:
+        for j in tl.static_range(GROUP):
+            _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, b * stride_kb + g * stride_kh, pos,
+                    pos0 + T - 1, g * GROUP + j, scale, stride_out, stride_kp, stride_vp,
+                    BLOCK_M, D)
 
 
 @triton.jit
@@ -257,18 +222,12 @@ def _qkv_attention_kernel(
         NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL)
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
-        if ATT_ROWS < BLOCK_M:
-            _group_epilogue_few(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                                tl.program_id(0), M, g, pos0, eps, scale, M_PAD, NP,
-                                stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
-                                stride_vh, stride_cos, stride_sin, w_ptr.dtype.element_ty,
-                                NUM_HEADS, NUM_KV, D, SPLIT, ROUND, BLOCK_M, ATT_ROWS, P)
-        else:
-            _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                            rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
-                            stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
-                            stride_vh, stride_cos, stride_sin,
-                            w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, T, SPLIT, ROUND, BLOCK_M)
+        _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
+                        tl.program_id(0), M, rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
+                        stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
+                        stride_vh, stride_cos, stride_sin,
+                        w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, T, SPLIT, ROUND, BLOCK_M,
+                        ATT_ROWS, P)
 
 
 def qkv_candidates(qkv_weight: torch.Tensor, head_dim: int) -> list[GemmConfig]:
@@ -292,20 +251,18 @@ def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_c
         NUM_HEADS=num_heads, NUM_KV=k_cache.shape[2], D=d, T=tokens,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
-        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, ATT_ROWS=attention_rows(rows, tokens),
+        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, ATT_ROWS=attention_rows(rows),
         P=triton.next_power_of_2(k_cache.shape[1]), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=pdl,
     )
 
 
-def attention_rows(rows: int, tokens_per_row: int) -> int:
-    """Rows the epilogue holds at once: a launch of at most FEW_ROWS one-token rows (the 1-row step's
-    passes after the first) holds them all, with every cached position, in one round of loads
-    (`_group_epilogue_few`); others BLOCK_M, in chunks of positions (2 rows at FEW_ROWS 2 spilled
-    registers in one sm_90 config). Under `batch_invariant()` always BLOCK_M (one arithmetic
-    whatever the batch)."""
-    few = rows <= FEW_ROWS and tokens_per_row == 1 and not batch_invariant()
-    return rows if few else BLOCK_M
+def attention_rows(rows: int) -> int:
+    """Rows the attention step holds at once: a launch of at most FEW_ROWS rows (the 1-row step's
+    passes after the first) holds them all, with every cached position in one round of loads; others
+    BLOCK_M, in chunks of positions (2 rows at FEW_ROWS 2 spilled registers in one sm_90 config).
+    Under `batch_invariant()` always BLOCK_M (one arithmetic whatever the batch)."""
+    return rows if rows <= FEW_ROWS and not batch_invariant() else BLOCK_M
 
 
 def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,

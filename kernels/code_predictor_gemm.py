@@ -223,19 +223,14 @@ def arrive(cnt_ptr, arrivals):
 
 
 @triton.jit
-def sum_splits(part_ptr, offs, mask, M_PAD, NP, SPLIT: tl.constexpr):
-    """sum over splits 0..SPLIT-1, in that order, of part[s] at element offsets `offs` (any shape) within a
-    split -> fp32 (0 outside mask).
+def load_sum(part_ptr, rows, row_mask, cols, M_PAD, NP, SPLIT: tl.constexpr):
+    """sum over splits 0..SPLIT-1, in that order, of part[s, rows, cols] -> fp32 [rows, cols] (0 in rows
+    outside row_mask).
 
     NOTE: .cg reads at L2: the partials were written by other multiprocessors."""
+    offs = rows.to(tl.int64)[:, None] * NP + cols[None, :]
+    mask = row_mask[:, None]
     total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, SPLIT):
         total += tl.load(part_ptr + s * M_PAD * NP + offs, mask=mask, other=0.0, cache_modifier=".cg")
     return total
-
-
-@triton.jit
-def load_sum(part_ptr, rows, row_mask, cols, M_PAD, NP, SPLIT: tl.constexpr):
-    """`sum_splits` of part[:, rows, cols] -> fp32 [rows, cols] (0 in rows outside row_mask)."""
-    offs = rows.to(tl.int64)[:, None] * NP + cols[None, :]
-    return sum_splits(part_ptr, offs, row_mask[:, None], M_PAD, NP, SPLIT)

@@ -62,8 +62,8 @@ def test_qkv_attention_over_a_frame(dtype, bsz, config):
 
 
 def test_one_row_attention_is_batch_invariant_under_the_switch(invariant):
-    """A one-row launch attends in one round of loads (`_group_epilogue_few`; checked against the
-    references by test_qkv_attention_over_a_frame at bsz 1), other launches in chunks of positions: under
+    """A one-row launch attends in one round of loads (`_attend_few`; checked against the references by
+    test_qkv_attention_over_a_frame at bsz 1), other launches in chunks of positions: under
     `batch_invariant()` the one-row launch takes the chunked path too, so the row alone is bit-equal to the
     same row among 3 (fp32, where another softmax order shows)."""
     inp, s = Inputs(DEVICE, 31), TINY
