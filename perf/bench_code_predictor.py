@@ -238,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--greedy", action="store_true", help="time greedy draws (default: TOPK)")
-    p.add_argument("--attention-passes", type=int, nargs="*", default=[1, 14],
-                   help="passes j (1..14) whose qkv_attention launch is also timed alone")
+    p.add_argument("--attention-passes", type=int, nargs="*", default=[1, 14], choices=range(1, 15),
+                   metavar="J", help="passes j (1..14) whose qkv_attention launch is also timed alone")
     p.add_argument("--batch-invariant", action="store_true",
                    help="kernels.set_batch_invariant(True): one GEMM config per weight shape")
     p.add_argument("--programmatic-launch", action="store_true",
