@@ -5,15 +5,20 @@ the H200 for about 160 MB of weights (5 layers): the launches, not the bytes, se
 session). Before building a persistent code predictor, this measures the two ways to run the same chain of
 one-row GEMVs, with the same tile code (BLOCK_N weight rows x all of K per tile, fp32 sums, bf16 out):
   launches    one launch per GEMV, all captured in one CUDA graph
-  persistent  one launch of P programs (one per SM) that walk each GEMV's tiles in turn, a grid barrier between
-              GEMVs (an arrival counter and a spin on it); `+prefetch`: before it waits, each program prefetches
-              its tiles of the next GEMV into L2 (weights never depend on the barrier)
+  persistent  one launch of P programs (--per-sm of them on each SM, all resident) that walk each GEMV's tiles
+              in turn, a grid barrier between GEMVs (an arrival counter and a spin on it); `+prefetch`: before it
+              waits, each program prefetches its tiles of the next GEMV into L2 (weights never depend on the
+              barrier)
   barriers    the persistent kernel with no tiles: the grid barriers alone
 The chain: --layers code-predictor layers of the 1.7B model (qkv 4096x1024, o 1024x2048, gate_up 6144x1024,
 down 1024x3072); GEMV l reads the first K_l values of GEMV l-1's output. Values: each mode's last output
-bit-equal to the launches' (same tiles, same sums), and against a torch chain of the same roundings (max |diff|:
-other summation orders, amplified along the chain).
-H200: python3 perf/probe_persistent.py [--layers 5] [--iters 50]  (writes $OUT/probe_persistent.md when OUT is set)
+bit-equal to the launches' on the CPU (same tiles, same sums; on the GPU each kernel's own register layout may
+order a tile's sum otherwise), and against a torch chain of the same roundings (max |diff|: other summation
+orders, amplified along the chain).
+At 832b75c (H200, one program per SM): launches 108.8 µs a chain (1445 GB/s), persistent 516.7, + prefetch 373.4,
+barriers alone 24.9 (1.25 µs each). A program walks its tiles one load of BLOCK_N x BLOCK_K at a time, so one
+program per SM keeps about 8 KB in flight there, where the HBM wants tens of KB: hence --per-sm.
+H200: python3 perf/probe_persistent.py [--layers 5] [--iters 50] [--per-sm 1 4 8]  (writes $OUT/probe_persistent.md when OUT is set)
 CPU check: python3 perf/probe_persistent.py --device cpu --scale tiny  (the interpreter, one program: values only)
 """
 
@@ -42,6 +47,9 @@ LAYER = {"full": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)],  # (N
          "tiny": [(64, 32), (32, 32), (96, 32), (32, 64)]}
 BLOCK_K = {"full": 512, "tiny": 32}
 BLOCK_N = 8  # weight rows per tile: 128-768 tiles a GEMV at full size, about one per SM for the smallest
+# programs per SM the grid barrier may count on being resident: the persistent kernel compiles for sm_90 to 40
+# registers a thread and 4 warps (tests/kernels/sm90.py's way), so 12 fit an SM's 64K registers
+MAX_PER_SM = 8
 
 
 @triton.jit
@@ -72,7 +80,7 @@ def _meta(meta_ptr, g):
 
 @triton.jit
 def _grid_barrier(bar_ptr, target):
-    """Arrive, then spin until `target` programs in all have arrived (every program resident: P <= SMs).
+    """Arrive, then spin until `target` programs in all have arrived (every program resident: MAX_PER_SM).
     NOTE: the block barrier orders every thread's stores before the release; the acquire orders the reads after."""
     tl.debug_barrier()
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
@@ -164,17 +172,21 @@ def main() -> None:
     p.add_argument("--scale", choices=tuple(LAYER), default="full")
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--per-sm", type=int, nargs="+", default=[1, 4, 8], choices=range(1, MAX_PER_SM + 1),
+                   metavar="N", help="persistent programs per SM (every program must be resident)")
     args = p.parse_args()
     chain = Chain(LAYER[args.scale] * args.layers, args.device)
     block_k = BLOCK_K[args.scale]
     cuda = args.device.startswith("cuda")
-    programs = torch.cuda.get_device_properties(args.device).multi_processor_count if cuda else 1
-    modes = {"launches": lambda: chain.launches(block_k),
-             "persistent": lambda: chain.persistent(programs, block_k),
-             "persistent + prefetch": lambda: chain.persistent(programs, block_k, prefetch=cuda)}
+    sms = torch.cuda.get_device_properties(args.device).multi_processor_count if cuda else 1
+    programs = [sms * n for n in args.per_sm] if cuda else [1]
+    modes = {"launches": lambda: chain.launches(block_k)}
+    for n in programs:
+        modes[f"persistent, P = {n}"] = lambda n=n: chain.persistent(n, block_k)
+        modes[f"persistent + prefetch, P = {n}"] = lambda n=n: chain.persistent(n, block_k, prefetch=cuda)
     mb = sum(n * k for n, k in chain.shapes) * 2 / 1e6
     lines = [f"# Persistent kernel probe ({args.layers} code-predictor layers, {len(chain.shapes)} one-row GEMVs, "
-             f"{mb:.1f} MB of bf16 weights, {programs} programs, {args.device})", "",
+             f"{mb:.1f} MB of bf16 weights, {sms} SMs, {args.device})", "",
              "| mode | == launches | max abs diff vs torch | µs per chain | µs per GEMV | GB/s |",
              "|---|---|---:|---:|---:|---:|"]
     timer = Timer(torch.device(args.device), args.iters, 3)
@@ -187,9 +199,9 @@ def main() -> None:
             us = timer.graph(capture(run).replay) * 1e3
             timing = f"{us:.1f} | {us / len(chain.shapes):.2f} | {mb / us * 1e3:.0f}"
         lines.append(f"| {name} | {same} | {diff:.3g} | {timing} |")
-    if cuda:
-        us = timer.graph(capture(lambda: chain.persistent(programs, block_k, work=False)).replay) * 1e3
-        lines.append(f"| barriers only | - | - | {us:.1f} | {us / len(chain.shapes):.2f} | - |")
+    for n in programs if cuda else []:
+        us = timer.graph(capture(lambda: chain.persistent(n, block_k, work=False)).replay) * 1e3
+        lines.append(f"| barriers only, P = {n} | - | - | {us:.1f} | {us / len(chain.shapes):.2f} | - |")
     emit("\n".join(lines) + "\n", "probe_persistent.md")
 
 
