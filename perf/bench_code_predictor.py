@@ -17,6 +17,10 @@ H200: python3 perf/bench_code_predictor.py   [--batches 1 16 64 256] [--iters 50
     Every warm-up runs inside kernels.tuning(), as the engine's graph warm-up: batches of 17+ rows
     take the GEMM configs tuned for their row class (listed at the end); --batch-invariant runs
     with kernels.set_batch_invariant(True) (one config per weight shape) to measure its cost.
+    The kernel configs start from the tuning table --tune-cache (default $Q3TTS_TUNE_CACHE, as
+    bench_engine: an engine's table gives the engine's picks) and what this run tunes is saved
+    back to it; --tune-cache '' tunes every config afresh (`pick` times one launch at a time, so
+    two fresh runs may pick differently: RESULTS.md, twenty-fourth session).
     Writes $OUT/code_predictor_bench.md when OUT is set.
 CPU check: python3 perf/bench_code_predictor.py --scale tiny --device cpu --batches 2 --iters 1
     (the kernels through the Triton interpreter: correctness only, no timing).
@@ -38,6 +42,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("Q3TTS_TRITON_ON_CPU", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import bench_tune_cache  # noqa: E402
 from profile_step import Timer, capture  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -47,7 +52,7 @@ from q3tts.config import TalkerConfig  # noqa: E402
 from q3tts.core import SamplingParams  # noqa: E402
 from q3tts import kernels  # noqa: E402
 from q3tts.kernels import code_predictor as cpk  # noqa: E402
-from q3tts.kernels.autotune import tuned_configs  # noqa: E402
+from q3tts.kernels.autotune import load_tuned, save_tuned, tuned_configs  # noqa: E402
 from q3tts.models.code_predictor import CodePredictor  # noqa: E402
 from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402
 from q3tts.models.sampling import SamplingTensors, SubtalkerSampler, uniforms  # noqa: E402
@@ -244,18 +249,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="kernels.set_batch_invariant(True): one GEMM config per weight shape")
     p.add_argument("--programmatic-launch", action="store_true",
                    help="kernels.set_programmatic_launch(True): the fused kernels launch with PDL")
+    p.add_argument("--tune-cache", default=bench_tune_cache(),
+                   help="tuning table to start from and save to (default $Q3TTS_TUNE_CACHE; '': none)")
     args = p.parse_args(argv)
     kernels.set_batch_invariant(args.batch_invariant)
     kernels.set_programmatic_launch(args.programmatic_launch)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     cp = random_code_predictor(args.scale, dtype, args.device)
+    device = torch.device(args.device)
+    loaded = load_tuned(args.tune_cache, device) if args.tune_cache else 0
     head = [f"# code predictor: fused kernels vs eager passes ({args.scale}, {dtype}, "
             f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
             f"{'greedy' if args.greedy else 'topk'} sampling"
             f"{', batch-invariant' if args.batch_invariant else ''}"
             f"{', programmatic launch' if args.programmatic_launch else ''})", ""]
     lines = head + [line for bsz in args.batches for line in bench_batch(cp, bsz, args)]
-    lines += ["### tuned GEMM configs", "", *gemm_config_table(), ""]
+    source = f"{loaded} configs from {args.tune_cache}" if loaded else "none from a table"
+    lines += ["### tuned GEMM configs", "", f"({source})", "", *gemm_config_table(), ""]
+    if args.tune_cache:
+        save_tuned(args.tune_cache, device)
     emit("\n".join(lines), "code_predictor_bench.md")
     return 0
 

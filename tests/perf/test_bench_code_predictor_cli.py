@@ -1,5 +1,6 @@
 """perf/bench_code_predictor.py's command line: a pass it cannot time is refused before any work (a full-size
-run builds the model and benches every batch before it reaches the attention passes)."""
+run builds the model and benches every batch before it reaches the attention passes); the run starts from a
+saved tuning table, so it measures the configs an engine picked, and writes the table back."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from q3tts.kernels import autotune
+from q3tts.kernels.code_predictor_gemm import GemmConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
 import bench_code_predictor  # noqa: E402
@@ -20,3 +25,19 @@ def test_an_attention_pass_out_of_range_is_refused_at_once(bad, capsys, monkeypa
         bench_code_predictor.main(["--device", "cpu", "--scale", "tiny", "--attention-passes", "1", bad])
     assert exit_.value.code == 2
     assert f"--attention-passes: invalid choice: {bad}" in capsys.readouterr().err
+
+
+def test_the_run_starts_from_the_tuning_table_and_saves_it_back(tmp_path, capsys, monkeypatch):
+    """--tune-cache: the configs of a saved table (an engine's) are the ones the run reports, and the table is
+    written back (with what the run tuned; nothing on the CPU)."""
+    cpu, key = torch.device("cpu"), ("cp_test/plain", 7, 9, torch.float32, 16)  # a key no kernel looks up
+    monkeypatch.setattr(autotune, "_BEST", {key: GemmConfig(32, 128, 2, 4, 4, 16)})
+    path = tmp_path / "tuning.pkl"
+    autotune.save_tuned(path, cpu)
+    autotune._BEST.clear()
+    before = path.stat().st_mtime_ns
+    bench_code_predictor.main(["--device", "cpu", "--scale", "tiny", "--batches", "1", "--tune-cache", str(path)])
+    report = capsys.readouterr().out
+    assert f"(1 configs from {path})" in report
+    assert "| cp_test/plain | 7 | 9 | 16 | 16 | 32 | 128 | 2 | 4 | 4 |" in report
+    assert path.stat().st_mtime_ns > before and autotune.load_tuned(path, cpu) == 1
