@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 _BEST: dict[tuple, Any] = {}
+_SEEN: dict[tuple, tuple] = {}  # every key `pick` was asked for -> its candidates (for perf/tune_chain.py)
 _INVARIANT = [False]
 _TUNED_S = [0.0]  # seconds this process spent timing candidates (compiling them included)
 
@@ -51,6 +52,8 @@ def _can_tune(device: torch.device) -> bool:
 def pick(key: tuple, candidates: Sequence[Any], launch: Callable[[Any], None],
          device: torch.device) -> Any:
     """Best of `candidates` for `key` (cached). `launch(cfg)` must be idempotent (it is re-run)."""
+    if key not in _SEEN:
+        _SEEN[key] = tuple(candidates)
     if key in _BEST:
         return _BEST[key]
     if len(candidates) == 1 or not _can_tune(device):
@@ -95,6 +98,17 @@ def choose(key: tuple, candidates: Sequence[Any], launch: Callable[[Any], None],
 def tuned_configs() -> dict[tuple, Any]:
     """A copy of the tuned table (for logs and the bench report)."""
     return dict(_BEST)
+
+
+def seen_candidates() -> dict[tuple, tuple]:
+    """Every key `pick` was asked for in this process, with the candidates it was given (tuned or not)."""
+    return dict(_SEEN)
+
+
+def set_tuned(key: tuple, config: Any) -> None:
+    """Make `config` the tuned choice for `key` (a tuner that times whole chains: perf/tune_chain.py). Launches
+    already captured in a CUDA graph keep the config they were captured with."""
+    _BEST[key] = config
 
 
 def tuning_seconds() -> float:
