@@ -38,12 +38,13 @@ from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402
 
 
 def descend(keys: dict[tuple, Sequence[Any]], table: dict[tuple, Any],
-            cost: Callable[[dict[tuple, Any]], float], rounds: int, margin: float
-            ) -> tuple[dict[tuple, Any], list[str]]:
+            cost: Callable[[dict[tuple, Any]], float], rounds: int, margin: float,
+            progress: Callable[[str], None] = lambda line: None) -> tuple[dict[tuple, Any], list[str]]:
     """Coordinate descent of `cost(table)` over `keys` (key -> its candidates; `table` holds a choice for
     each). Per key: the incumbent is timed afresh, then every other candidate with the rest held; the
     fastest replaces it when it beats it by more than `margin` (a fraction). Stops after a round with no
-    change or `rounds` rounds. Returns the new table and one line per change."""
+    change or `rounds` rounds. Returns the new table and one line per change; `progress` gets a line per
+    key tried."""
     table, changes = dict(table), []
     for round_ in range(1, rounds + 1):
         changed = False
@@ -53,6 +54,7 @@ def descend(keys: dict[tuple, Sequence[Any]], table: dict[tuple, Any],
             if not trials:
                 continue
             best, _, config = min(trials, key=lambda t: t[:2])
+            progress(f"round {round_}: {key}: {table[key]} {base:.4f}, best rival {config} {best:.4f}")
             if best < base * (1 - margin):
                 changes.append(f"round {round_}: {key}: {table[key]} -> {config} ({base:.4f} -> {best:.4f})")
                 table[key], changed = config, True
@@ -95,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", choices=("full", "tiny"), default="full")
     p.add_argument("--start", help="a saved tuning table to start from (else pick's choices in the warm-up)")
     p.add_argument("--out", required=True, help="where the tuned table is written (save_tuned)")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1, help="rounds over every key (each candidate: two graph "
+                   "captures and their timed replays at --batches 1 16)")
     p.add_argument("--margin", type=float, default=0.01, help="the least fraction a change must win by")
-    p.add_argument("--iters", type=int, default=20, help="replays timed per graph (their median)")
+    p.add_argument("--iters", type=int, default=10, help="replays timed per graph (their median)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("tune_chain times CUDA graphs: it needs a GPU")
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = {k: c for k, c in seen.items() if len(c) > 1 and k in table}
     before = chain.times(table)
     cost = lambda t: sum(chain.times(t).values())  # noqa: E731
-    tuned, changes = descend(keys, {k: table[k] for k in keys}, cost, args.rounds, args.margin)
+    tuned, changes = descend(keys, {k: table[k] for k in keys}, cost, args.rounds, args.margin,
+                             lambda line: print(line, flush=True))
     after = chain.times(tuned)
     autotune.save_tuned(args.out, device)
     lines = [f"# Chain tuning of the fused code predictor ({args.scale}, bf16, {torch.cuda.get_device_name()})",
