@@ -18,7 +18,8 @@ orders, amplified along the chain).
 At 832b75c (H200, one program per SM): launches 108.8 µs a chain (1445 GB/s), persistent 516.7, + prefetch 373.4,
 barriers alone 24.9 (1.25 µs each). A program walks its tiles one load of BLOCK_N x BLOCK_K at a time, so one
 program per SM keeps about 8 KB in flight there, where the HBM wants tens of KB: hence --per-sm.
-H200: python3 perf/probe_persistent.py [--layers 5] [--iters 50] [--per-sm 1 4 8]  (writes $OUT/probe_persistent.md when OUT is set)
+H200: python3 perf/probe_persistent.py [--layers 5] [--iters 50] [--per-sm 1 4 8]
+    (writes $OUT/probe_persistent.md when OUT is set)
 CPU check: python3 perf/probe_persistent.py --device cpu --scale tiny  (the interpreter, one program: values only)
 """
 
