@@ -37,9 +37,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():  # before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("Q3TTS_TRITON_ON_CPU", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import bench_tune_cache  # noqa: E402
@@ -252,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tune-cache", default=bench_tune_cache(),
                    help="tuning table to start from and save to (default $Q3TTS_TUNE_CACHE; '': none)")
     args = p.parse_args(argv)
+    if not args.device.startswith("cuda"):  # the fused kernels through the interpreter (set here, not at import:
+        os.environ.setdefault("Q3TTS_TRITON_ON_CPU", "1")  # an importer's CPU engines would all take them)
     kernels.set_batch_invariant(args.batch_invariant)
     kernels.set_programmatic_launch(args.programmatic_launch)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32

@@ -4,6 +4,8 @@ saved tuning table, so it measures the configs an engine picked, and writes the 
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +15,8 @@ import torch
 from q3tts.kernels import autotune
 from q3tts.kernels.code_predictor_gemm import GemmConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+PERF = Path(__file__).resolve().parents[2] / "perf"
+sys.path.insert(0, str(PERF))
 import bench_code_predictor  # noqa: E402
 
 
@@ -30,6 +33,7 @@ def test_an_attention_pass_out_of_range_is_refused_at_once(bad, capsys, monkeypa
 def test_the_run_starts_from_the_tuning_table_and_saves_it_back(tmp_path, capsys, monkeypatch):
     """--tune-cache: the configs of a saved table (an engine's) are the ones the run reports, and the table is
     written back (with what the run tuned; nothing on the CPU)."""
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")  # what the CPU run sets, undone after the test
     cpu, key = torch.device("cpu"), ("cp_test/plain", 7, 9, torch.float32, 16)  # a key no kernel looks up
     monkeypatch.setattr(autotune, "_BEST", {key: GemmConfig(32, 128, 2, 4, 4, 16)})
     path = tmp_path / "tuning.pkl"
@@ -41,3 +45,15 @@ def test_the_run_starts_from_the_tuning_table_and_saves_it_back(tmp_path, capsys
     assert f"(1 configs from {path})" in report
     assert "| cp_test/plain | 7 | 9 | 16 | 16 | 32 | 128 | 2 | 4 | 4 |" in report
     assert path.stat().st_mtime_ns > before and autotune.load_tuned(path, cpu) == 1
+
+
+def test_importing_the_bench_switches_no_cpu_engine_to_the_interpreter():
+    """The CPU run's switch (Q3TTS_TRITON_ON_CPU: the fused kernels through the Triton interpreter) is set by its
+    main, not at import: set at import, it sent every CPU engine of the test session that imported the module
+    (at collection) through the interpreter: one e2e test ran past 14 minutes instead of 7 seconds."""
+    env = {k: v for k, v in os.environ.items() if k != "Q3TTS_TRITON_ON_CPU"}
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); import bench_code_predictor; "
+            "print(os.environ.get('Q3TTS_TRITON_ON_CPU'))")
+    out = subprocess.run([sys.executable, "-c", code, str(PERF)], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "None"
