@@ -59,6 +59,14 @@ from q3tts.models.sampling import SamplingTensors, SubtalkerSampler, uniforms  #
 TEXT_IDS = dict(im_start=1, im_end=2, assistant=3, tts_pad=4, tts_bos=5, tts_eos=6)
 
 
+def fused_kernels_on(device: torch.device) -> None:
+    """A bench's CPU run takes the fused kernels through the Triton interpreter (Q3TTS_TRITON_ON_CPU). Its
+    main sets that, not its import: set at import, every CPU engine of an importing test session took them
+    (one e2e test ran past 14 minutes instead of 7 seconds)."""
+    if device.type != "cuda":
+        os.environ.setdefault("Q3TTS_TRITON_ON_CPU", "1")
+
+
 def random_code_predictor(scale: str, dtype: torch.dtype, device: str, seed: int = 0
                           ) -> CodePredictor:
     """The 1.7B code predictor (with its talker codec embedding as embed_c0) at `scale`, weights
@@ -251,13 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tune-cache", default=bench_tune_cache(),
                    help="tuning table to start from and save to (default $Q3TTS_TUNE_CACHE; '': none)")
     args = p.parse_args(argv)
-    if not args.device.startswith("cuda"):  # the fused kernels through the interpreter (set here, not at import:
-        os.environ.setdefault("Q3TTS_TRITON_ON_CPU", "1")  # an importer's CPU engines would all take them)
+    device = torch.device(args.device)
+    fused_kernels_on(device)
     kernels.set_batch_invariant(args.batch_invariant)
     kernels.set_programmatic_launch(args.programmatic_launch)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cp = random_code_predictor(args.scale, dtype, args.device)
-    device = torch.device(args.device)
     loaded = load_tuned(args.tune_cache, device) if args.tune_cache else 0
     head = [f"# code predictor: fused kernels vs eager passes ({args.scale}, {dtype}, "
             f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "

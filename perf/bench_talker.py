@@ -32,13 +32,12 @@ from typing import Callable
 
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():  # before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("Q3TTS_TRITON_ON_CPU", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_code_predictor import (TEXT_IDS, capture_with_outputs, gemm_config_table,  # noqa: E402
-                                  kernels_launched, tuned_capture)
+from bench_code_predictor import (TEXT_IDS, capture_with_outputs, fused_kernels_on,  # noqa: E402
+                                  gemm_config_table, kernels_launched, tuned_capture)
 from profile_step import Timer, capture  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -190,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-invariant", action="store_true",
                    help="kernels.set_batch_invariant(True): one GEMM config per weight shape")
     args = p.parse_args(argv)
+    fused_kernels_on(torch.device(args.device))
     kernels.set_batch_invariant(args.batch_invariant)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     stack = random_stack(args.scale, args.layers, dtype, args.device)
