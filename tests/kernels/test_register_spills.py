@@ -21,9 +21,13 @@ def test_every_qkv_spec_compiles_once(usage):
     assert len(usage) == 16 and all(len(kernels) == 1 for kernels in usage.values()), usage
 
 
+def spilled(usage: dict[str, list[dict]]) -> dict[str, dict]:
+    """The specs whose one kernel keeps values in local memory."""
+    return {spec: k for spec, (k,) in usage.items() if k["stack"] > 0}
+
+
 def test_no_qkv_spec_spills(usage):
-    spilled = {spec: k for spec, (k,) in usage.items() if k["stack"] > 0}
-    assert not spilled, spilled
+    assert not spilled(usage), spilled(usage)
 
 
 def test_no_draw_warp_candidate_spills():
@@ -31,5 +35,4 @@ def test_no_draw_warp_candidate_spills():
     none spills (one warp does in TOPK mode, so it is not offered there)."""
     usage = compiled("sample")
     assert len(usage) == 12, usage  # 2 vocabularies x (greedy: 4 counts; TOPK: 3 at 2048, 2 at 4096 wide)
-    spilled = {spec: k for spec, (k,) in usage.items() if k["stack"] > 0}
-    assert not spilled, spilled
+    assert not spilled(usage), spilled(usage)
