@@ -48,13 +48,12 @@ from report import emit  # noqa: E402
 from q3tts.checkpoint.maker import _init_tensor  # noqa: E402
 from q3tts.checkpoint.presets import model_config_dict  # noqa: E402
 from q3tts.config import TalkerConfig  # noqa: E402
-from q3tts.core import SamplingParams  # noqa: E402
 from q3tts import kernels  # noqa: E402
+from q3tts.engine.chain_tuning import FrameInputs  # noqa: E402
 from q3tts.kernels import code_predictor as cpk  # noqa: E402
 from q3tts.kernels.autotune import load_tuned, save_tuned, tuned_configs  # noqa: E402
 from q3tts.models.code_predictor import CodePredictor  # noqa: E402
 from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402
-from q3tts.models.sampling import SamplingTensors, SubtalkerSampler, uniforms  # noqa: E402
 
 TEXT_IDS = dict(im_start=1, im_end=2, assistant=3, tts_pad=4, tts_bos=5, tts_eos=6)
 
@@ -81,25 +80,6 @@ def random_code_predictor(scale: str, dtype: torch.dtype, device: str, seed: int
     cp = cp.to(device=device, dtype=dtype).eval()
     cp.model.fuse_()
     return cp
-
-
-class Inputs:
-    """One frame's inputs for B rows: past hidden, c0, sampler (fixed uniforms)."""
-
-    def __init__(self, cp: CodePredictor, bsz: int, greedy: bool, seed: int = 0):
-        gen = torch.Generator().manual_seed(seed)
-        ref = cp.lm_head[0].weight
-        hidden = cp.model.codec_embedding[0].weight.shape[1]
-        self.past_hidden = torch.randn(bsz, hidden, generator=gen).to(ref.device, ref.dtype)
-        self.c0 = torch.randint(0, 2048, (bsz,), generator=gen).to(ref.device)
-        params = SamplingTensors.subtalker([SamplingParams(greedy=greedy, seed=i)
-                                            for i in range(bsz)], ref.device)
-        u = uniforms(torch.arange(bsz, device=ref.device), torch.zeros(bsz, dtype=torch.int64,
-                                                                         device=ref.device))
-        self.sampler = SubtalkerSampler(params, u)
-
-    def run(self, generate) -> tuple[torch.Tensor, torch.Tensor]:
-        return generate(self.past_hidden, self.c0, self.sampler)
 
 
 # ------------------------------------------------------------------------------------ timing
@@ -166,7 +146,7 @@ def pass_launches(cp: CodePredictor, bsz: int, j: int = 7) -> list[tuple[str, in
     logits = torch.randn(bsz, cp.lm_head[j].out_features, device=dev)
     proj, table = cp.small_to_mtp_projection, model.codec_embedding[j - 1].weight
     ids = torch.randint(0, table.shape[0], (bsz,), device=dev)
-    sampler = Inputs(cp, bsz, greedy=False).sampler
+    sampler = FrameInputs(cp, bsz, greedy=False).sampler
     p = sampler.params
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     kv_read = 2 * bsz * (j + 2) * nkv * d * esz  # k and v of positions 0..j+1
@@ -205,7 +185,7 @@ def launch_us(timer: Timer, fn: Callable[[], object]) -> float:
 
 def bench_batch(cp: CodePredictor, bsz: int, args) -> list[str]:
     fused = FusedCodePredictor(cp)
-    greedy = Inputs(cp, bsz, greedy=True)
+    greedy = FrameInputs(cp, bsz, greedy=True)
     with torch.no_grad():
         want, _ = greedy.run(cp.generate)
         got, _ = greedy.run(fused.generate)
@@ -213,7 +193,7 @@ def bench_batch(cp: CodePredictor, bsz: int, args) -> list[str]:
     lines = [f"### batch {bsz}", "", f"greedy codes fused == eager: {100 * agree:.1f} %"]
     if not torch.cuda.is_available():
         return lines + ["(no CUDA: correctness only)", ""]
-    inputs = Inputs(cp, bsz, greedy=args.greedy)
+    inputs = FrameInputs(cp, bsz, greedy=args.greedy)
     with torch.no_grad():
         eager_graph, _ = capture_with_outputs(lambda: inputs.run(cp.generate))
         fused_graph, fused_out = capture_with_outputs(lambda: inputs.run(fused.generate))

@@ -163,7 +163,7 @@ def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
     changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_pipeline", "codec_sms", "fused_code_predictor",
                                                 "fused_talker", "fp32_residual", "batch_invariant",
-                                                "programmatic_launch", "steps_in_flight", "launch_at_frames")
+                                                "programmatic_launch", "steps_in_flight", "launch_at_frames", "chain_tune")
                if getattr(args, n) != getattr(EngineConfig, n)]
     return "+".join(n if v is True else f"no_{n}" if v is False else f"{n}={v}" for n, v in changed) or "default"
 
@@ -201,6 +201,8 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.programmatic_launch,
                    help="EngineConfig.programmatic_launch (the fused kernels start while the one before runs)")
+    p.add_argument("--chain-tune", action=argparse.BooleanOptionalAction, default=EngineConfig.chain_tune,
+                   help="EngineConfig.chain_tune (the code predictor's configs tuned on its passes' graph time)")
 
 
 def bench_tune_cache() -> str | None:
@@ -226,7 +228,8 @@ def build_engine(args, frames: int) -> Engine:
                        fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker,
                        fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant,
                        programmatic_launch=args.programmatic_launch, steps_in_flight=args.steps_in_flight,
-                       launch_at_frames=args.launch_at_frames, tune_cache=bench_tune_cache())
+                       launch_at_frames=args.launch_at_frames, chain_tune=args.chain_tune,
+                       tune_cache=bench_tune_cache())
     model = make_model(args)
     engine = Engine(model, cfg)
     print(f"engine up in {engine.startup}: {engine.config.num_pages} KV pages, graphs "

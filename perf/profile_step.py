@@ -48,6 +48,7 @@ from report import emit  # noqa: E402
 from bench_engine import add_model_arguments, build_engine, drain, fill, sync  # noqa: E402
 
 from q3tts.engine.audio_pipeline import green_context  # noqa: E402
+from q3tts.engine.chain_tuning import capture_graph, replay_ms  # noqa: E402
 from q3tts.engine.cuda_graph import DecodeMeta  # noqa: E402
 from q3tts.engine.engine import Engine  # noqa: E402
 from q3tts.models import step as model_step  # noqa: E402
@@ -64,17 +65,7 @@ class Timer:
 
     def graph(self, replay: Callable[[], None]) -> float:
         """Median ms of one graph replay (CUDA events around each `replay()`)."""
-        for _ in range(3):
-            replay()
-        torch.cuda.synchronize()
-        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                 for _ in range(self.iters)]
-        for a, b in pairs:
-            a.record()
-            replay()
-            b.record()
-        torch.cuda.synchronize()
-        return statistics.median(a.elapsed_time(b) for a, b in pairs)
+        return replay_ms(replay, self.iters)
 
     def eager(self, fn: Callable[[], None]) -> float:
         """Median ms of one synchronized eager call (wall clock: includes launch overhead)."""
@@ -105,20 +96,7 @@ class Timer:
             torch.cuda.synchronize()
 
 
-def capture(fn: Callable[[], None], stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
-    """Warm up `fn` on a side stream (or `stream`), then capture it (same recipe as GraphRunner.capture;
-    on `stream` when given: the graph's kernels keep that stream's green context, if it has one)."""
-    side = stream or torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    torch.cuda.synchronize()
-    return graph
+capture = capture_graph  # the engine's recipe (engine/chain_tuning.py)
 
 
 # --------------------------------------------------------------------------- components

@@ -22,6 +22,7 @@ KV_POLICIES = ("reserve", "on_demand")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TEST_HOOKS_ENV = "Q3TTS_TEST_HOOKS"  # =1 allows the test-only fields (fault_injection_seed)
+CHAIN_TUNE_ROWS = 16  # the largest batch `chain_tune` times (the fused code predictor's first row class)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,13 @@ class EngineConfig:
                          runs beside t's talker half (about 1.9 ms at 1 and 64 rows on the H200). Same codes
                          and audio either way. Off: served at 64 streams on the H200, first audio no sooner (p50
                          48.5 and 60.9 against 49.6 and 53.3 ms)
+    chain_tune           tune the fused code predictor's launch configs on the device time of its 15 passes in one
+                         CUDA graph at 1 and 16 rows (`chain_tune_batches`; engine/chain_tuning.py), not one launch
+                         at a time, before the decode graphs are captured; once per tuning table: it leaves a mark
+                         in the table, so an engine that loads it (`tune_cache`) times nothing again (about a
+                         minute on the H200 otherwise). CUDA with the fused code predictor and graphs only. On
+                         the H200 (1.7B, bf16) the step took 5.39 / 6.92 ms at 1 / 16 rows against 5.58 / 7.32
+                         with the launch-at-a-time table, one machine (perf/results/RESULTS.md)
     tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
                          `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
                          sources): an engine takes what it holds and writes back what it tuned, so an engine
@@ -195,6 +203,7 @@ class EngineConfig:
     run_ahead: bool = False
     steps_in_flight: int = 2
     launch_at_frames: bool = False
+    chain_tune: bool = True
     tune_cache: str | None = None
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
@@ -237,7 +246,7 @@ class EngineConfig:
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
                  f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
-                     "programmatic_launch", "run_ahead", "launch_at_frames"):
+                     "programmatic_launch", "run_ahead", "launch_at_frames", "chain_tune"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         # the pipelined codec's own settings, refused where the codec runs in the step even on CUDA
         in_step = not self._pipelines_codec("cuda")
@@ -260,6 +269,14 @@ class EngineConfig:
         """The largest decode batch whose code predictor runs the fused kernels: every batch under
         `batch_invariant` (one path whatever the bucket), else `fused_code_predictor`."""
         return max(self.max_graph_batch, self.max_slots) if self.batch_invariant else self.fused_code_predictor
+
+    @property
+    def chain_tune_batches(self) -> tuple[int, ...]:
+        """The batch sizes `chain_tune` times the fused code predictor at: one row, and the largest batch it serves
+        up to 16 (its row class 16 covers 2-16 rows; above, the row classes keep their launch-at-a-time picks).
+        Empty: no chain tuning."""
+        top = min(CHAIN_TUNE_ROWS, self.fused_code_predictor_batch, self.max_graph_batch)
+        return tuple(sorted({1, top})) if self.chain_tune and top else ()
 
     def pipelines_codec(self, device: torch.device) -> bool:
         """Whether the codec runs one step behind (`codec_pipeline`) on `device`."""

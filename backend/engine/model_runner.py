@@ -46,6 +46,7 @@ from q3tts.models.sampling import (FULL, GRAPH_VARIANTS, TOPK, SamplingTensors, 
                                   row_mode, sampling_mode, uniforms)
 from q3tts.models.transfer import upload
 
+from . import chain_tuning
 from .audio_pipeline import AudioPipeline
 from .config import EngineConfig
 from .cuda_graph import SIDES, DecodeMeta, DecodeRow, GraphBuffers, GraphRunner, WhileWaiting
@@ -153,6 +154,7 @@ class ModelRunner:
                 self.prefill_graphs.capture()
         if not self.config.use_cuda_graphs:
             return
+        self._chain_tune(startup)
         # NOTE: kernels tune on their first launch; GraphRunner.capture warms every bucket up first
         pool = None
         with torch.no_grad():
@@ -167,6 +169,16 @@ class ModelRunner:
         if self.audio is not None:
             with startup.phase("codec graphs"):
                 self.audio.capture(self.buckets)
+
+    def _chain_tune(self, startup: Startup) -> None:
+        """`EngineConfig.chain_tune`: tune the fused code predictor's launch configs on its captured passes
+        (engine/chain_tuning.py), unless the tuning table (`tune_cache`) says that was done; the decode graphs
+        captured next take the result."""
+        batches, fused = self.config.chain_tune_batches, self.talker.code_predictor.fused
+        if not batches or fused is None or not chain_tuning.needs_tuning(batches):
+            return
+        with startup.phase("chain tuning"), torch.no_grad():
+            chain_tuning.tune(fused, batches)
 
     def packed_prefill(self) -> PrefillGraphs:
         """The token-bucketed prefill over this runner's talker, KV and slots, for up to max_slots

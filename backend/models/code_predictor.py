@@ -63,6 +63,11 @@ class CodePredictor(nn.Module):
 
             self._fused = FusedCodePredictor(self)
 
+    @property
+    def fused(self) -> FusedCodePredictor | None:
+        """The fused passes `use_fused` set up (None: off, or no triton)."""
+        return self._fused
+
     def _kv(self, batch: int, ref: torch.Tensor) -> PagedKVCache:
         cp = self.model.cfg
         cache = self._cache

@@ -1,0 +1,107 @@
+"""engine/chain_tuning.py: the coordinate descent on a made-up cost (the GPU chain it times has no CPU form), the
+candidates `kernels.autotune.pick` remembers for it, and when an engine chain-tunes (EngineConfig.chain_tune):
+once per tuning table, only with the fused code predictor, at the batches the config names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from q3tts.engine import Engine, EngineConfig, chain_tuning
+from q3tts.engine.chain_tuning import descend, mark_key
+from q3tts.engine.timing import Startup
+from q3tts.kernels import autotune
+
+CPU = torch.device("cpu")
+# two keys whose best choices interact: b's best is 2 when a is 3, else 1
+KEYS = {"a": (1, 2, 3), "b": (0, 1, 2)}
+
+
+def cost(table) -> float:
+    a, b = table["a"], table["b"]
+    return 10.0 - 2 * a + (abs(b - 2) if a == 3 else abs(b - 1))
+
+
+def test_descent_reaches_the_joint_best_and_logs_each_change():
+    calls = []
+    tuned, changes = descend(KEYS, {"a": 1, "b": 0}, lambda t: calls.append(dict(t)) or cost(t), 3, 0.01)
+    assert tuned == {"a": 3, "b": 2} and cost(tuned) == 4.0
+    assert len(changes) == 2 and changes[0].startswith("round 1: a: 1 -> 3")
+    assert all(set(t) == {"a", "b"} for t in calls)
+
+
+def test_a_change_must_win_by_the_margin_and_a_quiet_round_stops():
+    flat = lambda t: 5.0 - 0.01 * t["a"]  # noqa: E731 - a's candidates 0.2 % apart
+    calls = []
+    tuned, changes = descend(KEYS, {"a": 1, "b": 0}, lambda t: calls.append(1) or flat(t), 5, 0.01)
+    assert tuned == {"a": 1, "b": 0} and changes == []
+    assert len(calls) == 1 + 2 + 1 + 2  # one round: per key the incumbent and its two rivals
+
+
+def test_pick_remembers_the_candidates_of_every_key_it_is_asked_for(monkeypatch):
+    monkeypatch.setattr(autotune, "_SEEN", {})
+    monkeypatch.setattr(autotune, "_BEST", {("k2",): "y"})
+    launched = []
+    assert autotune.pick(("k1",), ["x", "z"], launched.append, CPU) == "x"  # CPU: no timing
+    assert autotune.pick(("k2",), ["z", "y"], launched.append, CPU) == "y"  # a tuned key
+    assert autotune.seen_candidates() == {("k1",): ("x", "z"), ("k2",): ("z", "y")} and not launched
+    autotune.set_tuned(("k1",), "z")
+    assert autotune.pick(("k1",), ["x", "z"], launched.append, CPU) == "z"
+
+
+@pytest.mark.parametrize("fields, batches", [({}, (1, 16)), ({"fused_code_predictor": 4}, (1, 4)),
+                                             ({"fused_code_predictor": 1}, (1,)), ({"fused_code_predictor": 64}, (1, 16)),
+                                             ({"fused_code_predictor": 0}, ()), ({"chain_tune": False}, ())])
+def test_the_batches_an_engine_chain_tunes_at(fields, batches):
+    assert EngineConfig(**fields).chain_tune_batches == batches
+
+
+def test_chain_tune_must_be_a_bool():
+    with pytest.raises(ValueError, match="chain_tune must be true or false, got 'yes'"):
+        EngineConfig(chain_tune="yes")
+
+
+@pytest.fixture
+def fake_tune(monkeypatch):
+    """chain_tuning.tune replaced by a recorder that leaves the mark as the real one does; the process's table
+    emptied for the test."""
+    monkeypatch.setattr(autotune, "_BEST", {})
+    calls = []
+
+    def tune(fused, batches):
+        calls.append((fused, batches))
+        autotune.set_tuned(mark_key(batches), {b: 1.0 for b in batches})
+
+    monkeypatch.setattr(chain_tuning, "tune", tune)
+    return calls
+
+
+def tiny_engine(ckpt, **fields) -> Engine:
+    return Engine(ckpt, EngineConfig(device="cpu", dtype="float32", max_slots=2, num_pages=64, **fields))
+
+
+def test_an_engine_chain_tunes_once_per_table(fake_tune, tiny_ckpt, tmp_path):
+    pytest.importorskip("triton")  # the fused code predictor needs it
+    runner, startup = tiny_engine(tiny_ckpt).runner, Startup()
+    fused = runner.talker.code_predictor.fused
+    assert fused is not None
+    runner._chain_tune(startup)
+    assert fake_tune == [(fused, (1, 2))] and "chain tuning" in startup.phases  # max_slots 2: the bucket 2
+    runner._chain_tune(startup)
+    assert len(fake_tune) == 1  # the table holds the mark
+    path = tmp_path / "tuning.pkl"
+    autotune.save_tuned(path, CPU)
+    autotune._BEST.clear()
+    runner._chain_tune(startup)
+    assert len(fake_tune) == 2  # a table without the mark: tuned again
+    autotune._BEST.clear()
+    assert autotune.load_tuned(path, CPU) == 1
+    runner._chain_tune(startup)
+    assert len(fake_tune) == 2  # a table that was saved with it: not again
+
+
+@pytest.mark.parametrize("fields", [{"chain_tune": False}, {"fused_code_predictor": 0}])
+def test_no_chain_tuning_when_off_or_without_the_fused_code_predictor(fake_tune, tiny_ckpt, fields):
+    runner, startup = tiny_engine(tiny_ckpt, **fields).runner, Startup()
+    runner._chain_tune(startup)
+    assert fake_tune == [] and "chain tuning" not in startup.phases
