@@ -2,9 +2,8 @@
 
 `kernels.autotune.pick` times each candidate config of a key alone (`triton.testing.do_bench`: a launch at a
 time, the L2 flushed before each) at whatever row count reaches the key first. Two fresh tunings of one commit
-picked differently, and the 15 fused passes of a frame took 3.162 and 3.450 ms at one row with their picks; on
-one H200 the engine's decode step took 5.58 / 7.32 ms at 1 / 16 rows with `pick`'s table and 5.39 / 6.92 ms with
-the table this tunes from it (perf/results/RESULTS.md, twenty-fourth and twenty-fifth sessions).
+picked differently, and the 15 fused passes of a frame took 3.162 and 3.450 ms at one row with their picks
+(perf/results/RESULTS.md, twenty-fourth session; what this tuning gains: EngineConfig.chain_tune).
 
 This tunes on the objective itself: the device time of the 15 fused passes of a frame captured in one CUDA graph
 (weights streamed as in the step: 160 MB a pass at the released size, past the L2), summed over a few batch

@@ -156,10 +156,11 @@ class EngineConfig:
     chain_tune           tune the fused code predictor's launch configs on the device time of its 15 passes in one
                          CUDA graph at 1 and 16 rows (`chain_tune_batches`; engine/chain_tuning.py), not one launch
                          at a time, before the decode graphs are captured; once per tuning table: it leaves a mark
-                         in the table, so an engine that loads it (`tune_cache`) times nothing again (about a
-                         minute on the H200 otherwise). CUDA with the fused code predictor and graphs only. On
-                         the H200 (1.7B, bf16) the step took 5.39 / 6.92 ms at 1 / 16 rows against 5.58 / 7.32
-                         with the launch-at-a-time table, one machine (perf/results/RESULTS.md)
+                         in the table, so an engine that loads it (`tune_cache`) times nothing again (46 s on the
+                         H200 otherwise). CUDA with the fused code predictor and graphs only. On the H200 (1.7B,
+                         bf16, one machine) the step took 5.32 / 6.86 ms at 1 / 16 rows against 5.61 / 7.31 off;
+                         served 1 and 16 streams: 4.5-5.7 % more audio-s/s, first audio no later at p90 / p99, in
+                         two interleaved rounds (perf/results/RESULTS.md)
     tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
                          `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
                          sources): an engine takes what it holds and writes back what it tuned, so an engine
