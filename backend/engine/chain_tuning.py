@@ -147,16 +147,18 @@ class ChainResult:
     candidates: int
 
 
-def mark_key(batches: Sequence[int]) -> tuple:
-    """The table entry that says the code predictor's keys were chain-tuned at `batches` (a tuning table that
-    holds it, loaded, is not tuned again)."""
-    return ("cp_chain_tuned", tuple(sorted(batches)))
+def mark_key(fused, batches: Sequence[int]) -> tuple:
+    """The table entry that says the keys of `fused`'s code predictor (its shapes and dtype: another model size
+    has other keys) were chain-tuned at `batches`; a tuning table that holds it, loaded, is not tuned again."""
+    cfg, head = fused.cp.model.cfg, fused.cp.lm_head[0].weight
+    shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, head.shape[0], fused.cp.num_groups)
+    return "cp_chain_tuned", shape, head.dtype, tuple(sorted(batches))
 
 
 def tune(fused, batches: Sequence[int], rounds: int = 1, margin: float = 0.01, iters: int = 10,
          progress: Progress = lambda line: None) -> ChainResult:
     """Chain-tune `fused` (a FusedCodePredictor on CUDA) at `batches` and leave the result in the process's
-    tuning table (`kernels.autotune`), with `mark_key(batches)`. Outside any graph capture; its graphs are
+    tuning table (`kernels.autotune`), with `mark_key(fused, batches)`. Outside any graph capture; its graphs are
     freed before it returns."""
     chain = Chain(fused, batches, iters)
     earlier = autotune.seen_candidates()  # keys other launches asked for (an engine's prefill: the talker's)
@@ -167,10 +169,10 @@ def tune(fused, batches: Sequence[int], rounds: int = 1, margin: float = 0.01, i
     cost = lambda t: sum(chain.times(t).values())  # noqa: E731
     tuned, changes = descend(keys, {k: table[k] for k in keys}, cost, rounds, margin, progress)
     after = chain.times(tuned)
-    autotune.set_tuned(mark_key(batches), {b: round(ms, 4) for b, ms in after.items()})
+    autotune.set_tuned(mark_key(fused, batches), {b: round(ms, 4) for b, ms in after.items()})
     return ChainResult(before, after, changes, len(keys), sum(len(c) for c in keys.values()))
 
 
-def needs_tuning(batches: Sequence[int]) -> bool:
-    """Whether the process's tuning table lacks the mark of a chain tuning at `batches`."""
-    return mark_key(batches) not in autotune.tuned_configs()
+def needs_tuning(fused, batches: Sequence[int]) -> bool:
+    """Whether the process's tuning table lacks the mark of `fused`'s chain tuning at `batches`."""
+    return mark_key(fused, batches) not in autotune.tuned_configs()

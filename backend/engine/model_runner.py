@@ -175,7 +175,7 @@ class ModelRunner:
         (engine/chain_tuning.py), unless the tuning table (`tune_cache`) says that was done; the decode graphs
         captured next take the result."""
         batches, fused = self.config.chain_tune_batches, self.talker.code_predictor.fused
-        if not batches or fused is None or not chain_tuning.needs_tuning(batches):
+        if not batches or fused is None or not chain_tuning.needs_tuning(fused, batches):
             return
         with startup.phase("chain tuning"), torch.no_grad():
             chain_tuning.tune(fused, batches)

@@ -4,6 +4,8 @@ once per tuning table, only with the fused code predictor, at the batches the co
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -70,7 +72,7 @@ def fake_tune(monkeypatch):
 
     def tune(fused, batches):
         calls.append((fused, batches))
-        autotune.set_tuned(mark_key(batches), {b: 1.0 for b in batches})
+        autotune.set_tuned(mark_key(fused, batches), {b: 1.0 for b in batches})
 
     monkeypatch.setattr(chain_tuning, "tune", tune)
     return calls
@@ -105,3 +107,20 @@ def test_no_chain_tuning_when_off_or_without_the_fused_code_predictor(fake_tune,
     runner, startup = tiny_engine(tiny_ckpt, **fields).runner, Startup()
     runner._chain_tune(startup)
     assert fake_tune == [] and "chain tuning" not in startup.phases
+
+
+def fake_fused(hidden: int, dtype=torch.bfloat16):
+    """What mark_key reads of a FusedCodePredictor: its code predictor's sizes and head weight."""
+    cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=3 * hidden, num_layers=5)
+    head = torch.empty(2048, hidden, dtype=dtype)
+    return SimpleNamespace(cp=SimpleNamespace(model=SimpleNamespace(cfg=cfg), lm_head=[SimpleNamespace(weight=head)],
+                                              num_groups=16))
+
+
+def test_the_mark_holds_for_one_model_shape_and_dtype_only(monkeypatch):
+    monkeypatch.setattr(autotune, "_BEST", {})
+    autotune.set_tuned(mark_key(fake_fused(1024), (1, 16)), {1: 2.9, 16: 3.8})
+    assert not chain_tuning.needs_tuning(fake_fused(1024), (16, 1))
+    for other, batches in ((fake_fused(2048), (1, 16)), (fake_fused(1024, torch.float16), (1, 16)),
+                           (fake_fused(1024), (1, 8))):
+        assert chain_tuning.needs_tuning(other, batches)
