@@ -27,7 +27,7 @@ from report import append_csv, emit
 import torch
 
 from q3tts.core import SamplingParams, UnknownSequence, VoiceSpec
-from q3tts.engine.config import CHAIN_TUNES, EngineConfig
+from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 
 TEXT = "Hello world, this is a benchmark of the streaming speech engine running many voices at once."
@@ -201,8 +201,8 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.programmatic_launch,
                    help="EngineConfig.programmatic_launch (the fused kernels start while the one before runs)")
-    p.add_argument("--chain-tune", choices=CHAIN_TUNES, default=EngineConfig.chain_tune,
-                   help="EngineConfig.chain_tune (launch configs tuned on the graph time of the work they run in)")
+    p.add_argument("--chain-tune", action=argparse.BooleanOptionalAction, default=EngineConfig.chain_tune,
+                   help="EngineConfig.chain_tune (the code predictor's configs tuned on its passes' graph time)")
 
 
 def bench_tune_cache() -> str | None:

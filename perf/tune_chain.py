@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     loaded = autotune.load_tuned(args.start, device) if args.start else 0
     cp = FusedCodePredictor(random_code_predictor(args.scale, torch.bfloat16, "cuda"))
-    res = chain_tuning.tune(chain_tuning.passes_chain(cp, args.batches, args.iters),
-                            chain_tuning.passes_mark(cp, args.batches), args.rounds, args.margin,
+    res = chain_tuning.tune(cp, args.batches, args.rounds, args.margin, args.iters,
                             lambda line: print(line, flush=True))
     autotune.save_tuned(args.out, device)
     lines = [f"# Chain tuning of the fused code predictor ({args.scale}, bf16, {torch.cuda.get_device_name()})",

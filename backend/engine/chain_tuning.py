@@ -1,22 +1,19 @@
-"""Tune kernels' launch configs on the chain of launches they run in, not one launch at a time.
+"""Tune the fused code predictor's launch configs on the chain they run in, not one launch at a time.
 
 `kernels.autotune.pick` times each candidate config of a key alone (`triton.testing.do_bench`: a launch at a
 time, the L2 flushed before each) at whatever row count reaches the key first. Two fresh tunings of one commit
 picked differently, and the 15 fused passes of a frame took 3.162 and 3.450 ms at one row with their picks
 (perf/results/RESULTS.md, twenty-fourth session; what this tuning gains: EngineConfig.chain_tune).
 
-This tunes on the objective itself: the device time of the work the launches run in, captured in one CUDA graph
-(`Chain`), summed over a few batch sizes: the 15 fused code-predictor passes of a frame (`passes_chain`: weights
-streamed as in the step, 160 MB a pass at the released size, past the L2), or the engine's whole decode step.
-Coordinate descent over the keys that work asks for first (each fused GEMM's weight shape and row class, the
-attention launches, the draws, the codec's convolutions): for each key, every candidate in turn with the other
-keys held; a candidate replaces the incumbent only when the chain is faster by more than a margin; rounds until
-one changes nothing.
+This tunes on the objective itself: the device time of the 15 fused passes of a frame captured in one CUDA graph
+(weights streamed as in the step: 160 MB a pass at the released size, past the L2), summed over a few batch
+sizes. Coordinate descent over the keys the passes use (each fused GEMM's weight shape and row class, the
+attention launch, the draw): for each key, every candidate in turn with the other keys held; a candidate
+replaces the incumbent only when the chain is faster by more than a margin; rounds until one changes nothing.
 
 The engine runs it once per tuning table (`EngineConfig.chain_tune`, before its decode graphs are captured):
-the table then holds a mark (`passes_mark`, `step_mark`) and an engine that loads it (`EngineConfig.tune_cache`)
-times nothing again. perf/tune_chain.py runs the passes' tuning on random weights and prints what changed.
-CUDA only.
+the table then holds a mark (`mark_key`) and an engine that loads it (`EngineConfig.tune_cache`) times
+nothing again. perf/tune_chain.py runs it on random weights and prints what changed. CUDA only.
 """
 
 from __future__ import annotations
@@ -30,8 +27,6 @@ import torch
 from q3tts.core import SamplingParams
 from q3tts.kernels import autotune
 from q3tts.models.sampling import SamplingTensors, SubtalkerSampler, uniforms
-
-from .timing import START_LOG, Startup
 
 Progress = Callable[[str], None]
 
@@ -113,42 +108,32 @@ class FrameInputs:
 
 
 class Chain:
-    """Work run at each of `batches` rows, each captured in one CUDA graph and timed with a table of launch
-    configs: `run(b)` launches it for b rows, `prepare(b)` (outside the graph) sets its inputs up."""
+    """A FusedCodePredictor's 15 passes at each of `batches`, each captured in one CUDA graph as the step runs
+    them, timed with a given table of launch configs."""
 
-    def __init__(self, run: Callable[[int], object], batches: Sequence[int], iters: int,
-                 prepare: Callable[[int], None] = lambda b: None):
-        self.run, self.prepare, self.iters = run, prepare, iters
-        self.batches = sorted(batches, reverse=True)  # largest first: lazily sized workspaces grow once
+    def __init__(self, fused, batches: Sequence[int], iters: int):
+        self.fused, self.iters = fused, iters
+        self.inputs = {b: FrameInputs(fused.cp, b, greedy=False) for b in sorted(batches, reverse=True)}
 
     def warm_up(self) -> None:
-        """Each batch once inside `kernels.tuning()` (as the engine's graph warm-up): every key the work uses gets
-        `pick`'s choice, or keeps a loaded table's."""
-        with torch.no_grad():
-            for b in self.batches:
-                self.prepare(b)
-                with autotune.tuning():
-                    self.run(b)
+        """Each batch's passes once inside `kernels.tuning()` (as the engine's graph warm-up), largest first
+        (the workspace is sized once): every key they use gets `pick`'s choice, or keeps a loaded table's."""
+        with torch.no_grad(), autotune.tuning():
+            for inp in self.inputs.values():
+                inp.run(self.fused.generate)
         torch.cuda.synchronize()
 
     def times(self, table: dict[tuple, Any]) -> dict[int, float]:
-        """ms of one replay of each batch's captured work, with `table`'s configs (they stay set)."""
+        """ms of one replay of each batch's captured passes, with `table`'s configs (they stay set)."""
         for key, config in table.items():
             autotune.set_tuned(key, config)
         out = {}
         with torch.no_grad():
-            for b in self.batches:
-                self.prepare(b)
-                graph = capture_graph(lambda b=b: self.run(b))
+            for b, inp in self.inputs.items():
+                graph = capture_graph(lambda inp=inp: inp.run(self.fused.generate))
                 out[b] = replay_ms(graph.replay, self.iters)
                 del graph
         return out
-
-
-def passes_chain(fused, batches: Sequence[int], iters: int = 10) -> Chain:
-    """A FusedCodePredictor's 15 passes of a frame at each of `batches` rows, on random inputs."""
-    inputs = {b: FrameInputs(fused.cp, b, greedy=False) for b in batches}
-    return Chain(lambda b: inputs[b].run(fused.generate), batches, iters)
 
 
 @dataclass
@@ -161,14 +146,8 @@ class ChainResult:
     keys: int
     candidates: int
 
-    def summary(self, what: str) -> str:
-        """One line: `what` was tuned over how many keys, its ms per batch before -> after, each change."""
-        ms = ", ".join(f"B={b} {self.before[b]:.3f} -> {self.after[b]:.3f} ms" for b in sorted(self.before))
-        return (f"{what}: {self.keys} keys, {self.candidates} candidates; {ms}; "
-                f"{'; '.join(self.changes) or 'no change'}")
 
-
-def passes_mark(fused, batches: Sequence[int]) -> tuple:
+def mark_key(fused, batches: Sequence[int]) -> tuple:
     """The table entry that says the keys of `fused`'s code predictor (its shapes and dtype: another model size
     has other keys) were chain-tuned at `batches`; a tuning table that holds it, loaded, is not tuned again."""
     cfg, head = fused.cp.model.cfg, fused.cp.lm_head[0].weight
@@ -176,20 +155,13 @@ def passes_mark(fused, batches: Sequence[int]) -> tuple:
     return "cp_chain_tuned", shape, head.dtype, tuple(sorted(batches))
 
 
-def step_mark(talker, batches: Sequence[int]) -> tuple:
-    """The table entry that says the keys first asked for by `talker`'s decode step (its talker's, its sampling's,
-    the codec's in the step) were chain-tuned on the whole step at `batches`."""
-    cfg, head = talker.cfg.layers, talker.codec_head.weight
-    shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, head.shape[0])
-    return "step_chain_tuned", shape, head.dtype, tuple(sorted(batches))
-
-
-def tune(chain: Chain, mark: tuple, rounds: int = 1, margin: float = 0.01,
+def tune(fused, batches: Sequence[int], rounds: int = 1, margin: float = 0.01, iters: int = 10,
          progress: Progress = lambda line: None) -> ChainResult:
-    """Chain-tune the keys `chain`'s work asks for first (keys seen before, by other work, are left as they are)
-    and leave the result in the process's tuning table (`kernels.autotune`), with `mark`. CUDA, outside any
-    graph capture; its graphs are freed before it returns."""
-    earlier = autotune.seen_candidates()
+    """Chain-tune `fused` (a FusedCodePredictor on CUDA) at `batches` and leave the result in the process's
+    tuning table (`kernels.autotune`), with `mark_key(fused, batches)`. Outside any graph capture; its graphs are
+    freed before it returns."""
+    chain = Chain(fused, batches, iters)
+    earlier = autotune.seen_candidates()  # keys other launches asked for (an engine's prefill: the talker's)
     chain.warm_up()
     seen, table = autotune.seen_candidates(), autotune.tuned_configs()
     keys = {k: c for k, c in seen.items() if len(c) > 1 and k in table and k not in earlier}
@@ -197,19 +169,10 @@ def tune(chain: Chain, mark: tuple, rounds: int = 1, margin: float = 0.01,
     cost = lambda t: sum(chain.times(t).values())  # noqa: E731
     tuned, changes = descend(keys, {k: table[k] for k in keys}, cost, rounds, margin, progress)
     after = chain.times(tuned)
-    autotune.set_tuned(mark, {b: round(ms, 4) for b, ms in after.items()})
+    autotune.set_tuned(mark_key(fused, batches), {b: round(ms, 4) for b, ms in after.items()})
     return ChainResult(before, after, changes, len(keys), sum(len(c) for c in keys.values()))
 
 
-def tune_once(startup: Startup, phase: str, mark: tuple, make_chain: Callable[[], Chain]) -> None:
-    """`tune(make_chain(), mark)` unless the process's table holds `mark` already; its time goes to `startup`'s
-    `phase`, its summary to START_LOG."""
-    if needs_tuning(mark):
-        with startup.phase(phase):
-            result = tune(make_chain(), mark)
-        START_LOG.info(result.summary(phase))
-
-
-def needs_tuning(mark: tuple) -> bool:
-    """Whether the process's tuning table lacks `mark` (`passes_mark`, `step_mark`)."""
-    return mark not in autotune.tuned_configs()
+def needs_tuning(fused, batches: Sequence[int]) -> bool:
+    """Whether the process's tuning table lacks the mark of `fused`'s chain tuning at `batches`."""
+    return mark_key(fused, batches) not in autotune.tuned_configs()

@@ -22,8 +22,7 @@ KV_POLICIES = ("reserve", "on_demand")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TEST_HOOKS_ENV = "Q3TTS_TEST_HOOKS"  # =1 allows the test-only fields (fault_injection_seed)
-CHAIN_TUNES = ("off", "code_predictor", "step")  # EngineConfig.chain_tune
-CHAIN_TUNE_ROWS = 16  # the largest batch `chain_tune` times (the GEMMs' first row class)
+CHAIN_TUNE_ROWS = 16  # the largest batch `chain_tune` times (the fused code predictor's first row class)
 
 
 @dataclass(frozen=True)
@@ -154,17 +153,14 @@ class EngineConfig:
                          runs beside t's talker half (about 1.9 ms at 1 and 64 rows on the H200). Same codes
                          and audio either way. Off: served at 64 streams on the H200, first audio no sooner (p50
                          48.5 and 60.9 against 49.6 and 53.3 ms)
-    chain_tune           which kernels' launch configs are chosen again, before the decode graphs are captured, on the
-                         device time of the work they run in, captured in one CUDA graph at 1 and 16 rows
-                         (`chain_tune_batches`; engine/chain_tuning.py), not one launch at a time:
-                         "code_predictor" (default) the fused code predictor's, on its 15 passes; "step" those,
-                         then the keys the rest of the decode step asks for first (the fused talker's, the
-                         sampling's, the codec's where it runs in the step), on the whole step; "off" none. Once
-                         per tuning table: it leaves a mark there, so an engine that loads it (`tune_cache`)
-                         times nothing again (the code predictor's: 46 s on the H200). CUDA with graphs only. On
-                         the H200 (1.7B, bf16, one machine) "code_predictor" made the step 5.32 / 6.86 ms at 1 / 16
-                         rows against 5.61 / 7.31 off; served 1 and 16 streams: 4.5-5.7 % more audio-s/s, first
-                         audio no later at p90 / p99, in two interleaved rounds (perf/results/RESULTS.md)
+    chain_tune           tune the fused code predictor's launch configs on the device time of its 15 passes in one
+                         CUDA graph at 1 and 16 rows (`chain_tune_batches`; engine/chain_tuning.py), not one launch
+                         at a time, before the decode graphs are captured; once per tuning table: it leaves a mark
+                         in the table, so an engine that loads it (`tune_cache`) times nothing again (46 s on the
+                         H200 otherwise). CUDA with the fused code predictor and graphs only. On the H200 (1.7B,
+                         bf16, one machine) the step took 5.32 / 6.86 ms at 1 / 16 rows against 5.61 / 7.31 off;
+                         served 1 and 16 streams: 4.5-5.7 % more audio-s/s, first audio no later at p90 / p99, in
+                         two interleaved rounds (perf/results/RESULTS.md)
     tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
                          `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
                          sources): an engine takes what it holds and writes back what it tuned, so an engine
@@ -208,7 +204,7 @@ class EngineConfig:
     run_ahead: bool = False
     steps_in_flight: int = 2
     launch_at_frames: bool = False
-    chain_tune: str = "code_predictor"
+    chain_tune: bool = True
     tune_cache: str | None = None
     voice_cache_bytes: int = 256 << 20
     fault_injection_seed: int | None = None
@@ -233,7 +229,6 @@ class EngineConfig:
              f"frames_per_text_token must be a finite number > 0, got {self.frames_per_text_token}")
         need(self.min_text_frames >= 1, f"min_text_frames must be >= 1, got {self.min_text_frames}")
         need(self.voice_cache_bytes >= 0, f"voice_cache_bytes must be >= 0, got {self.voice_cache_bytes}")
-        need(self.chain_tune in CHAIN_TUNES, f"chain_tune must be one of {CHAIN_TUNES}, got {self.chain_tune!r}")
         need(self.kv_policy in KV_POLICIES, f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         bs = self.graph_batch_sizes
@@ -252,7 +247,7 @@ class EngineConfig:
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
                  f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
-                     "programmatic_launch", "run_ahead", "launch_at_frames"):
+                     "programmatic_launch", "run_ahead", "launch_at_frames", "chain_tune"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         # the pipelined codec's own settings, refused where the codec runs in the step even on CUDA
         in_step = not self._pipelines_codec("cuda")
@@ -278,17 +273,11 @@ class EngineConfig:
 
     @property
     def chain_tune_batches(self) -> tuple[int, ...]:
-        """The batch sizes `chain_tune` times the decode step at: one row, and the largest bucket up to 16 (the
-        GEMMs' row class 16 covers 2-16 rows; above, the row classes keep their launch-at-a-time picks).
-        Empty: off."""
-        return tuple(sorted({1, min(CHAIN_TUNE_ROWS, self.max_graph_batch)})) if self.chain_tune != "off" else ()
-
-    @property
-    def code_predictor_chain_batches(self) -> tuple[int, ...]:
-        """Those the fused code predictor's passes are chain-tuned at, capped by the batches it serves
-        (`fused_code_predictor_batch`). Empty: none."""
-        top = self.fused_code_predictor_batch
-        return tuple(sorted({min(b, top) for b in self.chain_tune_batches})) if top else ()
+        """The batch sizes `chain_tune` times the fused code predictor at: one row, and the largest batch it serves
+        up to 16 (its row class 16 covers 2-16 rows; above, the row classes keep their launch-at-a-time picks).
+        Empty: no chain tuning."""
+        top = min(CHAIN_TUNE_ROWS, self.fused_code_predictor_batch, self.max_graph_batch)
+        return tuple(sorted({1, top})) if self.chain_tune and top else ()
 
     def pipelines_codec(self, device: torch.device) -> bool:
         """Whether the codec runs one step behind (`codec_pipeline`) on `device`."""

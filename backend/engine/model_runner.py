@@ -171,18 +171,14 @@ class ModelRunner:
                 self.audio.capture(self.buckets)
 
     def _chain_tune(self, startup: Startup) -> None:
-        """`EngineConfig.chain_tune`: choose launch configs again on captured chains (engine/chain_tuning.py): the
-        fused code predictor's on its passes, then ("step") the rest of the decode step's on the step, each
-        unless the tuning table (`tune_cache`) holds its mark; the decode graphs captured next take them."""
-        cfg, fused = self.config, self.talker.code_predictor.fused
-        cp_batches, step_batches = cfg.code_predictor_chain_batches, cfg.chain_tune_batches
-        if fused is not None and cp_batches:
-            chain_tuning.tune_once(startup, "chain tuning", chain_tuning.passes_mark(fused, cp_batches),
-                                   lambda: chain_tuning.passes_chain(fused, cp_batches))
-        if cfg.chain_tune == "step":
-            chain_tuning.tune_once(startup, "step chain tuning", chain_tuning.step_mark(self.talker, step_batches),
-                                   lambda: chain_tuning.Chain(self.decode_rows, step_batches, iters=10,
-                                                              prepare=lambda b: self._fill_padding(0, b)))
+        """`EngineConfig.chain_tune`: tune the fused code predictor's launch configs on its captured passes
+        (engine/chain_tuning.py), unless the tuning table (`tune_cache`) says that was done; the decode graphs
+        captured next take the result."""
+        batches, fused = self.config.chain_tune_batches, self.talker.code_predictor.fused
+        if not batches or fused is None or not chain_tuning.needs_tuning(fused, batches):
+            return
+        with startup.phase("chain tuning"), torch.no_grad():
+            chain_tuning.tune(fused, batches)
 
     def packed_prefill(self) -> PrefillGraphs:
         """The token-bucketed prefill over this runner's talker, KV and slots, for up to max_slots

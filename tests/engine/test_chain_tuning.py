@@ -1,18 +1,16 @@
-"""engine/chain_tuning.py: the coordinate descent on a made-up cost (the GPU chains it times have no CPU form), the
-candidates `kernels.autotune.pick` remembers for it, and what an engine chain-tunes (EngineConfig.chain_tune):
-each chain once per tuning table (its mark names the model's shapes), the code predictor's passes only where they
-are fused, at the batches the config names."""
+"""engine/chain_tuning.py: the coordinate descent on a made-up cost (the GPU chain it times has no CPU form), the
+candidates `kernels.autotune.pick` remembers for it, and when an engine chain-tunes (EngineConfig.chain_tune):
+once per tuning table, only with the fused code predictor, at the batches the config names."""
 
 from __future__ import annotations
 
-import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from q3tts.engine import Engine, EngineConfig, chain_tuning
-from q3tts.engine.chain_tuning import ChainResult, descend, passes_mark, step_mark
+from q3tts.engine.chain_tuning import descend, mark_key
 from q3tts.engine.timing import Startup
 from q3tts.kernels import autotune
 
@@ -53,32 +51,28 @@ def test_pick_remembers_the_candidates_of_every_key_it_is_asked_for(monkeypatch)
     assert autotune.pick(("k1",), ["x", "z"], launched.append, CPU) == "z"
 
 
-@pytest.mark.parametrize("fields, step, passes", [
-    ({}, (1, 16), (1, 16)), ({"fused_code_predictor": 4}, (1, 16), (1, 4)), ({"fused_code_predictor": 1}, (1, 16), (1,)),
-    ({"fused_code_predictor": 64}, (1, 16), (1, 16)), ({"fused_code_predictor": 0}, (1, 16), ()),
-    ({"max_slots": 2}, (1, 2), (1, 2)), ({"chain_tune": "off"}, (), ())])
-def test_the_batches_an_engine_chain_tunes_at(fields, step, passes):
-    cfg = EngineConfig(**fields)
-    assert cfg.chain_tune_batches == step and cfg.code_predictor_chain_batches == passes
+@pytest.mark.parametrize("fields, batches", [({}, (1, 16)), ({"fused_code_predictor": 4}, (1, 4)),
+                                             ({"fused_code_predictor": 1}, (1,)), ({"fused_code_predictor": 64}, (1, 16)),
+                                             ({"fused_code_predictor": 0}, ()), ({"chain_tune": False}, ())])
+def test_the_batches_an_engine_chain_tunes_at(fields, batches):
+    assert EngineConfig(**fields).chain_tune_batches == batches
 
 
-@pytest.mark.parametrize("bad", ["yes", True, "talker"])
-def test_chain_tune_must_name_what_it_tunes(bad):
-    with pytest.raises(ValueError, match=f"chain_tune must be one of .*'off', 'code_predictor', 'step'.*got {bad!r}"):
-        EngineConfig(chain_tune=bad)
+def test_chain_tune_must_be_a_bool():
+    with pytest.raises(ValueError, match="chain_tune must be true or false, got 'yes'"):
+        EngineConfig(chain_tune="yes")
 
 
 @pytest.fixture
 def fake_tune(monkeypatch):
-    """chain_tuning.tune replaced by a recorder of (chain, mark) that leaves the mark as the real one does; the
-    process's table emptied for the test."""
+    """chain_tuning.tune replaced by a recorder that leaves the mark as the real one does; the process's table
+    emptied for the test."""
     monkeypatch.setattr(autotune, "_BEST", {})
     calls = []
 
-    def tune(chain, mark):
-        calls.append((chain, mark))
-        autotune.set_tuned(mark, {b: 1.0 for b in mark[-1]})
-        return ChainResult({1: 2.0}, {1: 1.0}, ["a change"], 1, 2)
+    def tune(fused, batches):
+        calls.append((fused, batches))
+        autotune.set_tuned(mark_key(fused, batches), {b: 1.0 for b in batches})
 
     monkeypatch.setattr(chain_tuning, "tune", tune)
     return calls
@@ -88,17 +82,13 @@ def tiny_engine(ckpt, **fields) -> Engine:
     return Engine(ckpt, EngineConfig(device="cpu", dtype="float32", max_slots=2, num_pages=64, **fields))
 
 
-def test_an_engine_chain_tunes_once_per_table(fake_tune, tiny_ckpt, tmp_path, caplog):
+def test_an_engine_chain_tunes_once_per_table(fake_tune, tiny_ckpt, tmp_path):
     pytest.importorskip("triton")  # the fused code predictor needs it
     runner, startup = tiny_engine(tiny_ckpt).runner, Startup()
     fused = runner.talker.code_predictor.fused
     assert fused is not None
-    with caplog.at_level(logging.INFO, logger="q3tts.engine.start"):
-        runner._chain_tune(startup)
-    assert "chain tuning: 1 keys, 2 candidates; B=1 2.000 -> 1.000 ms; a change" in caplog.text
-    mark = passes_mark(fused, (1, 2))  # max_slots 2: the bucket 2
-    assert [m for _, m in fake_tune] == [mark] and fake_tune[0][0].batches == [2, 1]
-    assert "chain tuning" in startup.phases and "step chain tuning" not in startup.phases  # the default
+    runner._chain_tune(startup)
+    assert fake_tune == [(fused, (1, 2))] and "chain tuning" in startup.phases  # max_slots 2: the bucket 2
     runner._chain_tune(startup)
     assert len(fake_tune) == 1  # the table holds the mark
     path = tmp_path / "tuning.pkl"
@@ -112,28 +102,11 @@ def test_an_engine_chain_tunes_once_per_table(fake_tune, tiny_ckpt, tmp_path, ca
     assert len(fake_tune) == 2  # a table that was saved with it: not again
 
 
-def test_step_mode_tunes_the_passes_then_the_step_each_once(fake_tune, tiny_ckpt):
-    pytest.importorskip("triton")
-    runner, startup = tiny_engine(tiny_ckpt, chain_tune="step").runner, Startup()
-    runner._chain_tune(startup)
-    marks = [passes_mark(runner.talker.code_predictor.fused, (1, 2)), step_mark(runner.talker, (1, 2))]
-    assert [m for _, m in fake_tune] == marks and fake_tune[1][0].run == runner.decode_rows
-    assert {"chain tuning", "step chain tuning"} <= set(startup.phases)
-    runner._chain_tune(startup)
-    assert len(fake_tune) == 2
-
-
-def test_without_the_fused_code_predictor_step_mode_tunes_the_step_alone(fake_tune, tiny_ckpt):
-    runner = tiny_engine(tiny_ckpt, chain_tune="step", fused_code_predictor=0).runner
-    runner._chain_tune(Startup())
-    assert [m for _, m in fake_tune] == [step_mark(runner.talker, (1, 2))]
-
-
-@pytest.mark.parametrize("fields", [{"chain_tune": "off"}, {"fused_code_predictor": 0}])
-def test_no_chain_tuning_when_off_or_with_nothing_to_tune(fake_tune, tiny_ckpt, fields):
+@pytest.mark.parametrize("fields", [{"chain_tune": False}, {"fused_code_predictor": 0}])
+def test_no_chain_tuning_when_off_or_without_the_fused_code_predictor(fake_tune, tiny_ckpt, fields):
     runner, startup = tiny_engine(tiny_ckpt, **fields).runner, Startup()
     runner._chain_tune(startup)
-    assert fake_tune == [] and not {"chain tuning", "step chain tuning"} & set(startup.phases)
+    assert fake_tune == [] and "chain tuning" not in startup.phases
 
 
 def fake_fused(hidden: int, dtype=torch.bfloat16):
@@ -146,8 +119,8 @@ def fake_fused(hidden: int, dtype=torch.bfloat16):
 
 def test_the_mark_holds_for_one_model_shape_and_dtype_only(monkeypatch):
     monkeypatch.setattr(autotune, "_BEST", {})
-    autotune.set_tuned(passes_mark(fake_fused(1024), (1, 16)), {1: 2.9, 16: 3.8})
-    assert not chain_tuning.needs_tuning(passes_mark(fake_fused(1024), (16, 1)))
+    autotune.set_tuned(mark_key(fake_fused(1024), (1, 16)), {1: 2.9, 16: 3.8})
+    assert not chain_tuning.needs_tuning(fake_fused(1024), (16, 1))
     for other, batches in ((fake_fused(2048), (1, 16)), (fake_fused(1024, torch.float16), (1, 16)),
                            (fake_fused(1024), (1, 8))):
-        assert chain_tuning.needs_tuning(passes_mark(other, batches))
+        assert chain_tuning.needs_tuning(other, batches)
