@@ -146,6 +146,11 @@ class ChainResult:
     keys: int
     candidates: int
 
+    def summary(self) -> str:
+        """One line: how many keys were tuned, the chain's ms per batch before -> after, each change."""
+        ms = ", ".join(f"B={b} {self.before[b]:.3f} -> {self.after[b]:.3f} ms" for b in sorted(self.before))
+        return f"{self.keys} keys, {self.candidates} candidates; {ms}; {'; '.join(self.changes) or 'no change'}"
+
 
 def mark_key(fused, batches: Sequence[int]) -> tuple:
     """The table entry that says the keys of `fused`'s code predictor (its shapes and dtype: another model size

@@ -52,7 +52,7 @@ from .config import EngineConfig
 from .cuda_graph import SIDES, DecodeMeta, DecodeRow, GraphBuffers, GraphRunner, WhileWaiting
 from .prefill_graph import PrefillGraphs, token_buckets
 from .slots import SlotState
-from .timing import Startup
+from .timing import START_LOG, Startup
 
 
 @dataclass
@@ -178,7 +178,8 @@ class ModelRunner:
         if not batches or fused is None or not chain_tuning.needs_tuning(fused, batches):
             return
         with startup.phase("chain tuning"), torch.no_grad():
-            chain_tuning.tune(fused, batches)
+            result = chain_tuning.tune(fused, batches)
+        START_LOG.info("chain tuning of the code predictor: %s", result.summary())
 
     def packed_prefill(self) -> PrefillGraphs:
         """The token-bucketed prefill over this runner's talker, KV and slots, for up to max_slots

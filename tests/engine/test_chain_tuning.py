@@ -4,13 +4,14 @@ once per tuning table, only with the fused code predictor, at the batches the co
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from q3tts.engine import Engine, EngineConfig, chain_tuning
-from q3tts.engine.chain_tuning import descend, mark_key
+from q3tts.engine.chain_tuning import ChainResult, descend, mark_key
 from q3tts.engine.timing import Startup
 from q3tts.kernels import autotune
 
@@ -73,6 +74,7 @@ def fake_tune(monkeypatch):
     def tune(fused, batches):
         calls.append((fused, batches))
         autotune.set_tuned(mark_key(fused, batches), {b: 1.0 for b in batches})
+        return ChainResult({1: 2.0, 2: 3.0}, {1: 1.0, 2: 2.5}, ["round 1: a change"], 1, 2)
 
     monkeypatch.setattr(chain_tuning, "tune", tune)
     return calls
@@ -82,12 +84,15 @@ def tiny_engine(ckpt, **fields) -> Engine:
     return Engine(ckpt, EngineConfig(device="cpu", dtype="float32", max_slots=2, num_pages=64, **fields))
 
 
-def test_an_engine_chain_tunes_once_per_table(fake_tune, tiny_ckpt, tmp_path):
+def test_an_engine_chain_tunes_once_per_table(fake_tune, tiny_ckpt, tmp_path, caplog):
     pytest.importorskip("triton")  # the fused code predictor needs it
     runner, startup = tiny_engine(tiny_ckpt).runner, Startup()
     fused = runner.talker.code_predictor.fused
     assert fused is not None
-    runner._chain_tune(startup)
+    with caplog.at_level(logging.INFO, logger="q3tts.engine.start"):
+        runner._chain_tune(startup)
+    assert ("chain tuning of the code predictor: 1 keys, 2 candidates; B=1 2.000 -> 1.000 ms, "
+            "B=2 3.000 -> 2.500 ms; round 1: a change") in caplog.text
     assert fake_tune == [(fused, (1, 2))] and "chain tuning" in startup.phases  # max_slots 2: the bucket 2
     runner._chain_tune(startup)
     assert len(fake_tune) == 1  # the table holds the mark
