@@ -129,3 +129,27 @@ def test_the_mark_holds_for_one_model_shape_and_dtype_only(monkeypatch):
     for other, batches in ((fake_fused(2048), (1, 16)), (fake_fused(1024, torch.float16), (1, 16)),
                            (fake_fused(1024), (1, 8))):
         assert chain_tuning.needs_tuning(other, batches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_engine_chain_tunes_once_and_its_table_spares_the_next(tiny_ckpt_dir, tmp_path, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+    from bench_engine import graph_vs_eager
+
+    monkeypatch.setattr(autotune, "_BEST", {})  # as a fresh process: nothing tuned, no key asked for yet
+    monkeypatch.setattr(autotune, "_SEEN", {})
+    path = tmp_path / "tuning.pkl"
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", num_pages=256, max_slots=4, max_frames=64,
+                       max_prompt_tokens=256, max_text_tokens=128, graph_batch_sizes=(1, 2, 4), tune_cache=str(path))
+    first = Engine(str(tiny_ckpt_dir), cfg)
+    fused = first.runner.talker.code_predictor.fused
+    assert "chain tuning" in first.startup.phases and not chain_tuning.needs_tuning(fused, (1, 4))
+    assert graph_vs_eager(first, 3)
+    autotune._BEST.clear()
+    second = Engine(str(tiny_ckpt_dir), cfg)
+    assert "chain tuning" not in second.startup.phases and second.startup.cached_configs > 0
+    assert graph_vs_eager(second, 3)
