@@ -1,13 +1,16 @@
-"""Chain-tune the code predictor's launch configs on random weights and print what changed
-(q3tts/engine/chain_tuning.py: coordinate descent on the device time of the 15 fused passes of a frame in one
-CUDA graph, summed over --batches; the engine runs the same tuning once per tuning table, EngineConfig.chain_tune).
+"""Chain-tune launch configs on random weights and print what changed (q3tts/engine/chain_tuning.py: coordinate
+descent on the device time of a chain of launches captured in one CUDA graph, summed over --batches).
 
-H200: python3 perf/tune_chain.py --batches 1 16 --out /tmp/chain.pkl [--start table.pkl]
+H200: python3 perf/tune_chain.py [--part code_predictor|talker] --batches 1 16 --out /tmp/chain.pkl
+                                 [--start table.pkl] [--context 300]
+    code_predictor (default): the 15 fused passes of a frame, as the engine does once per tuning table
+    (EngineConfig.chain_tune); the table gets the engine's chain-tuned mark, so an engine that loads it does
+    not chain-tune again. talker: the fused talker's decode forward (28 layers, every row at --context keys;
+    models/talker_fused.py), which the engine does not chain-tune: its keys then hold what this chose.
     --start: begin from a saved table (an engine's), else from `pick`'s own choices made in the warm-up.
     Prints each key tried, each change and the chain's time per batch before and after; writes
     $OUT/tune_chain.md when OUT is set. The table goes to --out in the engine's format (`save_tuned`:
-    EngineConfig.tune_cache, $Q3TTS_TUNE_CACHE), with the chain-tuned mark, so an engine that loads it does
-    not chain-tune again.
+    EngineConfig.tune_cache, $Q3TTS_TUNE_CACHE): Q3TTS_TUNE_CACHE=/tmp/chain.pkl perf/bench_engine.py runs with it.
 CUDA only (the CPU times nothing); tests/engine/test_chain_tuning.py checks the descent on a made-up cost.
 """
 
@@ -28,9 +31,21 @@ from q3tts.kernels import autotune  # noqa: E402
 from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402
 
 
+def talker_chain(args) -> chain_tuning.Chain:
+    """The fused talker's decode forward at each of --batches rows (bench_talker's random stack and inputs)."""
+    from bench_talker import Step, random_stack
+    from q3tts.models.talker_fused import FusedTalker
+
+    stack = random_stack(args.scale, None, torch.bfloat16, "cuda")
+    fused, steps = FusedTalker(stack), {b: Step(stack, b, args.context) for b in args.batches}
+    return chain_tuning.Chain(lambda b: steps[b].run(fused.forward), args.batches, args.iters)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=("code_predictor", "talker"), default="code_predictor")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--context", type=int, default=300, help="talker: keys each row attends over")
     p.add_argument("--scale", choices=("full", "tiny"), default="full")
     p.add_argument("--start", help="a saved tuning table to start from (else pick's choices in the warm-up)")
     p.add_argument("--out", required=True, help="where the tuned table is written (save_tuned)")
@@ -43,15 +58,20 @@ def main(argv: list[str] | None = None) -> int:
         p.error("tune_chain times CUDA graphs: it needs a GPU")
     device = torch.device("cuda")
     loaded = autotune.load_tuned(args.start, device) if args.start else 0
-    cp = FusedCodePredictor(random_code_predictor(args.scale, torch.bfloat16, "cuda"))
-    res = chain_tuning.tune(cp, args.batches, args.rounds, args.margin, args.iters,
-                            lambda line: print(line, flush=True))
+    progress = lambda line: print(line, flush=True)  # noqa: E731
+    if args.part == "talker":
+        res = chain_tuning.tune_on(talker_chain(args), args.rounds, args.margin, progress)
+    else:
+        cp = FusedCodePredictor(random_code_predictor(args.scale, torch.bfloat16, "cuda"))
+        res = chain_tuning.tune(cp, args.batches, args.rounds, args.margin, args.iters, progress)
     autotune.save_tuned(args.out, device)
-    lines = [f"# Chain tuning of the fused code predictor ({args.scale}, bf16, {torch.cuda.get_device_name()})",
+    what = ("the fused talker's decode forward, context " + str(args.context) if args.part == "talker"
+            else "the fused code predictor's 15 passes")
+    lines = [f"# Chain tuning of {what} ({args.scale}, bf16, {torch.cuda.get_device_name()})",
              "", f"{res.keys} keys, {res.candidates} candidates; start: "
              f"{f'{loaded} configs from {args.start}' if loaded else 'pick in the warm-up'}; "
-             f"table written to {args.out}", "", "| batch | 15 passes before (ms) | after (ms) |",
-             "|---:|---:|---:|", *(f"| {b} | {res.before[b]:.3f} | {res.after[b]:.3f} |" for b in args.batches),
+             f"table written to {args.out}", "", "| batch | chain before (ms) | after (ms) |",
+             "|---:|---:|---:|", *(f"| {b} | {res.before[b]:.3f} | {res.after[b]:.3f} |" for b in sorted(args.batches)),
              "", "Changes:", "", *(f"- {c}" for c in res.changes or ["none"]), ""]
     emit("\n".join(lines), "tune_chain.md")
     return 0

@@ -108,32 +108,38 @@ class FrameInputs:
 
 
 class Chain:
-    """A FusedCodePredictor's 15 passes at each of `batches`, each captured in one CUDA graph as the step runs
-    them, timed with a given table of launch configs."""
+    """Work run at each of `batches` rows (`run(b)`), each captured in one CUDA graph and timed with a given table
+    of launch configs."""
 
-    def __init__(self, fused, batches: Sequence[int], iters: int):
-        self.fused, self.iters = fused, iters
-        self.inputs = {b: FrameInputs(fused.cp, b, greedy=False) for b in sorted(batches, reverse=True)}
+    def __init__(self, run: Callable[[int], object], batches: Sequence[int], iters: int):
+        self.run, self.iters = run, iters
+        self.batches = sorted(batches, reverse=True)  # largest first: lazily sized workspaces grow once
 
     def warm_up(self) -> None:
-        """Each batch's passes once inside `kernels.tuning()` (as the engine's graph warm-up), largest first
-        (the workspace is sized once): every key they use gets `pick`'s choice, or keeps a loaded table's."""
+        """Each batch once inside `kernels.tuning()` (as the engine's graph warm-up): every key the work uses gets
+        `pick`'s choice, or keeps a loaded table's."""
         with torch.no_grad(), autotune.tuning():
-            for inp in self.inputs.values():
-                inp.run(self.fused.generate)
+            for b in self.batches:
+                self.run(b)
         torch.cuda.synchronize()
 
     def times(self, table: dict[tuple, Any]) -> dict[int, float]:
-        """ms of one replay of each batch's captured passes, with `table`'s configs (they stay set)."""
+        """ms of one replay of each batch's captured work, with `table`'s configs (they stay set)."""
         for key, config in table.items():
             autotune.set_tuned(key, config)
         out = {}
         with torch.no_grad():
-            for b, inp in self.inputs.items():
-                graph = capture_graph(lambda inp=inp: inp.run(self.fused.generate))
+            for b in self.batches:
+                graph = capture_graph(lambda b=b: self.run(b))
                 out[b] = replay_ms(graph.replay, self.iters)
                 del graph
         return out
+
+
+def passes_chain(fused, batches: Sequence[int], iters: int) -> Chain:
+    """A FusedCodePredictor's 15 passes of a frame at each of `batches` rows, on random inputs."""
+    inputs = {b: FrameInputs(fused.cp, b, greedy=False) for b in batches}
+    return Chain(lambda b: inputs[b].run(fused.generate), batches, iters)
 
 
 @dataclass
@@ -160,13 +166,12 @@ def mark_key(fused, batches: Sequence[int]) -> tuple:
     return "cp_chain_tuned", shape, head.dtype, tuple(sorted(batches))
 
 
-def tune(fused, batches: Sequence[int], rounds: int = 1, margin: float = 0.01, iters: int = 10,
-         progress: Progress = lambda line: None) -> ChainResult:
-    """Chain-tune `fused` (a FusedCodePredictor on CUDA) at `batches` and leave the result in the process's
-    tuning table (`kernels.autotune`), with `mark_key(fused, batches)`. Outside any graph capture; its graphs are
-    freed before it returns."""
-    chain = Chain(fused, batches, iters)
-    earlier = autotune.seen_candidates()  # keys other launches asked for (an engine's prefill: the talker's)
+def tune_on(chain: Chain, rounds: int = 1, margin: float = 0.01,
+            progress: Progress = lambda line: None) -> ChainResult:
+    """Chain-tune the keys `chain`'s work asks for first and leave the result in the process's tuning table
+    (`kernels.autotune`); keys other launches asked for earlier (an engine's prefill: the talker's) are left as
+    they are. CUDA, outside any graph capture; its graphs are freed before it returns."""
+    earlier = autotune.seen_candidates()
     chain.warm_up()
     seen, table = autotune.seen_candidates(), autotune.tuned_configs()
     keys = {k: c for k, c in seen.items() if len(c) > 1 and k in table and k not in earlier}
@@ -174,8 +179,16 @@ def tune(fused, batches: Sequence[int], rounds: int = 1, margin: float = 0.01, i
     cost = lambda t: sum(chain.times(t).values())  # noqa: E731
     tuned, changes = descend(keys, {k: table[k] for k in keys}, cost, rounds, margin, progress)
     after = chain.times(tuned)
-    autotune.set_tuned(mark_key(fused, batches), {b: round(ms, 4) for b, ms in after.items()})
     return ChainResult(before, after, changes, len(keys), sum(len(c) for c in keys.values()))
+
+
+def tune(fused, batches: Sequence[int], rounds: int = 1, margin: float = 0.01, iters: int = 10,
+         progress: Progress = lambda line: None) -> ChainResult:
+    """`tune_on` the 15 passes of `fused` (a FusedCodePredictor on CUDA) at `batches`, then mark the table
+    (`mark_key(fused, batches)`)."""
+    result = tune_on(passes_chain(fused, batches, iters), rounds, margin, progress)
+    autotune.set_tuned(mark_key(fused, batches), {b: round(ms, 4) for b, ms in result.after.items()})
+    return result
 
 
 def needs_tuning(fused, batches: Sequence[int]) -> bool:

@@ -52,8 +52,35 @@ def test_pick_remembers_the_candidates_of_every_key_it_is_asked_for(monkeypatch)
     assert autotune.pick(("k1",), ["x", "z"], launched.append, CPU) == "z"
 
 
+class FakeChain:
+    """A chain whose warm-up asks for three keys as `pick` would (one with a single candidate) and whose time
+    depends on the configs of two: "new" is faster at "y", "old" would be faster at "q"."""
+
+    def warm_up(self):
+        for key, cands in ((("new",), ("x", "y")), (("single",), ("s",)), (("old",), ("p", "q"))):
+            autotune._SEEN.setdefault(key, cands)
+            autotune._BEST.setdefault(key, cands[0])
+
+    def times(self, table):
+        for key, config in table.items():
+            autotune.set_tuned(key, config)
+        best = autotune.tuned_configs()
+        ms = 2.0 - (best[("new",)] == "y") - 0.5 * (best[("old",)] == "q")
+        return {1: ms, 16: 2 * ms}
+
+
+def test_tune_on_descends_over_the_keys_the_chain_asks_for_first(monkeypatch):
+    monkeypatch.setattr(autotune, "_BEST", {("old",): "p"})
+    monkeypatch.setattr(autotune, "_SEEN", {("old",): ("p", "q")})  # asked for by other work before
+    result = chain_tuning.tune_on(FakeChain())
+    assert autotune.tuned_configs() == {("old",): "p", ("new",): "y", ("single",): "s"}
+    assert (result.keys, result.candidates) == (1, 2) and result.before == {1: 2.0, 16: 4.0}
+    assert result.after == {1: 1.0, 16: 2.0} and result.changes == ["round 1: ('new',): x -> y (6.0000 -> 3.0000)"]
+
+
 @pytest.mark.parametrize("fields, batches", [({}, (1, 16)), ({"fused_code_predictor": 4}, (1, 4)),
-                                             ({"fused_code_predictor": 1}, (1,)), ({"fused_code_predictor": 64}, (1, 16)),
+                                             ({"fused_code_predictor": 1}, (1,)),
+                                             ({"fused_code_predictor": 64}, (1, 16)),
                                              ({"fused_code_predictor": 0}, ()), ({"chain_tune": False}, ())])
 def test_the_batches_an_engine_chain_tunes_at(fields, batches):
     assert EngineConfig(**fields).chain_tune_batches == batches
