@@ -41,7 +41,7 @@ if not torch.cuda.is_available():  # before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import bench_tune_cache  # noqa: E402
+from bench_engine import add_tune_cache_argument, tuning_table  # noqa: E402
 from profile_step import Timer, capture  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -51,7 +51,7 @@ from q3tts.config import TalkerConfig  # noqa: E402
 from q3tts import kernels  # noqa: E402
 from q3tts.engine.chain_tuning import FrameInputs  # noqa: E402
 from q3tts.kernels import code_predictor as cpk  # noqa: E402
-from q3tts.kernels.autotune import load_tuned, save_tuned, tuned_configs  # noqa: E402
+from q3tts.kernels.autotune import tuned_configs  # noqa: E402
 from q3tts.models.code_predictor import CodePredictor  # noqa: E402
 from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402
 
@@ -236,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="kernels.set_batch_invariant(True): one GEMM config per weight shape")
     p.add_argument("--programmatic-launch", action="store_true",
                    help="kernels.set_programmatic_launch(True): the fused kernels launch with PDL")
-    p.add_argument("--tune-cache", default=bench_tune_cache(),
-                   help="tuning table to start from and save to (default $Q3TTS_TUNE_CACHE; '': none)")
+    add_tune_cache_argument(p)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     fused_kernels_on(device)
@@ -245,17 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     kernels.set_programmatic_launch(args.programmatic_launch)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cp = random_code_predictor(args.scale, dtype, args.device)
-    loaded = load_tuned(args.tune_cache, device) if args.tune_cache else 0
+    with tuning_table(args.tune_cache, device) as loaded:
+        lines = [line for bsz in args.batches for line in bench_batch(cp, bsz, args)]
     head = [f"# code predictor: fused kernels vs eager passes ({args.scale}, {dtype}, "
             f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
             f"{'greedy' if args.greedy else 'topk'} sampling"
             f"{', batch-invariant' if args.batch_invariant else ''}"
             f"{', programmatic launch' if args.programmatic_launch else ''})", ""]
-    lines = head + [line for bsz in args.batches for line in bench_batch(cp, bsz, args)]
     source = f"{loaded} configs from {args.tune_cache}" if loaded else "none from a table"
-    lines += ["### tuned GEMM configs", "", f"({source})", "", *gemm_config_table(), ""]
-    if args.tune_cache:
-        save_tuned(args.tune_cache, device)
+    lines = head + lines + ["### tuned GEMM configs", "", f"({source})", "", *gemm_config_table(), ""]
     emit("\n".join(lines), "code_predictor_bench.md")
     return 0
 

@@ -212,6 +212,23 @@ def bench_tune_cache() -> str | None:
     return os.environ.get("Q3TTS_TUNE_CACHE") or None
 
 
+def add_tune_cache_argument(p: argparse.ArgumentParser) -> None:
+    """--tune-cache of the kernel benches (not engines): the table they start from and save to."""
+    p.add_argument("--tune-cache", default=bench_tune_cache(),
+                   help="tuning table to start from and save to (default $Q3TTS_TUNE_CACHE; '': none)")
+
+
+@contextlib.contextmanager
+def tuning_table(path: str | None, device: torch.device):
+    """Load the tuning table at `path` (none: '' or None) for the block -> how many configs it gave; save the
+    table back to it afterwards (with what the block tuned)."""
+    from q3tts.kernels.autotune import load_tuned, save_tuned
+
+    yield load_tuned(path, device) if path else 0
+    if path:
+        save_tuned(path, device)
+
+
 def build_engine(args, frames: int) -> Engine:
     """The benchmarked engine: slots for the largest batch, every power-of-two bucket up to it,
     sequences of `frames` frames; sets `args.dtype` to the dtype it chose."""

@@ -15,7 +15,9 @@ H200: python3 perf/bench_talker.py   [--batches 1 16 64 256] [--context 300] [--
     HBM line: a 1 GiB device-to-device copy (bytes read + written / time).
     Warm-ups run inside kernels.tuning() (bench_code_predictor.tuned_capture): batches of 17+ rows
     take the GEMM configs tuned for their row class (listed at the end); --batch-invariant runs
-    with kernels.set_batch_invariant(True) to measure its cost.
+    with kernels.set_batch_invariant(True) to measure its cost. The configs start from the tuning table
+    --tune-cache (default $Q3TTS_TUNE_CACHE: an engine's, or perf/tune_chain.py --part talker's) and what this
+    run tunes is saved back to it.
     Writes $OUT/talker_bench.md when OUT is set.
 CPU check: python3 perf/bench_talker.py --scale tiny --device cpu --batches 2 --iters 1
     (the kernels through the Triton interpreter: correctness only, no timing).
@@ -38,6 +40,7 @@ if not torch.cuda.is_available():  # before triton is imported
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_code_predictor import (TEXT_IDS, capture_with_outputs, fused_kernels_on,  # noqa: E402
                                   gemm_config_table, kernels_launched, tuned_capture)
+from bench_engine import add_tune_cache_argument, tuning_table  # noqa: E402
 from profile_step import Timer, capture  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -188,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--batch-invariant", action="store_true",
                    help="kernels.set_batch_invariant(True): one GEMM config per weight shape")
+    add_tune_cache_argument(p)
     args = p.parse_args(argv)
     fused_kernels_on(torch.device(args.device))
     kernels.set_batch_invariant(args.batch_invariant)
@@ -198,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     head = [f"# talker decode: fused kernels vs eager ({args.scale}, {stack.cfg.num_layers} layers,"
             f" {dtype}, {torch.cuda.get_device_name() if cuda else 'cpu'}"
             f"{', batch-invariant' if args.batch_invariant else ''})", ""]
-    lines = head + [line for bsz in args.batches for line in bench_batch(stack, bsz, args, hbm)]
-    lines += ["### tuned GEMM configs", "", *gemm_config_table(), ""]
+    with tuning_table(args.tune_cache, torch.device(args.device)) as loaded:
+        lines = head + [line for bsz in args.batches for line in bench_batch(stack, bsz, args, hbm)]
+    source = f"{loaded} configs from {args.tune_cache}" if loaded else "none from a table"
+    lines += ["### tuned GEMM configs", "", f"({source})", "", *gemm_config_table(), ""]
     emit("\n".join(lines), "talker_bench.md")
     return 0
 

@@ -1,0 +1,39 @@
+"""perf/bench_engine.py `tuning_table`, the kernel benches' --tune-cache: the block runs with the saved table's
+configs, and the table is written back with what the block tuned; no path, no file."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from q3tts.kernels import autotune
+from q3tts.kernels.code_predictor_gemm import GemmConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+from bench_engine import tuning_table  # noqa: E402
+
+CPU = torch.device("cpu")
+SAVED, TUNED = ("bench_test", 1), ("bench_test", 2)  # keys no kernel looks up
+
+
+def test_the_block_runs_on_the_saved_table_and_writes_back_what_it_tuned(tmp_path, monkeypatch):
+    monkeypatch.setattr(autotune, "_BEST", {SAVED: GemmConfig(32, 128, 2, 4, 4, 16)})
+    path = tmp_path / "tuning.pkl"
+    autotune.save_tuned(path, CPU)
+    autotune._BEST.clear()
+    with tuning_table(str(path), CPU) as loaded:
+        assert loaded == 1 and autotune.tuned_configs() == {SAVED: GemmConfig(32, 128, 2, 4, 4, 16)}
+        autotune.set_tuned(TUNED, "cudnn")
+    autotune._BEST.clear()
+    assert autotune.load_tuned(path, CPU) == 2 and autotune.tuned_configs()[TUNED] == "cudnn"
+
+
+def test_no_path_no_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(autotune, "_BEST", {})
+    monkeypatch.chdir(tmp_path)
+    for path in ("", None):
+        with tuning_table(path, CPU) as loaded:
+            assert loaded == 0
+    assert list(tmp_path.iterdir()) == []
