@@ -37,17 +37,18 @@ def _not_finite(x):
 def _kth_largest(x, valid, k):
     """The k-th largest of x [BLOCK_V] where valid (duplicates counted; 1 <= k <= count).
 
-    Keys map fp32 order onto int64 order (negatives: bits inverted); the largest key T with
-    #(key >= T) >= k is found bit by bit from the top, and is the key of the k-th largest value."""
-    bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    key = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits + 0x80000000)
-    key = tl.where(valid, key, -1)
-    prefix = tl.zeros([], tl.int64)
+    Keys map fp32 order onto uint32 order (negatives: bits inverted, others: the sign bit set); the largest
+    key T with #(key >= T) >= k is found bit by bit from the top, and is the key of the k-th largest value.
+    Invalid lanes take key 0, which no candidate T (>= 1) counts."""
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where(bits >= 0x80000000, ~bits, bits | 0x80000000)
+    key = tl.where(valid, key, 0)
+    prefix = tl.zeros([], tl.uint32)
     for bit in tl.static_range(31, -1, -1):
-        cand = prefix + (1 << bit)
+        cand = prefix | (1 << bit)
         prefix = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= k, cand, prefix)
-    bits = tl.where(prefix >= 0x80000000, prefix - 0x80000000, 0xFFFFFFFF - prefix)
-    return bits.to(tl.int32).to(tl.float32, bitcast=True)
+    bits = tl.where(prefix >= 0x80000000, prefix & 0x7FFFFFFF, ~prefix)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -136,7 +137,9 @@ def warp_candidates(block_v: int, topk: bool) -> list[int]:
     """The warps a draw's program may run with, the heuristic first (the CPU's; the GPU times them once per
     vocabulary and mode, never per batch). One program is one row's chain of reductions (TOPK: 32 select
     steps and a few more), each across the program's warps, with 2+ warps through shared memory and a
-    barrier: fewer warps hold more of the row each. TOPK leaves out 1 warp: it spills on sm_90 from a
-    2048-wide row (72 bytes a thread; 2 warps: 209 registers, none spilled)."""
+    barrier: fewer warps hold more of the row each, and one warp reduces by shuffles alone. TOPK offers 1 warp
+    only up to a 2048-wide row: on sm_90 it holds that row in 231 registers, none spilled, and spills from a
+    4096-wide one (96 bytes a thread)."""
     first = 8 if block_v >= 4096 else 4
-    return [first] + [w for w in ((2, 8) if topk else (1, 2, 8)) if w != first]
+    one = (1,) if not topk or block_v <= 2048 else ()
+    return [first] + [w for w in (*one, 2, 8) if w != first]
