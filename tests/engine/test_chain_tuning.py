@@ -180,3 +180,38 @@ def test_a_cuda_engine_chain_tunes_once_and_its_table_spares_the_next(tiny_ckpt_
     second = Engine(str(tiny_ckpt_dir), cfg)
     assert "chain tuning" not in second.startup.phases and second.startup.cached_configs > 0
     assert graph_vs_eager(second, 3)
+
+
+def test_tune_runs_the_passes_largest_batch_first_and_marks_the_table(tiny_ckpt, monkeypatch):
+    """`tune`'s plumbing on the CPU, each CUDA graph replaced by a plain call and its timing by a count of the
+    rows it ran, the fused passes by the eager ones (the kernels' own tests run them through the interpreter):
+    the chain's inputs run a frame at every batch, largest first, and the mark holds the times measured."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(autotune, "_BEST", {})
+    runs = []
+
+    def capture(fn):
+        return SimpleNamespace(replay=fn)
+
+    def replay_ms(replay, iters):
+        before = len(runs)
+        replay()
+        return float(sum(runs[before:]))
+
+    monkeypatch.setattr(chain_tuning, "capture_graph", capture)
+    monkeypatch.setattr(chain_tuning, "replay_ms", replay_ms)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    fused = tiny_engine(tiny_ckpt, chain_tune=False).runner.talker.code_predictor.fused
+    generate = fused.cp.generate  # on the CPU: the eager passes
+
+    def counted(past_hidden, c0, sampler):
+        runs.append(c0.shape[0])
+        codes, nxt = generate(past_hidden, c0, sampler)
+        assert codes.shape == (c0.shape[0], 15) and nxt.shape == past_hidden.shape
+        return codes, nxt
+
+    monkeypatch.setattr(fused, "generate", counted)
+    result = chain_tuning.tune(fused, (1, 2))
+    assert runs == [2, 1, 2, 1, 2, 1]  # warm-up, the times before, the times after
+    assert result.before == result.after == {2: 2.0, 1: 1.0} and result.changes == []
+    assert autotune.tuned_configs()[mark_key(fused, (1, 2))] == {2: 2.0, 1: 1.0}
