@@ -157,7 +157,8 @@ class EngineConfig:
                          CUDA graph at 1 and 16 rows (`chain_tune_batches`; engine/chain_tuning.py), not one launch
                          at a time, before the decode graphs are captured; once per tuning table: it leaves a mark
                          in the table, so an engine that loads it (`tune_cache`) times nothing again (46 s on the
-                         H200 otherwise). CUDA with the fused code predictor and graphs only. On the H200 (1.7B,
+                         H200 otherwise). CUDA with graphs and fused code-predictor passes that serve the step
+                         (not under `fp32_residual` or Q3TTS_KERNELS=torch) only. On the H200 (1.7B,
                          bf16, one machine) the step took 5.32 / 6.86 ms at 1 / 16 rows against 5.61 / 7.31 off;
                          served 1 and 16 streams: 4.5-5.7 % more audio-s/s, first audio no later at p90 / p99, in
                          two interleaved rounds (perf/results/RESULTS.md)

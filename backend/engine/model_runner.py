@@ -172,10 +172,12 @@ class ModelRunner:
 
     def _chain_tune(self, startup: Startup) -> None:
         """`EngineConfig.chain_tune`: tune the fused code predictor's launch configs on its captured passes
-        (engine/chain_tuning.py), unless the tuning table (`tune_cache`) says that was done; the decode graphs
-        captured next take the result."""
+        (engine/chain_tuning.py), where they serve the step (not under `fp32_residual`, nor with the kernels
+        off), unless the tuning table (`tune_cache`) says that was done; the decode graphs captured next take
+        the result."""
         batches, fused = self.config.chain_tune_batches, self.talker.code_predictor.fused
-        if not batches or fused is None or not chain_tuning.needs_tuning(fused, batches):
+        if (not batches or fused is None or not fused.serves(self.pad_row)
+                or not chain_tuning.needs_tuning(fused, batches)):
             return
         with startup.phase("chain tuning"), torch.no_grad():
             result = chain_tuning.tune(fused, batches)

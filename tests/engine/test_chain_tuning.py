@@ -94,8 +94,10 @@ def test_chain_tune_must_be_a_bool():
 @pytest.fixture
 def fake_tune(monkeypatch):
     """chain_tuning.tune replaced by a recorder that leaves the mark as the real one does; the process's table
-    emptied for the test."""
+    emptied for the test; the fused kernels serving the CPU (through the interpreter), as they serve CUDA."""
     monkeypatch.setattr(autotune, "_BEST", {})
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls = []
 
     def tune(fused, batches):
@@ -134,8 +136,9 @@ def test_an_engine_chain_tunes_once_per_table(fake_tune, tiny_ckpt, tmp_path, ca
     assert len(fake_tune) == 2  # a table that was saved with it: not again
 
 
-@pytest.mark.parametrize("fields", [{"chain_tune": False}, {"fused_code_predictor": 0}])
+@pytest.mark.parametrize("fields", [{"chain_tune": False}, {"fused_code_predictor": 0}, {"fp32_residual": True}])
 def test_no_chain_tuning_when_off_or_without_the_fused_code_predictor(fake_tune, tiny_ckpt, fields):
+    """Off; no fused passes; or fused passes that do not serve the step (an fp32 residual stream)."""
     runner, startup = tiny_engine(tiny_ckpt, **fields).runner, Startup()
     runner._chain_tune(startup)
     assert fake_tune == [] and "chain tuning" not in startup.phases
@@ -147,6 +150,13 @@ def fake_fused(hidden: int, dtype=torch.bfloat16):
     head = torch.empty(2048, hidden, dtype=dtype)
     return SimpleNamespace(cp=SimpleNamespace(model=SimpleNamespace(cfg=cfg), lm_head=[SimpleNamespace(weight=head)],
                                               num_groups=16))
+
+
+def test_no_chain_tuning_where_the_kernels_are_off(fake_tune, tiny_ckpt, monkeypatch):
+    monkeypatch.setenv("Q3TTS_KERNELS", "torch")
+    runner = tiny_engine(tiny_ckpt).runner
+    runner._chain_tune(Startup())
+    assert fake_tune == []
 
 
 def test_the_mark_holds_for_one_model_shape_and_dtype_only(monkeypatch):
