@@ -100,10 +100,13 @@ def capture_with_outputs(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph
 
 
 def gemm_config_table() -> list[str]:
-    """The skinny GEMMs' tuned launch configs, one row per (kernel, weight shape, row class)."""
+    """The skinny GEMMs' tuned launch configs, one row per (kernel, weight shape, row class); the table's other
+    entries (other kernels' choices, the chain-tuned mark) are passed over."""
     lines = ["| GEMM | N | K | row class | BLOCK_M | BLOCK_N | BLOCK_K | split | warps | stages |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, c in sorted(tuned_configs().items(), key=str):
+        if not isinstance(c, cpk.GemmConfig):
+            continue
         if key[0] == "cp_qkv_attention":  # (name, weight shape, kv heads, dtype): one config
             name, (n, k), rows = key[0], key[1], "all"
         elif key[0].startswith(("cp_", "linear/")):

@@ -57,3 +57,13 @@ def test_importing_the_bench_switches_no_cpu_engine_to_the_interpreter():
     out = subprocess.run([sys.executable, "-c", code, str(PERF)], env=env, capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "None"
+
+
+def test_the_config_table_lists_gemms_and_passes_over_the_chain_tuning_mark(monkeypatch):
+    """An engine's table holds the chain-tuned mark (engine/chain_tuning.py `mark_key`: a "cp_..." key whose value
+    is not a launch config); the report lists the GEMMs' configs and passes over it."""
+    gemm = ("cp_test/plain", 7, 9, torch.float32, 16)
+    mark = ("cp_chain_tuned", (1024, 3072, 5, 2048, 16), torch.bfloat16, (1, 16))
+    monkeypatch.setattr(autotune, "_BEST", {gemm: GemmConfig(32, 128, 2, 4, 4, 16), mark: {1: 2.9, 16: 3.8}})
+    rows = bench_code_predictor.gemm_config_table()[2:]
+    assert rows == ["| cp_test/plain | 7 | 9 | 16 | 16 | 32 | 128 | 2 | 4 | 4 |"]
