@@ -118,6 +118,13 @@ def gemm_config_table() -> list[str]:
     return lines
 
 
+def config_report(loaded: int, path: str | None) -> list[str]:
+    """A kernel bench's last section: where its configs came from (`tuning_table`'s count of the table at
+    `path`) and `gemm_config_table`."""
+    source = f"{loaded} configs from {path}" if loaded else "none from a table"
+    return ["### tuned GEMM configs", "", f"({source})", "", *gemm_config_table(), ""]
+
+
 def kernels_launched(fn: Callable[[], object]) -> int:
     """CUDA kernels one eager call of fn launches (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -254,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'greedy' if args.greedy else 'topk'} sampling"
             f"{', batch-invariant' if args.batch_invariant else ''}"
             f"{', programmatic launch' if args.programmatic_launch else ''})", ""]
-    source = f"{loaded} configs from {args.tune_cache}" if loaded else "none from a table"
-    lines = head + lines + ["### tuned GEMM configs", "", f"({source})", "", *gemm_config_table(), ""]
+    lines = head + lines + config_report(loaded, args.tune_cache)
     emit("\n".join(lines), "code_predictor_bench.md")
     return 0
 

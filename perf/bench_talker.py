@@ -38,8 +38,8 @@ if not torch.cuda.is_available():  # before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_code_predictor import (TEXT_IDS, capture_with_outputs, fused_kernels_on,  # noqa: E402
-                                  gemm_config_table, kernels_launched, tuned_capture)
+from bench_code_predictor import (TEXT_IDS, capture_with_outputs, config_report,  # noqa: E402
+                                  fused_kernels_on, kernels_launched, tuned_capture)
 from bench_engine import add_tune_cache_argument, tuning_table  # noqa: E402
 from profile_step import Timer, capture  # noqa: E402
 from report import emit  # noqa: E402
@@ -204,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{', batch-invariant' if args.batch_invariant else ''})", ""]
     with tuning_table(args.tune_cache, torch.device(args.device)) as loaded:
         lines = head + [line for bsz in args.batches for line in bench_batch(stack, bsz, args, hbm)]
-    source = f"{loaded} configs from {args.tune_cache}" if loaded else "none from a table"
-    lines += ["### tuned GEMM configs", "", f"({source})", "", *gemm_config_table(), ""]
+    lines += config_report(loaded, args.tune_cache)
     emit("\n".join(lines), "talker_bench.md")
     return 0
 
