@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 _BEST: dict[tuple, Any] = {}
-_SEEN: dict[tuple, tuple] = {}  # every key `pick` was asked for -> its candidates (for perf/tune_chain.py)
+_SEEN: dict[tuple, tuple] = {}  # every key `pick` was asked for -> its candidates (for engine/chain_tuning.py)
 _INVARIANT = [False]
 _TUNED_S = [0.0]  # seconds this process spent timing candidates (compiling them included)
 
@@ -106,7 +106,7 @@ def seen_candidates() -> dict[tuple, tuple]:
 
 
 def set_tuned(key: tuple, config: Any) -> None:
-    """Make `config` the tuned choice for `key` (a tuner that times whole chains: perf/tune_chain.py). Launches
+    """Make `config` the tuned choice for `key` (a tuner that times whole chains: engine/chain_tuning.py). Launches
     already captured in a CUDA graph keep the config they were captured with."""
     _BEST[key] = config
 
