@@ -47,6 +47,7 @@ from report import emit  # noqa: E402
 from q3tts.checkpoint.maker import _init_tensor  # noqa: E402
 from q3tts.checkpoint.presets import model_config_dict  # noqa: E402
 from q3tts.config import TalkerConfig  # noqa: E402
+from q3tts.engine.chain_tuning import DecodeInputs  # noqa: E402
 from q3tts import kernels  # noqa: E402
 from q3tts.kernels import code_predictor as cpk  # noqa: E402
 from q3tts.kernels.talker_attention import decode_attention  # noqa: E402
@@ -74,27 +75,22 @@ def random_stack(scale: str, layers: int | None, dtype: torch.dtype, device: str
     return stack.to(device=device, dtype=dtype).eval().fuse_()
 
 
-class Step:
-    """One decode step's inputs for B rows, each at `context` keys (its own pages)."""
+def random_cache(stack: DecoderStack, pages: int, seed: int = 0) -> PagedKVCache:
+    """A paged KV cache of `pages` pages of PAGE_SIZE for the stack, every K/V drawn at random."""
+    cfg, w = stack.cfg, stack.norm.weight
+    cache = PagedKVCache(cfg.num_layers, pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim, w.dtype, w.device)
+    gen = torch.Generator(w.device).manual_seed(seed)
+    for kv in (cache.k, cache.v):
+        kv.copy_(torch.randn(kv.shape, generator=gen, device=w.device))
+    return cache
 
-    def __init__(self, stack: DecoderStack, bsz: int, context: int, seed: int = 0):
-        cfg, w = stack.cfg, stack.norm.weight
-        pages = -(-context // PAGE_SIZE)
-        gen = torch.Generator(w.device).manual_seed(seed)
-        self.cache = PagedKVCache(cfg.num_layers, bsz * pages, PAGE_SIZE, cfg.num_kv_heads,
-                                  cfg.head_dim, w.dtype, w.device)
-        for kv in (self.cache.k, self.cache.v):
-            kv.copy_(torch.randn(kv.shape, generator=gen, device=w.device))
-        table = torch.arange(bsz * pages).view(bsz, pages)  # [B, pages]
-        pos = torch.full((bsz,), context - 1)
-        slots = table[:, -1] * PAGE_SIZE + pos % PAGE_SIZE
-        self.positions = pos.to(w.device)
-        self.ctx = DecodeContext(self.cache, slots.to(w.device), table.int().to(w.device),
-                                 (pos + 1).int().to(w.device), cfg.head_dim ** -0.5)
-        self.x = torch.randn(bsz, cfg.hidden_size, generator=gen, device=w.device).to(w.dtype)
 
-    def run(self, forward: Callable) -> torch.Tensor:
-        return forward(self.x, self.positions, self.ctx)
+class Step(DecodeInputs):
+    """One decode step's inputs for B rows, each at `context` keys on its own pages of random K/V (`cache`)."""
+
+    def __init__(self, stack: DecoderStack, bsz: int, context: int):
+        self.cache = random_cache(stack, bsz * -(-context // PAGE_SIZE))
+        super().__init__(stack, self.cache, bsz, context)
 
 
 def layer_launches(stack: DecoderStack, step: Step) -> list[tuple[str, int, Callable]]:

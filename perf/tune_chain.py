@@ -3,10 +3,10 @@ descent on the device time of a chain of launches captured in one CUDA graph, su
 
 H200: python3 perf/tune_chain.py [--part code_predictor|talker] --batches 1 16 --out /tmp/chain.pkl
                                  [--start table.pkl] [--context 300]
-    code_predictor (default): the 15 fused passes of a frame, as the engine does once per tuning table
-    (EngineConfig.chain_tune); the table gets the engine's chain-tuned mark, so an engine that loads it does
-    not chain-tune again. talker: the fused talker's decode forward (28 layers, every row at --context keys;
-    models/talker_fused.py), which the engine does not chain-tune: its keys then hold what this chose.
+    code_predictor (default): the 15 fused passes of a frame; talker: the fused talker's decode forward (28
+    layers, every row at --context keys on its own pages; models/talker_fused.py). The engine does each once per
+    tuning table (EngineConfig.chain_tune): the table gets the part's chain-tuned mark (the talker's names
+    --context; the engine's is 300), so an engine that loads it does not chain-tune that part again.
     --start: begin from a saved table (an engine's), else from `pick`'s own choices made in the warm-up.
     Prints each key tried, each change and the chain's time per batch before and after; writes
     $OUT/tune_chain.md when OUT is set. The table goes to --out in the engine's format (`save_tuned`:
@@ -31,14 +31,15 @@ from q3tts.kernels import autotune  # noqa: E402
 from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402
 
 
-def talker_chain(args) -> chain_tuning.Chain:
-    """The fused talker's decode forward at each of --batches rows (bench_talker's random stack and inputs)."""
-    from bench_talker import Step, random_stack
+def talker_part(args) -> chain_tuning.TalkerDecode:
+    """The fused talker's decode forward over bench_talker's random stack, every row at --context keys on its own
+    pages of random K/V."""
+    from bench_talker import PAGE_SIZE, random_cache, random_stack
     from q3tts.models.talker_fused import FusedTalker
 
     stack = random_stack(args.scale, None, torch.bfloat16, "cuda")
-    fused, steps = FusedTalker(stack), {b: Step(stack, b, args.context) for b in args.batches}
-    return chain_tuning.Chain(lambda b: steps[b].run(fused.forward), args.batches, args.iters)
+    cache = random_cache(stack, max(args.batches) * -(-args.context // PAGE_SIZE))
+    return chain_tuning.TalkerDecode(FusedTalker(stack), cache, args.context)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,11 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     loaded = autotune.load_tuned(args.start, device) if args.start else 0
     progress = lambda line: print(line, flush=True)  # noqa: E731
-    if args.part == "talker":
-        res = chain_tuning.tune_on(talker_chain(args), args.rounds, args.margin, progress)
-    else:
-        cp = FusedCodePredictor(random_code_predictor(args.scale, torch.bfloat16, "cuda"))
-        res = chain_tuning.tune(cp, args.batches, args.rounds, args.margin, args.iters, progress)
+    part = (talker_part(args) if args.part == "talker" else
+            chain_tuning.CodePredictorPasses(FusedCodePredictor(random_code_predictor(args.scale, torch.bfloat16,
+                                                                                      "cuda"))))
+    res = chain_tuning.tune(part, args.batches, args.rounds, args.margin, args.iters, progress)
     autotune.save_tuned(args.out, device)
     what = ("the fused talker's decode forward, context " + str(args.context) if args.part == "talker"
             else "the fused code predictor's 15 passes")

@@ -1,31 +1,35 @@
-"""Tune the fused code predictor's launch configs on the chain they run in, not one launch at a time.
+"""Tune fused launch configs on the chain they run in, not one launch at a time.
 
 `kernels.autotune.pick` times each candidate config of a key alone (`triton.testing.do_bench`: a launch at a
 time, the L2 flushed before each) at whatever row count reaches the key first. Two fresh tunings of one commit
 picked differently, and the 15 fused passes of a frame took 3.162 and 3.450 ms at one row with their picks
 (perf/results/RESULTS.md, twenty-fourth session; what this tuning gains: EngineConfig.chain_tune).
 
-This tunes on the objective itself: the device time of the 15 fused passes of a frame captured in one CUDA graph
-(weights streamed as in the step: 160 MB a pass at the released size, past the L2), summed over a few batch
-sizes. Coordinate descent over the keys the passes use (each fused GEMM's weight shape and row class, the
-attention launch, the draw): for each key, every candidate in turn with the other keys held; a candidate
-replaces the incumbent only when the chain is faster by more than a margin; rounds until one changes nothing.
+This tunes on the objective itself: the device time of a part of the decode step captured in one CUDA graph
+(weights streamed as in the step, past the L2), summed over a few batch sizes. Two parts (`Part`):
+`CodePredictorPasses`, the 15 fused passes of a frame (160 MB a pass at the released size), and `TalkerDecode`,
+the fused talker's decode forward (2.8 GB over 28 layers, every row attending over its own pages). Coordinate
+descent over the keys the part's launches ask for (each fused GEMM's weight shape and row class, the attention
+launch, the draw): for each key, every candidate in turn with the other keys held; a candidate replaces the
+incumbent only when the chain is faster by more than a margin; rounds until one changes nothing.
 
-The engine runs it once per tuning table (`EngineConfig.chain_tune`, before its decode graphs are captured):
-the table then holds a mark (`mark_key`) and an engine that loads it (`EngineConfig.tune_cache`) times
-nothing again. perf/tune_chain.py runs it on random weights and prints what changed. CUDA only.
+The engine runs it once per tuning table and part (`EngineConfig.chain_tune`, before its decode graphs are
+captured): the table then holds the part's mark (`Part.mark`) and an engine that loads it
+(`EngineConfig.tune_cache`) times nothing again. perf/tune_chain.py runs it on random weights and prints what
+changed. CUDA only.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from q3tts.core import SamplingParams
 from q3tts.kernels import autotune
+from q3tts.models.attention import DecodeContext, PagedKVCache
 from q3tts.models.sampling import SamplingTensors, SubtalkerSampler, uniforms
 
 Progress = Callable[[str], None]
@@ -107,12 +111,36 @@ class FrameInputs:
         return generate(self.past_hidden, self.c0, self.sampler)
 
 
+class DecodeInputs:
+    """One talker decode step's inputs for `bsz` rows over `cache`: each row at `context` keys on pages of its
+    own (row r: pages r * P .. r * P + P - 1, P = context / page size, wrapping around a cache with fewer pages),
+    writing its new K/V at position context - 1; hidden inputs x [B, H] random, from `seed`. The attention reads
+    what the pages hold (its time does not depend on it)."""
+
+    def __init__(self, stack, cache: PagedKVCache, bsz: int, context: int, seed: int = 0):
+        cfg, w = stack.cfg, stack.norm.weight
+        pages = -(-context // cache.page_size)
+        table = (torch.arange(bsz * pages) % cache.num_pages).view(bsz, pages)  # [B, pages]
+        pos = torch.full((bsz,), context - 1)
+        slots = table[:, -1] * cache.page_size + pos % cache.page_size  # [B]
+        self.positions = pos.to(w.device)
+        self.ctx = DecodeContext(cache, slots.to(w.device), table.int().to(w.device), (pos + 1).int().to(w.device),
+                                 cfg.head_dim ** -0.5)
+        gen = torch.Generator(w.device).manual_seed(seed)
+        self.x = torch.randn(bsz, cfg.hidden_size, generator=gen, device=w.device).to(w.dtype)  # [B, H]
+
+    def run(self, forward: Callable) -> torch.Tensor:
+        """forward(x, positions, ctx): the stack's decode contract (`DecoderStack.forward`) -> hidden [B, H]."""
+        return forward(self.x, self.positions, self.ctx)
+
+
 class Chain:
     """Work run at each of `batches` rows (`run(b)`), each captured in one CUDA graph and timed with a given table
-    of launch configs."""
+    of launch configs; `restore()` undoes what the work wrote where others read (once, when tuning ends)."""
 
-    def __init__(self, run: Callable[[int], object], batches: Sequence[int], iters: int):
-        self.run, self.iters = run, iters
+    def __init__(self, run: Callable[[int], object], batches: Sequence[int], iters: int,
+                 restore: Callable[[], None] = lambda: None):
+        self.run, self.iters, self.restore = run, iters, restore
         self.batches = sorted(batches, reverse=True)  # largest first: lazily sized workspaces grow once
 
     def warm_up(self) -> None:
@@ -136,10 +164,61 @@ class Chain:
         return out
 
 
-def passes_chain(fused, batches: Sequence[int], iters: int) -> Chain:
-    """A FusedCodePredictor's 15 passes of a frame at each of `batches` rows, on random inputs."""
-    inputs = {b: FrameInputs(fused.cp, b, greedy=False) for b in batches}
-    return Chain(lambda b: inputs[b].run(fused.generate), batches, iters)
+class Part(Protocol):
+    """A part of the decode step that chain tuning tunes (the engine's start log names it)."""
+
+    name: str
+
+    def chain(self, batches: Sequence[int], iters: int) -> Chain:
+        """The part's work at each of `batches` rows."""
+
+    def mark(self, batches: Sequence[int]) -> tuple:
+        """The table entry that says the part's keys were chain-tuned at `batches`: it names the part's shapes
+        and dtype (another model size has other keys)."""
+
+
+class CodePredictorPasses:
+    """A FusedCodePredictor's 15 passes of a frame (sampled draws), on random inputs."""
+
+    name = "code predictor"
+
+    def __init__(self, fused):
+        self.fused = fused
+
+    def chain(self, batches: Sequence[int], iters: int) -> Chain:
+        inputs = {b: FrameInputs(self.fused.cp, b, greedy=False) for b in batches}
+        return Chain(lambda b: inputs[b].run(self.fused.generate), batches, iters)
+
+    def mark(self, batches: Sequence[int]) -> tuple:
+        cfg, head = self.fused.cp.model.cfg, self.fused.cp.lm_head[0].weight
+        shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, head.shape[0], self.fused.cp.num_groups)
+        return "cp_chain_tuned", shape, head.dtype, tuple(sorted(batches))
+
+
+class TalkerDecode:
+    """A FusedTalker's decode forward, each row attending over `context` keys on its own pages of `cache`
+    (`DecodeInputs`). The engine passes its own KV cache before any sequence holds a page; the pages written
+    (each row's last) are zeroed when tuning ends, as a fresh cache holds them."""
+
+    name = "talker"
+
+    def __init__(self, fused, cache: PagedKVCache, context: int = 300):
+        self.fused, self.cache, self.context = fused, cache, context
+
+    def chain(self, batches: Sequence[int], iters: int) -> Chain:
+        inputs = {b: DecodeInputs(self.fused.stack, self.cache, b, self.context) for b in batches}
+        written = torch.cat([i.ctx.block_tables[:, -1] for i in inputs.values()]).long()
+
+        def restore():
+            for kv in (self.cache.k, self.cache.v):
+                kv[:, written] = 0
+
+        return Chain(lambda b: inputs[b].run(self.fused.forward), batches, iters, restore)
+
+    def mark(self, batches: Sequence[int]) -> tuple:
+        cfg, w = self.fused.stack.cfg, self.fused.stack.norm.weight
+        shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
+        return "talker_chain_tuned", shape, w.dtype, tuple(sorted(batches)), self.context
 
 
 @dataclass
@@ -158,39 +237,35 @@ class ChainResult:
         return f"{self.keys} keys, {self.candidates} candidates; {ms}; {'; '.join(self.changes) or 'no change'}"
 
 
-def mark_key(fused, batches: Sequence[int]) -> tuple:
-    """The table entry that says the keys of `fused`'s code predictor (its shapes and dtype: another model size
-    has other keys) were chain-tuned at `batches`; a tuning table that holds it, loaded, is not tuned again."""
-    cfg, head = fused.cp.model.cfg, fused.cp.lm_head[0].weight
-    shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, head.shape[0], fused.cp.num_groups)
-    return "cp_chain_tuned", shape, head.dtype, tuple(sorted(batches))
-
-
 def tune_on(chain: Chain, rounds: int = 1, margin: float = 0.01,
             progress: Progress = lambda line: None) -> ChainResult:
     """Chain-tune the keys `chain`'s work asks for first and leave the result in the process's tuning table
-    (`kernels.autotune`); keys other launches asked for earlier (an engine's prefill: the talker's) are left as
-    they are. CUDA, outside any graph capture; its graphs are freed before it returns."""
+    (`kernels.autotune`); keys other launches asked for earlier (an engine's prefill; a part tuned before that
+    shares a weight shape) are left as they are. CUDA, outside any graph capture; its graphs are freed and
+    `chain.restore()` has run when it returns."""
     earlier = autotune.seen_candidates()
-    chain.warm_up()
-    seen, table = autotune.seen_candidates(), autotune.tuned_configs()
-    keys = {k: c for k, c in seen.items() if len(c) > 1 and k in table and k not in earlier}
-    before = chain.times(table)
-    cost = lambda t: sum(chain.times(t).values())  # noqa: E731
-    tuned, changes = descend(keys, {k: table[k] for k in keys}, cost, rounds, margin, progress)
-    after = chain.times(tuned)
+    try:
+        chain.warm_up()
+        seen, table = autotune.seen_candidates(), autotune.tuned_configs()
+        keys = {k: c for k, c in seen.items() if len(c) > 1 and k in table and k not in earlier}
+        before = chain.times(table)
+        cost = lambda t: sum(chain.times(t).values())  # noqa: E731
+        tuned, changes = descend(keys, {k: table[k] for k in keys}, cost, rounds, margin, progress)
+        after = chain.times(tuned)
+    finally:
+        chain.restore()
     return ChainResult(before, after, changes, len(keys), sum(len(c) for c in keys.values()))
 
 
-def tune(fused, batches: Sequence[int], rounds: int = 1, margin: float = 0.01, iters: int = 10,
+def tune(part: Part, batches: Sequence[int], rounds: int = 1, margin: float = 0.01, iters: int = 10,
          progress: Progress = lambda line: None) -> ChainResult:
-    """`tune_on` the 15 passes of `fused` (a FusedCodePredictor on CUDA) at `batches`, then mark the table
-    (`mark_key(fused, batches)`)."""
-    result = tune_on(passes_chain(fused, batches, iters), rounds, margin, progress)
-    autotune.set_tuned(mark_key(fused, batches), {b: round(ms, 4) for b, ms in result.after.items()})
+    """`tune_on` the chain of `part` (its fused kernels on CUDA) at `batches`, then mark the table
+    (`part.mark(batches)`)."""
+    result = tune_on(part.chain(batches, iters), rounds, margin, progress)
+    autotune.set_tuned(part.mark(batches), {b: round(ms, 4) for b, ms in result.after.items()})
     return result
 
 
-def needs_tuning(fused, batches: Sequence[int]) -> bool:
-    """Whether the process's tuning table lacks the mark of `fused`'s chain tuning at `batches`."""
-    return mark_key(fused, batches) not in autotune.tuned_configs()
+def needs_tuning(part: Part, batches: Sequence[int]) -> bool:
+    """Whether the process's tuning table lacks the mark of `part`'s chain tuning at `batches`."""
+    return part.mark(batches) not in autotune.tuned_configs()

@@ -22,7 +22,7 @@ KV_POLICIES = ("reserve", "on_demand")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TEST_HOOKS_ENV = "Q3TTS_TEST_HOOKS"  # =1 allows the test-only fields (fault_injection_seed)
-CHAIN_TUNE_ROWS = 16  # the largest batch `chain_tune` times (the fused code predictor's first row class)
+CHAIN_TUNE_ROWS = 16  # the largest batch `chain_tune` times (the fused GEMMs' first row class)
 
 
 @dataclass(frozen=True)
@@ -153,15 +153,17 @@ class EngineConfig:
                          runs beside t's talker half (about 1.9 ms at 1 and 64 rows on the H200). Same codes
                          and audio either way. Off: served at 64 streams on the H200, first audio no sooner (p50
                          48.5 and 60.9 against 49.6 and 53.3 ms)
-    chain_tune           tune the fused code predictor's launch configs on the device time of its 15 passes in one
-                         CUDA graph at 1 and 16 rows (`chain_tune_batches`; engine/chain_tuning.py), not one launch
-                         at a time, before the decode graphs are captured; once per tuning table: it leaves a mark
-                         in the table, so an engine that loads it (`tune_cache`) times nothing again (46 s on the
-                         H200 otherwise). CUDA with graphs and fused code-predictor passes that serve the step
-                         (not under `fp32_residual` or Q3TTS_KERNELS=torch) only. On the H200 (1.7B,
-                         bf16, one machine) the step took 5.32 / 6.86 ms at 1 / 16 rows against 5.61 / 7.31 off;
-                         served 1 and 16 streams: 4.5-5.7 % more audio-s/s, first audio no later at p90 / p99, in
-                         two interleaved rounds (perf/results/RESULTS.md)
+    chain_tune           tune the launch configs of the fused code predictor (its 15 passes) and of the fused
+                         talker (its decode forward) on their device time in one CUDA graph at 1 and 16 rows
+                         (`chain_tune_batches`; engine/chain_tuning.py), not one launch at a time, before the
+                         decode graphs are captured; once per tuning table and part: it leaves a mark in the
+                         table, so an engine that loads it (`tune_cache`) times nothing again. CUDA with graphs,
+                         for each fused part that serves the step (not under `fp32_residual` or
+                         Q3TTS_KERNELS=torch) only. On the H200 (1.7B, bf16, one machine) the code predictor's
+                         took 46 s and the step 5.32 / 6.86 ms at 1 / 16 rows against 5.61 / 7.31 off (served 1
+                         and 16 streams: 4.5-5.7 % more audio-s/s, first audio no later at p90 / p99, in two
+                         interleaved rounds); the talker's, tuned offline (perf/tune_chain.py --part talker):
+                         step 5.32 / 6.74 -> 5.04 / 6.51 ms (perf/results/RESULTS.md)
     tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
                          `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
                          sources): an engine takes what it holds and writes back what it tuned, so an engine
@@ -272,12 +274,11 @@ class EngineConfig:
         `batch_invariant` (one path whatever the bucket), else `fused_code_predictor`."""
         return max(self.max_graph_batch, self.max_slots) if self.batch_invariant else self.fused_code_predictor
 
-    @property
-    def chain_tune_batches(self) -> tuple[int, ...]:
-        """The batch sizes `chain_tune` times the fused code predictor at: one row, and the largest batch it serves
-        up to 16 (its row class 16 covers 2-16 rows; above, the row classes keep their launch-at-a-time picks).
-        Empty: no chain tuning."""
-        top = min(CHAIN_TUNE_ROWS, self.fused_code_predictor_batch, self.max_graph_batch)
+    def chain_tune_batches(self, fused_batch: int) -> tuple[int, ...]:
+        """The batch sizes `chain_tune` times a fused part at whose largest fused batch is `fused_batch`
+        (`fused_code_predictor_batch`, `fused_talker_batch`): one row, and that batch up to 16 (its GEMMs' row class
+        16 covers 2-16 rows; above, the row classes keep their launch-at-a-time picks). Empty: no chain tuning."""
+        top = min(CHAIN_TUNE_ROWS, fused_batch, self.max_graph_batch)
         return tuple(sorted({1, top})) if self.chain_tune and top else ()
 
     def pipelines_codec(self, device: torch.device) -> bool:

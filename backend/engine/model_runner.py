@@ -171,17 +171,22 @@ class ModelRunner:
                 self.audio.capture(self.buckets)
 
     def _chain_tune(self, startup: Startup) -> None:
-        """`EngineConfig.chain_tune`: tune the fused code predictor's launch configs on its captured passes
-        (engine/chain_tuning.py), where they serve the step (not under `fp32_residual`, nor with the kernels
-        off), unless the tuning table (`tune_cache`) says that was done; the decode graphs captured next take
-        the result."""
-        batches, fused = self.config.chain_tune_batches, self.talker.code_predictor.fused
-        if (not batches or fused is None or not fused.serves(self.pad_row)
-                or not chain_tuning.needs_tuning(fused, batches)):
-            return
-        with startup.phase("chain tuning"), torch.no_grad():
-            result = chain_tuning.tune(fused, batches)
-        START_LOG.info("chain tuning of the code predictor: %s", result.summary())
+        """`EngineConfig.chain_tune`: tune the launch configs of the fused code predictor's passes, then of the
+        fused talker's decode forward (over this runner's KV cache, before any sequence holds a page), each on
+        its captured chain (engine/chain_tuning.py), where it serves the step (not under `fp32_residual`, nor
+        with the kernels off), unless the tuning table (`tune_cache`) says that was done; the decode graphs
+        captured next take the result."""
+        cp, talker, config = self.talker.code_predictor.fused, self.talker.fused, self.config
+        parts = [(chain_tuning.CodePredictorPasses(cp), config.chain_tune_batches(config.fused_code_predictor_batch))
+                 if cp is not None and cp.serves(self.pad_row) else None,
+                 (chain_tuning.TalkerDecode(talker, self.kv), config.chain_tune_batches(config.fused_talker_batch))
+                 if talker is not None and talker.serves(self.pad_row) else None]
+        for part, batches in filter(None, parts):
+            if not batches or not chain_tuning.needs_tuning(part, batches):
+                continue
+            with startup.phase("chain tuning"), torch.no_grad():
+                result = chain_tuning.tune(part, batches)
+            START_LOG.info("chain tuning of the %s: %s", part.name, result.summary())
 
     def packed_prefill(self) -> PrefillGraphs:
         """The token-bucketed prefill over this runner's talker, KV and slots, for up to max_slots

@@ -67,6 +67,11 @@ class Talker(nn.Module):
 
             self._fused = FusedTalker(self.model)
 
+    @property
+    def fused(self) -> FusedTalker | None:
+        """The fused decode forward `use_fused` set up (None: off, or no triton)."""
+        return self._fused
+
     def keep_fp32_residual(self, on: bool) -> None:
         """The residual streams of both stacks (talker, code predictor) in fp32 instead of the model dtype
         (EngineConfig.fp32_residual). The fused decode paths round the stream, so they do not serve it (the

@@ -1,6 +1,7 @@
 """engine/chain_tuning.py: the coordinate descent on a made-up cost (the GPU chain it times has no CPU form), the
 candidates `kernels.autotune.pick` remembers for it, and when an engine chain-tunes (EngineConfig.chain_tune):
-once per tuning table, only with the fused code predictor, at the batches the config names."""
+once per tuning table and part (the fused code predictor, the fused talker), only where the part is fused, at the
+batches the config names; the talker's chain over the engine's KV cache leaves its pages as it found them."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 import torch
 
 from q3tts.engine import Engine, EngineConfig, chain_tuning
-from q3tts.engine.chain_tuning import ChainResult, descend, mark_key
+from q3tts.engine.chain_tuning import ChainResult, CodePredictorPasses, DecodeInputs, TalkerDecode, descend
 from q3tts.engine.timing import Startup
 from q3tts.kernels import autotune
+from q3tts.models.attention import PagedKVCache
 
 CPU = torch.device("cpu")
 # two keys whose best choices interact: b's best is 2 when a is 3, else 1
@@ -68,22 +70,30 @@ class FakeChain:
         ms = 2.0 - (best[("new",)] == "y") - 0.5 * (best[("old",)] == "q")
         return {1: ms, 16: 2 * ms}
 
+    def restore(self):
+        self.restored = True
+
 
 def test_tune_on_descends_over_the_keys_the_chain_asks_for_first(monkeypatch):
     monkeypatch.setattr(autotune, "_BEST", {("old",): "p"})
     monkeypatch.setattr(autotune, "_SEEN", {("old",): ("p", "q")})  # asked for by other work before
-    result = chain_tuning.tune_on(FakeChain())
+    chain = FakeChain()
+    result = chain_tuning.tune_on(chain)
+    assert chain.restored
     assert autotune.tuned_configs() == {("old",): "p", ("new",): "y", ("single",): "s"}
     assert (result.keys, result.candidates) == (1, 2) and result.before == {1: 2.0, 16: 4.0}
     assert result.after == {1: 1.0, 16: 2.0} and result.changes == ["round 1: ('new',): x -> y (6.0000 -> 3.0000)"]
 
 
-@pytest.mark.parametrize("fields, batches", [({}, (1, 16)), ({"fused_code_predictor": 4}, (1, 4)),
-                                             ({"fused_code_predictor": 1}, (1,)),
-                                             ({"fused_code_predictor": 64}, (1, 16)),
-                                             ({"fused_code_predictor": 0}, ()), ({"chain_tune": False}, ())])
-def test_the_batches_an_engine_chain_tunes_at(fields, batches):
-    assert EngineConfig(**fields).chain_tune_batches == batches
+@pytest.mark.parametrize("fields, cp_batches, talker_batches", [
+    ({}, (1, 16), (1, 16)), ({"fused_code_predictor": 4, "fused_talker": 2}, (1, 4), (1, 2)),
+    ({"fused_code_predictor": 1}, (1,), (1, 16)), ({"fused_code_predictor": 64, "fused_talker": 64}, (1, 16), (1, 16)),
+    ({"fused_code_predictor": 0, "fused_talker": 0}, (), ()), ({"chain_tune": False}, (), ()),
+    ({"graph_batch_sizes": (1, 2, 4), "max_slots": 4}, (1, 4), (1, 4))])
+def test_the_batches_an_engine_chain_tunes_at(fields, cp_batches, talker_batches):
+    cfg = EngineConfig(**fields)
+    assert cfg.chain_tune_batches(cfg.fused_code_predictor_batch) == cp_batches
+    assert cfg.chain_tune_batches(cfg.fused_talker_batch) == talker_batches
 
 
 def test_chain_tune_must_be_a_bool():
@@ -100,9 +110,9 @@ def fake_tune(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls = []
 
-    def tune(fused, batches):
-        calls.append((fused, batches))
-        autotune.set_tuned(mark_key(fused, batches), {b: 1.0 for b in batches})
+    def tune(part, batches):
+        calls.append((part, batches))
+        autotune.set_tuned(part.mark(batches), {b: 1.0 for b in batches})
         return ChainResult({1: 2.0, 2: 3.0}, {1: 1.0, 2: 2.5}, ["round 1: a change"], 1, 2)
 
     monkeypatch.setattr(chain_tuning, "tune", tune)
@@ -113,43 +123,65 @@ def tiny_engine(ckpt, **fields) -> Engine:
     return Engine(ckpt, EngineConfig(device="cpu", dtype="float32", max_slots=2, num_pages=64, **fields))
 
 
-def test_an_engine_chain_tunes_once_per_table(fake_tune, tiny_ckpt, tmp_path, caplog):
-    pytest.importorskip("triton")  # the fused code predictor needs it
+def tuned_parts(calls) -> list[tuple[str, tuple]]:
+    """(part name, batches) of each chain tuning the fake `tune` recorded."""
+    return [(part.name, batches) for part, batches in calls]
+
+
+def test_an_engine_chain_tunes_each_part_once_per_table(fake_tune, tiny_ckpt, tmp_path, caplog):
+    pytest.importorskip("triton")  # the fused parts need it
     runner, startup = tiny_engine(tiny_ckpt).runner, Startup()
-    fused = runner.talker.code_predictor.fused
-    assert fused is not None
+    assert runner.talker.code_predictor.fused is not None and runner.talker.fused is not None
     with caplog.at_level(logging.INFO, logger="q3tts.engine.start"):
         runner._chain_tune(startup)
-    assert ("chain tuning of the code predictor: 1 keys, 2 candidates; B=1 2.000 -> 1.000 ms, "
-            "B=2 3.000 -> 2.500 ms; round 1: a change") in caplog.text
-    assert fake_tune == [(fused, (1, 2))] and "chain tuning" in startup.phases  # max_slots 2: the bucket 2
+    for name in ("code predictor", "talker"):
+        assert (f"chain tuning of the {name}: 1 keys, 2 candidates; B=1 2.000 -> 1.000 ms, "
+                "B=2 3.000 -> 2.500 ms; round 1: a change") in caplog.text
+    # max_slots 2: the bucket 2; the talker's chain over the runner's own KV cache
+    assert tuned_parts(fake_tune) == [("code predictor", (1, 2)), ("talker", (1, 2))]
+    assert fake_tune[0][0].fused is runner.talker.code_predictor.fused
+    assert fake_tune[1][0].fused is runner.talker.fused and fake_tune[1][0].cache is runner.kv
+    assert "chain tuning" in startup.phases
     runner._chain_tune(startup)
-    assert len(fake_tune) == 1  # the table holds the mark
+    assert len(fake_tune) == 2  # the table holds both marks
     path = tmp_path / "tuning.pkl"
     autotune.save_tuned(path, CPU)
     autotune._BEST.clear()
     runner._chain_tune(startup)
-    assert len(fake_tune) == 2  # a table without the mark: tuned again
+    assert len(fake_tune) == 4  # a table without the marks: tuned again
     autotune._BEST.clear()
-    assert autotune.load_tuned(path, CPU) == 1
+    assert autotune.load_tuned(path, CPU) == 2
+    del autotune._BEST[fake_tune[1][0].mark((1, 2))]
     runner._chain_tune(startup)
-    assert len(fake_tune) == 2  # a table that was saved with it: not again
+    assert tuned_parts(fake_tune[4:]) == [("talker", (1, 2))]  # a table saved with the code predictor's only
 
 
-@pytest.mark.parametrize("fields", [{"chain_tune": False}, {"fused_code_predictor": 0}, {"fp32_residual": True}])
-def test_no_chain_tuning_when_off_or_without_the_fused_code_predictor(fake_tune, tiny_ckpt, fields):
-    """Off; no fused passes; or fused passes that do not serve the step (an fp32 residual stream)."""
+@pytest.mark.parametrize("fields, parts", [
+    ({"chain_tune": False}, []), ({"fused_code_predictor": 0}, ["talker"]), ({"fused_talker": 0}, ["code predictor"]),
+    ({"fp32_residual": True}, []), ({"batch_invariant": True}, ["code predictor"])])
+def test_no_chain_tuning_of_a_part_off_or_not_fused(fake_tune, tiny_ckpt, fields, parts):
+    """Off; a part not fused; fused parts that do not serve the step (an fp32 residual stream); the eager talker
+    at every bucket (batch_invariant)."""
     runner, startup = tiny_engine(tiny_ckpt, **fields).runner, Startup()
     runner._chain_tune(startup)
-    assert fake_tune == [] and "chain tuning" not in startup.phases
+    assert [name for name, _ in tuned_parts(fake_tune)] == parts
+    assert ("chain tuning" in startup.phases) == bool(parts)
 
 
-def fake_fused(hidden: int, dtype=torch.bfloat16):
-    """What mark_key reads of a FusedCodePredictor: its code predictor's sizes and head weight."""
+def fake_cp(hidden: int, dtype=torch.bfloat16) -> CodePredictorPasses:
+    """What CodePredictorPasses.mark reads of a FusedCodePredictor: its code predictor's sizes and head weight."""
     cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=3 * hidden, num_layers=5)
     head = torch.empty(2048, hidden, dtype=dtype)
-    return SimpleNamespace(cp=SimpleNamespace(model=SimpleNamespace(cfg=cfg), lm_head=[SimpleNamespace(weight=head)],
-                                              num_groups=16))
+    return CodePredictorPasses(SimpleNamespace(cp=SimpleNamespace(
+        model=SimpleNamespace(cfg=cfg), lm_head=[SimpleNamespace(weight=head)], num_groups=16)))
+
+
+def fake_talker(hidden: int, dtype=torch.bfloat16, context: int = 300) -> TalkerDecode:
+    """What TalkerDecode.mark reads of a FusedTalker: its stack's sizes and dtype."""
+    cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=3 * hidden, num_layers=28, num_heads=16,
+                          num_kv_heads=8)
+    stack = SimpleNamespace(cfg=cfg, norm=SimpleNamespace(weight=torch.empty(hidden, dtype=dtype)))
+    return TalkerDecode(SimpleNamespace(stack=stack), None, context)
 
 
 def test_no_chain_tuning_where_the_kernels_are_off(fake_tune, tiny_ckpt, monkeypatch):
@@ -159,12 +191,16 @@ def test_no_chain_tuning_where_the_kernels_are_off(fake_tune, tiny_ckpt, monkeyp
     assert fake_tune == []
 
 
-def test_the_mark_holds_for_one_model_shape_and_dtype_only(monkeypatch):
+@pytest.mark.parametrize("make", [fake_cp, fake_talker])
+def test_the_mark_holds_for_one_part_model_shape_and_dtype_only(make, monkeypatch):
     monkeypatch.setattr(autotune, "_BEST", {})
-    autotune.set_tuned(mark_key(fake_fused(1024), (1, 16)), {1: 2.9, 16: 3.8})
-    assert not chain_tuning.needs_tuning(fake_fused(1024), (16, 1))
-    for other, batches in ((fake_fused(2048), (1, 16)), (fake_fused(1024, torch.float16), (1, 16)),
-                           (fake_fused(1024), (1, 8))):
+    autotune.set_tuned(make(1024).mark((1, 16)), {1: 2.9, 16: 3.8})
+    assert not chain_tuning.needs_tuning(make(1024), (16, 1))
+    others = [(make(2048), (1, 16)), (make(1024, torch.float16), (1, 16)), (make(1024), (1, 8)),
+              ((fake_talker if make is fake_cp else fake_cp)(1024), (1, 16))]
+    if make is fake_talker:
+        others.append((fake_talker(1024, context=600), (1, 16)))
+    for other, batches in others:
         assert chain_tuning.needs_tuning(other, batches)
 
 
@@ -183,8 +219,12 @@ def test_a_cuda_engine_chain_tunes_once_and_its_table_spares_the_next(tiny_ckpt_
     cfg = EngineConfig(device="cuda", dtype="bfloat16", num_pages=256, max_slots=4, max_frames=64,
                        max_prompt_tokens=256, max_text_tokens=128, graph_batch_sizes=(1, 2, 4), tune_cache=str(path))
     first = Engine(str(tiny_ckpt_dir), cfg)
-    fused = first.runner.talker.code_predictor.fused
-    assert "chain tuning" in first.startup.phases and not chain_tuning.needs_tuning(fused, (1, 4))
+    runner = first.runner
+    parts = (CodePredictorPasses(runner.talker.code_predictor.fused), TalkerDecode(runner.talker.fused, runner.kv))
+    assert "chain tuning" in first.startup.phases
+    assert not any(chain_tuning.needs_tuning(part, (1, 4)) for part in parts)
+    # the talker's chain left the sequences' pages as it found them (the graphs' padding rows write the dummy page)
+    assert not any(kv[:, :runner.dummy_page].any() for kv in (runner.kv.k, runner.kv.v))
     assert graph_vs_eager(first, 3)
     autotune._BEST.clear()
     second = Engine(str(tiny_ckpt_dir), cfg)
@@ -192,25 +232,30 @@ def test_a_cuda_engine_chain_tunes_once_and_its_table_spares_the_next(tiny_ckpt_
     assert graph_vs_eager(second, 3)
 
 
-def test_tune_runs_the_passes_largest_batch_first_and_marks_the_table(tiny_ckpt, monkeypatch):
-    """`tune`'s plumbing on the CPU, each CUDA graph replaced by a plain call and its timing by a count of the
-    rows it ran, the fused passes by the eager ones (the kernels' own tests run them through the interpreter):
-    the chain's inputs run a frame at every batch, largest first, and the mark holds the times measured."""
+@pytest.fixture
+def counted_graphs(monkeypatch):
+    """Each CUDA graph of chain_tuning replaced by a plain call and its time by the rows run in it (the list the
+    work appends its row counts to, returned); the process's tuning table emptied for the test."""
     pytest.importorskip("triton")
     monkeypatch.setattr(autotune, "_BEST", {})
     runs = []
-
-    def capture(fn):
-        return SimpleNamespace(replay=fn)
 
     def replay_ms(replay, iters):
         before = len(runs)
         replay()
         return float(sum(runs[before:]))
 
-    monkeypatch.setattr(chain_tuning, "capture_graph", capture)
+    monkeypatch.setattr(chain_tuning, "capture_graph", lambda fn: SimpleNamespace(replay=fn))
     monkeypatch.setattr(chain_tuning, "replay_ms", replay_ms)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return runs
+
+
+def test_tune_runs_the_passes_largest_batch_first_and_marks_the_table(tiny_ckpt, counted_graphs, monkeypatch):
+    """`tune`'s plumbing on the CPU (`counted_graphs`), the fused passes replaced by the eager ones (the kernels'
+    own tests run them through the interpreter): the chain's inputs run a frame at every batch, largest first,
+    and the mark holds the times measured."""
+    runs = counted_graphs
     fused = tiny_engine(tiny_ckpt, chain_tune=False).runner.talker.code_predictor.fused
     generate = fused.cp.generate  # on the CPU: the eager passes
 
@@ -221,7 +266,48 @@ def test_tune_runs_the_passes_largest_batch_first_and_marks_the_table(tiny_ckpt,
         return codes, nxt
 
     monkeypatch.setattr(fused, "generate", counted)
-    result = chain_tuning.tune(fused, (1, 2))
+    result = chain_tuning.tune(CodePredictorPasses(fused), (1, 2))
     assert runs == [2, 1, 2, 1, 2, 1]  # warm-up, the times before, the times after
     assert result.before == result.after == {2: 2.0, 1: 1.0} and result.changes == []
-    assert autotune.tuned_configs()[mark_key(fused, (1, 2))] == {2: 2.0, 1: 1.0}
+    assert autotune.tuned_configs()[CodePredictorPasses(fused).mark((1, 2))] == {2: 2.0, 1: 1.0}
+
+
+def test_tune_runs_the_talker_on_its_own_pages_of_the_cache_and_zeroes_what_it_wrote(tiny_ckpt, counted_graphs,
+                                                                                     monkeypatch):
+    """The talker's chain over an engine's KV cache (`counted_graphs`; the eager stack in place of the fused
+    forward): every row at the context on pages of its own, its new K/V on its last page, which is zeroed when
+    tuning ends; no other page changes."""
+    runs, contexts = counted_graphs, []
+    runner = tiny_engine(tiny_ckpt, chain_tune=False).runner
+    fused, kv = runner.talker.fused, runner.kv
+    for t in (kv.k, kv.v):
+        t.fill_(0.5)  # what earlier work left
+
+    def counted(x, positions, ctx):
+        runs.append(x.shape[0])
+        contexts.append(ctx)
+        return fused.stack(x, positions, ctx)  # on the CPU: the eager stack
+
+    monkeypatch.setattr(fused, "forward", counted)
+    result = chain_tuning.tune(TalkerDecode(fused, kv, context=40), (1, 2))
+    assert runs == [2, 1, 2, 1, 2, 1] and result.before == {2: 2.0, 1: 1.0}
+    ps = kv.page_size
+    pages = -(-40 // ps)
+    ctx = contexts[0]  # two rows
+    assert ctx.block_tables.tolist() == [list(range(pages)), list(range(pages, 2 * pages))]
+    assert ctx.context_lens.tolist() == [40, 40] and contexts[1].block_tables.tolist() == [list(range(pages))]
+    assert ctx.slot_mapping.tolist() == [(pages - 1) * ps + 39 % ps, (2 * pages - 1) * ps + 39 % ps]
+    for t in (kv.k, kv.v):
+        zeroed = [p for p in range(kv.num_pages) if not t[:, p].any()]
+        assert zeroed == [pages - 1, 2 * pages - 1]
+        assert all(bool((t[:, p] == 0.5).all()) for p in range(kv.num_pages) if p not in zeroed)
+    assert not chain_tuning.needs_tuning(TalkerDecode(fused, kv, context=40), (2, 1))
+
+
+def test_decode_inputs_wrap_around_a_cache_with_fewer_pages():
+    stack = SimpleNamespace(cfg=SimpleNamespace(head_dim=4, hidden_size=8),
+                            norm=SimpleNamespace(weight=torch.ones(8)))
+    cache = PagedKVCache(1, 4, 16, 1, 4, torch.float32)
+    inputs = DecodeInputs(stack, cache, 2, 40)
+    assert inputs.ctx.block_tables.tolist() == [[0, 1, 2], [3, 0, 1]]
+    assert inputs.positions.tolist() == [39, 39] and inputs.x.shape == (2, 8)
