@@ -162,8 +162,9 @@ class EngineConfig:
                          Q3TTS_KERNELS=torch) only. On the H200 (1.7B, bf16, one machine) the code predictor's
                          took 46 s and the step 5.32 / 6.86 ms at 1 / 16 rows against 5.61 / 7.31 off (served 1
                          and 16 streams: 4.5-5.7 % more audio-s/s, first audio no later at p90 / p99, in two
-                         interleaved rounds); the talker's, tuned offline (perf/tune_chain.py --part talker):
-                         step 5.32 / 6.74 -> 5.04 / 6.51 ms (perf/results/RESULTS.md)
+                         interleaved rounds); the talker's took 27 s and the step 5.04 / 6.51 ms against 5.34 /
+                         6.76 (served 1 and 16 streams: 4.6-8.7 % more audio-s/s in two interleaved rounds;
+                         perf/results/RESULTS.md)
     tune_cache           a file that keeps the kernels' tuned launch configs between engines (kernels/autotune.py
                          `save_tuned` / `load_tuned`; valid for the same GPU model, torch, triton and kernel
                          sources): an engine takes what it holds and writes back what it tuned, so an engine
