@@ -5,8 +5,10 @@ query heads that share the kv head (padded to 16 rows for tl.dot) and runs an on
 its share of the row's context, writing an unnormalised partial (acc, max, sum) in fp32.
 Each row's *actual* context is divided evenly among the splits in-kernel, so short and long
 contexts both spread over the whole grid while the launch shape depends only on (B, max_pages).
-Phase 2, grid (B, NH): merges the partials (log-sum-exp) and writes the output; a row with
-context_len 0 has only empty splits and returns zeros. With one split a row (`num_splits_for`: the code
+Phase 2, grid (B, NH): merges the partials (log-sum-exp) and writes the output. Splits past the row's
+context (`used_splits`: a short context in a wide block table, e.g. 300 keys of the engine's 10,240 at one row:
+10 of 64 splits) store nothing and the merge reads only the used ones; a row with context_len 0 has none and
+returns zeros. With one split a row (`num_splits_for`: the code
 predictor's 16 positions, or few pages over many rows) one launch, grid (B, KVH), does both: each program
 normalises its own result (`_decode_single_kernel`, the values phase 2 makes of one partial).
 CUDA-graph safe: no host syncs, no data-dependent shapes; split counts are not specialised on.
@@ -30,6 +32,21 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def split_length(ctx, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per split of a row with ctx keys: its context spread evenly over num_splits splits in BLOCK_N-aligned
+    chunks (0 for an empty context)."""
+    return tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N: tl.constexpr):
+    """How many of row b's num_splits splits hold keys (the first ones; 0 for an empty context): the others store
+    no partial and the merge reads none of theirs."""
+    ctx = tl.load(context_lens_ptr + b * stride_ctx)
+    return tl.cdiv(ctx, tl.maximum(split_length(ctx, num_splits, BLOCK_N), 1))
+
+
+@triton.jit
 def _attend_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, num_splits, scale_log2,
                   stride_ctx, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                   stride_bt, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
@@ -41,8 +58,7 @@ def _attend_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_len
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b * stride_ctx)
-    # this row's context spread evenly over the splits, in BLOCK_N-aligned chunks
-    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    split_len = split_length(ctx, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
 
@@ -111,15 +127,16 @@ def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, num_splits, scale_log2, stride_ctx,
         stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
         HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
-    # partials are contiguous [B, NH, num_splits, (HEAD_DIM)]
+    # partials are contiguous [B, NH, num_splits, (HEAD_DIM)]; a split past the context stores none
     b, split = tl.program_id(0), tl.program_id(2)
-    offs_d = tl.arange(0, BLOCK_D)
-    num_heads = tl.num_programs(1) * GROUP
-    part = (b.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_G]
-    tl.store(part_max_ptr + part, m_i, mask=g_mask)
-    tl.store(part_sum_ptr + part, l_i, mask=g_mask)
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
-             mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+    if split < used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N):
+        offs_d = tl.arange(0, BLOCK_D)
+        num_heads = tl.num_programs(1) * GROUP
+        part = (b.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_G]
+        tl.store(part_max_ptr + part, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -144,19 +161,20 @@ def _decode_single_kernel(
 
 
 @triton.jit
-def merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, row, num_splits,
+def merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, row, num_splits, used,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Output [BLOCK_D] fp32 of partial row `row` (= b * NH + head): its num_splits partials merged
-    (log-sum-exp), zeros when all were empty. NOTE: .cg loads read at L2, so that a program of the
-    split launch itself may merge what other multiprocessors wrote (kernels/talker_attention.py)."""
+    """Output [BLOCK_D] fp32 of partial row `row` (= b * NH + head): its first `used` of num_splits partials
+    (`used_splits`) merged (log-sum-exp), zeros when none. The bits of a merge over all num_splits with the unused
+    ones empty: an empty split weighs exactly 0 and scales by exactly 1. NOTE: .cg loads read at L2, so that a
+    program of the split launch itself may merge what other multiprocessors wrote (kernels/talker_attention.py)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     m_run = tl.full([], _NEG, tl.float32)
     l_run = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
+    for s0 in range(0, used, BLOCK_S):
         splits = s0 + tl.arange(0, BLOCK_S)
-        s_mask = splits < num_splits
+        s_mask = splits < used
         part = row * num_splits + splits
         m = tl.load(part_max_ptr + part, mask=s_mask, other=_NEG, cache_modifier=".cg")
         l = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0, cache_modifier=".cg")
@@ -174,18 +192,19 @@ def merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, row, num_splits,
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     # pointers
-    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, context_lens_ptr,
     # sizes
     num_splits,
     # strides
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, stride_ctx,
     # meta
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b.to(tl.int64) * tl.num_programs(1) + h
-    out = merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, row, num_splits, HEAD_DIM,
+    used = used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N)
+    out = merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, row, num_splits, used, HEAD_DIM,
                        BLOCK_D, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
@@ -234,14 +253,21 @@ def _splits(cfg: DecodeConfig, q, k_cache, block_tables) -> int:
                           q.device)
 
 
+def partials(bsz: int, num_heads: int, splits: int, head_dim: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Phase 1's fp32 partials, uninitialised: acc [B, NH, splits, D], max and sum [B, NH, splits] (a split past
+    its row's context leaves its entries as they are: the merge does not read them)."""
+    part_acc = torch.empty(bsz, num_heads, splits, head_dim, dtype=torch.float32, device=device)
+    part_max = torch.empty(bsz, num_heads, splits, dtype=torch.float32, device=device)
+    return part_acc, part_max, torch.empty_like(part_max)
+
+
 def split_launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, scale):
     """Phase 1's grid, its fp32 partials (acc, max, sum), its positional arguments and its meta
     (constexprs and launch options) for config cfg."""
     bsz, num_heads, head_dim = q.shape
     splits = _splits(cfg, q, k_cache, block_tables)
-    part_acc = torch.empty(bsz, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    part_max = torch.empty(bsz, num_heads, splits, dtype=torch.float32, device=q.device)
-    parts = (part_acc, part_max, torch.empty_like(part_max))
+    parts = partials(bsz, num_heads, splits, head_dim, q.device)
     inputs, strides = _operands(q, k_cache, v_cache, block_tables, context_lens)
     args = (*inputs, *parts, splits, scale * _LOG2E, *strides)
     return (bsz, k_cache.shape[2], splits), parts, args, _meta(cfg, q, k_cache)
@@ -258,10 +284,10 @@ def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, 
     _decode_split_kernel[grid](*args, **meta)
     block_d = meta["BLOCK_D"]
     _decode_reduce_kernel[(q.shape[0], q.shape[1])](
-        *parts, out,
+        *parts, out, context_lens,
         grid[2],
-        out.stride(0), out.stride(1),
-        HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=block_d, BLOCK_S=16,
+        out.stride(0), out.stride(1), context_lens.stride(0),
+        HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=block_d, BLOCK_S=16, BLOCK_N=cfg.block_n,
         num_warps=4 if block_d >= 256 else 2,
     )
 

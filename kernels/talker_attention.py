@@ -1,11 +1,11 @@
 """Paged decode attention in one launch: kernels/paged_attention.py's two phases joined by tickets.
 
 Grid (B, KVH, num_splits) as paged_attention's phase 1: each program runs its split of the row's
-context (`_decode_split_kernel`, called as a device function) and stores its fp32 partial; it then
-takes a ticket on its (row, kv head) counter, and the last of the num_splits programs merges the
-GROUP heads' partials (`merge_splits`, the phase-2 math) and writes the output. No program waits on
-another. Same arithmetic as `paged_decode_attention` (the same split count, the same merge order),
-one launch instead of two: the talker decode layer's second launch (models/talker_fused.py).
+context (`_decode_split_kernel`, called as a device function) and stores its fp32 partial (none past the
+row's context); it then takes a ticket on its (row, kv head) counter, and the last of the num_splits
+programs merges the GROUP heads' used partials (`merge_splits`, the phase-2 math) and writes the
+output. No program waits on another. Same arithmetic as `paged_decode_attention` (the same split
+count, the same merge order), one launch instead of two: the talker decode layer's second launch (models/talker_fused.py).
 Torch reference: `reference.paged_decode_attention_ref`.
 """
 
@@ -20,7 +20,7 @@ from ._launch import device_guard, programmatic_launch
 from .autotune import pick
 from .code_predictor_gemm import arrive, wait_for_previous
 from .paged_attention import (_CANDIDATES, _INTERPRET_CONFIG, DecodeConfig, _decode_split_kernel,
-                              check_inputs, merge_splits, split_launch)
+                              check_inputs, merge_splits, split_launch, used_splits)
 
 _BLOCK_S = 16  # splits merged per step (as paged_attention's phase 2)
 
@@ -50,10 +50,11 @@ def _attention_kernel(
     num_kv = tl.num_programs(1)
     if arrive(cnt_ptr + b * num_kv + kvh, num_splits):
         offs_d = tl.arange(0, BLOCK_D)
+        used = used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N)
         for j in tl.static_range(GROUP):
             head = kvh * GROUP + j
             out = merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr,
-                               b * num_kv * GROUP + head, num_splits, HEAD_DIM, BLOCK_D, BLOCK_S)
+                               b * num_kv * GROUP + head, num_splits, used, HEAD_DIM, BLOCK_D, BLOCK_S)
             tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d,
                      cast(out, out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 

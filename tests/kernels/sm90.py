@@ -6,7 +6,7 @@ test_register_spills.py (the interpreter that the other kernel tests set up must
 real shapes) with every JIT kernel's `run` replaced: each launch is bound and specialized exactly as
 on a GPU (the JIT's own binder, for a CUDA sm_90 backend), compiled by triton.compile to a cubin,
 and measured by the cuobjdump that ships with Triton (registers, spill stack), plus the shared memory it
-takes. `python tests/kernels/sm90.py [qkv | conv | sample]` prints one spec set's (SPECS) as JSON;
+takes. `python tests/kernels/sm90.py [qkv | conv | sample | attention]` prints one spec set's (SPECS) as JSON;
 `compiled(spec_set)` runs that from a test.
 """
 
@@ -148,7 +148,28 @@ def _sample_specs():
                 yield f"sample V={vocab} topk={topk} warps={warps}", lambda a=(vocab, topk, warps): draw(*a)
 
 
-SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs}
+def _attention_specs():
+    """(name, launch) of each decode attention config the tuner times (paged_attention._CANDIDATES), the talker's
+    one launch and the two of paged_decode_attention, at the 1.7B talker's heads over the engine's block table at
+    one row (640 pages of 16: 64 splits at 132 SMs)."""
+    import torch
+
+    from q3tts.kernels import paged_attention as pa, talker_attention as ta
+
+    bf = dict(dtype=torch.bfloat16)
+    heads, kv, d, pages = 16, 8, 128, 640
+    q, cache = torch.zeros(1, heads, d, **bf), torch.zeros(pages, 16, kv, d, **bf)
+    tables, lens = torch.zeros(1, pages, dtype=torch.int32), torch.full((1,), 300, dtype=torch.int32)
+    cnt = torch.zeros(kv, dtype=torch.int32)
+    for cfg in pa._CANDIDATES:
+        with mock.patch.object(pa, "num_sms", lambda device: H200_SMS):
+            yield f"talker_attention {cfg}", lambda c=cfg: ta._launch(c, q, cache, cache, tables, lens, 0.1, cnt,
+                                                                      torch.zeros_like(q))
+            yield f"paged_decode {cfg}", lambda c=cfg: pa._launch(c, q, cache, cache, tables, lens, 0.1,
+                                                                  torch.zeros_like(q))
+
+
+SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs, "attention": _attention_specs}
 
 
 def compiled(spec_set: str) -> dict[str, list[dict]]:

@@ -105,8 +105,9 @@ def test_one_split_a_row_is_one_launch_with_the_merged_values(dtype, monkeypatch
     assert grid[2] == 1
     pa._decode_split_kernel[grid](*args, **meta)
     merged = torch.empty(q.shape, dtype=dtype, device=q.device)
-    pa._decode_reduce_kernel[(q.shape[0], q.shape[1])](*parts, merged, 1, merged.stride(0), merged.stride(1),
-                                                       HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=meta["BLOCK_D"], BLOCK_S=16)
+    pa._decode_reduce_kernel[(q.shape[0], q.shape[1])](*parts, merged, ctx, 1, merged.stride(0), merged.stride(1),
+                                                       ctx.stride(0), HEAD_DIM=meta["HEAD_DIM"],
+                                                       BLOCK_D=meta["BLOCK_D"], BLOCK_S=16, BLOCK_N=cfg.block_n)
 
     class NoLaunch:
         def __getitem__(self, grid):
@@ -116,3 +117,44 @@ def test_one_split_a_row_is_one_launch_with_the_merged_values(dtype, monkeypatch
     out = pa.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
     assert torch.equal(out, merged)
     assert torch.equal(out[2], torch.zeros_like(out[2]))  # the empty row
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="counts the splits of the interpreter's config and 4 SMs")
+@pytest.mark.parametrize("launch", ["two launches", "talker's one launch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_splits_past_the_context_store_nothing_and_are_not_merged(dtype, launch, monkeypatch):
+    """A short context in a wide block table (the engine's at one row: 300 of its 10,240 keys): 160 keys over 8
+    splits at one row (4 at two), of which a row of 21 keys uses 2 and an empty row none. The partials start as
+    NaN: those past the context stay NaN (not stored) and the output, equal to the reference, read none of them."""
+    made = []
+
+    def poisoned(*shape_args):
+        parts = tuple(t.fill_(float("nan")) for t in original(*shape_args))
+        made.append(parts)
+        return parts
+
+    original = pa.partials
+    monkeypatch.setattr(pa, "partials", poisoned)
+    args = make_inputs(2, 4, 2, 32, 4, 40, [21, 0], dtype, seed=5)
+    q, k_cache, v_cache, tables, ctx, scale = args
+    assert pa.num_splits_for(1, 2, 40, 4, pa._INTERPRET_CONFIG.block_n, torch.device("cpu")) == 8
+    if launch == "two launches":
+        out = pa.paged_decode_attention(q[:1], k_cache, v_cache, tables[:1], ctx[:1], scale)
+        rows = 1
+    else:
+        ta = kernel_module("talker_attention")
+        counters = torch.zeros(2 * 2, dtype=torch.int32, device=q.device)
+        out = ta.decode_attention(q, k_cache, v_cache, tables, ctx, scale, counters)
+        rows = 2
+    ref_args = (q[:rows], k_cache, v_cache, tables[:rows], ctx[:rows], scale)
+    ref = paged_decode_attention_ref(q[:rows].float(), k_cache.float(), v_cache.float(), *ref_args[3:])
+    assert_close_3way(out, attention_same_dtype(*ref_args), ref, dtype, f"{launch} {dtype}")
+    (acc, top, total), = made
+    splits = acc.shape[2]
+    used = [2, 0][:rows]
+    for b, n in enumerate(used):
+        assert not top[b, :, :n].isnan().any() and not acc[b, :, :n].isnan().any()
+        assert top[b, :, n:].isnan().all() and total[b, :, n:].isnan().all() and acc[b, :, n:].isnan().all()
+    assert splits == {1: 8, 2: 4}[rows]  # about 4 waves of the interpreter's 4 SMs
+    if rows == 2:
+        assert torch.equal(out[1], torch.zeros_like(out[1]))  # the empty row

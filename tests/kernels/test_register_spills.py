@@ -2,7 +2,7 @@
 without TRITON_INTERPRET: it compiles, it does not interpret; the alignment a real launch specializes on).
 The fused qkv kernels: every launch config their tuner times there (4 candidates of 132-SM split counts, each
 kernel and token count; the code predictor's also at one row, which attends in one round of loads). The draw
-kernel: every warp count its tuner times. A spill puts a thread's values in local memory, whose round trips
+kernel: every warp count its tuner times. The decode attention: every config its tuner times. A spill puts a thread's values in local memory, whose round trips
 every program of these kernels would wait on."""
 
 import pytest
@@ -36,3 +36,16 @@ def test_no_draw_warp_candidate_spills():
     usage = compiled("sample")
     assert len(usage) == 13, usage  # 2 vocabularies x (greedy: 4 counts; TOPK: 4 at 2048, 2 at 4096 wide)
     assert not spilled(usage), spilled(usage)
+
+
+def test_no_decode_attention_config_spills():
+    """The decode attention's configs the tuner times (paged_attention._CANDIDATES), the talker's one launch and
+    the two of paged_decode_attention, at the talker's heads over the engine's one-row block table: each compiles
+    to its kernels and none spills."""
+    usage = compiled("attention")
+    assert len(usage) == 24, usage  # 12 configs x (one launch, two launches)
+    assert all([k["kernel"] for k in kernels] == (["_attention_kernel"] if spec.startswith("talker") else
+                                                  ["_decode_split_kernel", "_decode_reduce_kernel"])
+               for spec, kernels in usage.items()), usage
+    stack = {spec: [k["stack"] for k in kernels] for spec, kernels in usage.items() if any(k["stack"] for k in kernels)}
+    assert not stack, stack
