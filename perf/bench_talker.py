@@ -1,10 +1,11 @@
 """Talker decode bench: the fused decode forward (models/talker_fused.py) vs the eager one.
 
-H200: python3 perf/bench_talker.py   [--batches 1 16 64 256] [--context 300] [--layers 28]
+H200: python3 perf/bench_talker.py   [--batches 1 16 64 256] [--context 300] [--table-pages N] [--layers 28]
                                        [--iters 50] [--batch-invariant]
     a real-size 1.7B talker stack (hidden 2048, 16/8 heads x 128, intermediate 6144; --layers of
     its 28) with the checkpoint maker's random weights, bf16, every row at --context keys over
-    pages of 16. For each batch size:
+    pages of 16, in block tables --table-pages wide (a default engine's: the attention's split count
+    follows the width). For each batch size:
       correctness  fused vs eager hidden (max |diff| / max |eager|); fused graph replay == eager
       forward ms   device time of one CUDA-graph replay of each (CUDA events, median of --iters),
                    and per layer
@@ -47,6 +48,7 @@ from report import emit  # noqa: E402
 from q3tts.checkpoint.maker import _init_tensor  # noqa: E402
 from q3tts.checkpoint.presets import model_config_dict  # noqa: E402
 from q3tts.config import TalkerConfig  # noqa: E402
+from q3tts.engine import EngineConfig  # noqa: E402
 from q3tts.engine.chain_tuning import DecodeInputs  # noqa: E402
 from q3tts import kernels  # noqa: E402
 from q3tts.kernels import code_predictor as cpk  # noqa: E402
@@ -86,11 +88,12 @@ def random_cache(stack: DecoderStack, pages: int, seed: int = 0) -> PagedKVCache
 
 
 class Step(DecodeInputs):
-    """One decode step's inputs for B rows, each at `context` keys on its own pages of random K/V (`cache`)."""
+    """One decode step's inputs for B rows, each at `context` keys on its own pages of random K/V (`cache`), in
+    block tables `width` pages wide."""
 
-    def __init__(self, stack: DecoderStack, bsz: int, context: int):
+    def __init__(self, stack: DecoderStack, bsz: int, context: int, width: int):
         self.cache = random_cache(stack, bsz * -(-context // PAGE_SIZE))
-        super().__init__(stack, self.cache, bsz, context)
+        super().__init__(stack, self.cache, bsz, context, width=width)
 
 
 def layer_launches(stack: DecoderStack, step: Step) -> list[tuple[str, int, Callable]]:
@@ -137,12 +140,12 @@ def hbm_gbps(timer: Timer) -> float:
 
 
 def bench_batch(stack: DecoderStack, bsz: int, args, hbm: float | None) -> list[str]:
-    fused, step = FusedTalker(stack), Step(stack, bsz, args.context)
+    fused, step = FusedTalker(stack), Step(stack, bsz, args.context, args.table_pages)
     start = (step.cache.k.clone(), step.cache.v.clone())
     with torch.no_grad():
         want, got = step.run(stack), step.run(fused.forward)
     rel = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-    lines = [f"### batch {bsz} (context {args.context})", "",
+    lines = [f"### batch {bsz} (context {args.context}, tables {args.table_pages} pages wide)", "",
              f"fused vs eager hidden: max |diff| / max |eager| = {rel:.2e}"]
     if not torch.cuda.is_available():
         return lines + ["(no CUDA: correctness only)", ""]
@@ -183,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--context", type=int, default=300, help="keys each row attends over")
+    p.add_argument("--table-pages", type=int, default=EngineConfig().sequence_pages,
+                   help="block-table width in pages (default: a default engine's; the attention's split count "
+                   "follows it)")
     p.add_argument("--layers", type=int, default=None, help="layers of the stack (default: all)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--batch-invariant", action="store_true",

@@ -4,9 +4,10 @@ descent on the device time of a chain of launches captured in one CUDA graph, su
 H200: python3 perf/tune_chain.py [--part code_predictor|talker] --batches 1 16 --out /tmp/chain.pkl
                                  [--start table.pkl] [--context 300]
     code_predictor (default): the 15 fused passes of a frame; talker: the fused talker's decode forward (28
-    layers, every row at --context keys on its own pages; models/talker_fused.py). The engine does each once per
-    tuning table (EngineConfig.chain_tune): the table gets the part's chain-tuned mark (the talker's names
-    --context; the engine's is 300), so an engine that loads it does not chain-tune that part again.
+    layers, every row at --context keys on its own pages, in block tables --table-pages wide: the engine's, whose
+    width sets the attention's split count; models/talker_fused.py). The engine does each once per tuning table
+    (EngineConfig.chain_tune): the table gets the part's chain-tuned mark (the talker's names --context and
+    --table-pages; the engine's, 300 and its own), so an engine that loads it does not chain-tune that part again.
     --start: begin from a saved table (an engine's), else from `pick`'s own choices made in the warm-up.
     Prints each key tried, each change and the chain's time per batch before and after; writes
     $OUT/tune_chain.md when OUT is set. The table goes to --out in the engine's format (`save_tuned`:
@@ -26,20 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_code_predictor import random_code_predictor  # noqa: E402
 from report import emit  # noqa: E402
 
-from q3tts.engine import chain_tuning  # noqa: E402
+from q3tts.engine import EngineConfig, chain_tuning  # noqa: E402
 from q3tts.kernels import autotune  # noqa: E402
 from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402
 
 
 def talker_part(args) -> chain_tuning.TalkerDecode:
     """The fused talker's decode forward over bench_talker's random stack, every row at --context keys on its own
-    pages of random K/V."""
+    pages of random K/V, in block tables --table-pages wide."""
     from bench_talker import PAGE_SIZE, random_cache, random_stack
     from q3tts.models.talker_fused import FusedTalker
 
     stack = random_stack(args.scale, None, torch.bfloat16, "cuda")
     cache = random_cache(stack, max(args.batches) * -(-args.context // PAGE_SIZE))
-    return chain_tuning.TalkerDecode(FusedTalker(stack), cache, args.context)
+    return chain_tuning.TalkerDecode(FusedTalker(stack), cache, args.context, args.table_pages)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part", choices=("code_predictor", "talker"), default="code_predictor")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=300, help="talker: keys each row attends over")
+    p.add_argument("--table-pages", type=int, default=EngineConfig().sequence_pages,
+                   help="talker: block-table width in pages (default: a default engine's; the attention's split "
+                   "count follows it)")
     p.add_argument("--scale", choices=("full", "tiny"), default="full")
     p.add_argument("--start", help="a saved tuning table to start from (else pick's choices in the warm-up)")
     p.add_argument("--out", required=True, help="where the tuned table is written (save_tuned)")
@@ -65,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                                       "cuda"))))
     res = chain_tuning.tune(part, args.batches, args.rounds, args.margin, args.iters, progress)
     autotune.save_tuned(args.out, device)
-    what = ("the fused talker's decode forward, context " + str(args.context) if args.part == "talker"
+    what = (f"the fused talker's decode forward, context {args.context}, tables {args.table_pages} pages wide"
+            if args.part == "talker"
             else "the fused code predictor's 15 passes")
     lines = [f"# Chain tuning of {what} ({args.scale}, bf16, {torch.cuda.get_device_name()})",
              "", f"{res.keys} keys, {res.candidates} candidates; start: "

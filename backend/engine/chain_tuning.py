@@ -115,17 +115,22 @@ class DecodeInputs:
     """One talker decode step's inputs for `bsz` rows over `cache`: each row at `context` keys on pages of its
     own (row r: pages r * P .. r * P + P - 1, P = context / page size, wrapping around a cache with fewer pages),
     writing its new K/V at position context - 1; hidden inputs x [B, H] random, from `seed`. The attention reads
-    what the pages hold (its time does not depend on it)."""
+    what the pages hold (its time does not depend on it). `width`: the block table's pages per row (default P;
+    the engine's is its longest sequence's, and the attention's split count follows it), entries past P the row's
+    last page (never read)."""
 
-    def __init__(self, stack, cache: PagedKVCache, bsz: int, context: int, seed: int = 0):
+    def __init__(self, stack, cache: PagedKVCache, bsz: int, context: int, seed: int = 0,
+                 width: int | None = None):
         cfg, w = stack.cfg, stack.norm.weight
         pages = -(-context // cache.page_size)
-        table = (torch.arange(bsz * pages) % cache.num_pages).view(bsz, pages)  # [B, pages]
+        own = (torch.arange(bsz * pages) % cache.num_pages).view(bsz, pages)  # [B, P]
+        table = torch.cat([own, own[:, -1:].expand(bsz, max(width or pages, pages) - pages)], 1)  # [B, width]
         pos = torch.full((bsz,), context - 1)
-        slots = table[:, -1] * cache.page_size + pos % cache.page_size  # [B]
+        slots = own[:, -1] * cache.page_size + pos % cache.page_size  # [B]
         self.positions = pos.to(w.device)
         self.ctx = DecodeContext(cache, slots.to(w.device), table.int().to(w.device), (pos + 1).int().to(w.device),
                                  cfg.head_dim ** -0.5)
+        self.written_pages = own[:, -1].to(w.device)  # [B]: the pages the step writes K/V to
         gen = torch.Generator(w.device).manual_seed(seed)
         self.x = torch.randn(bsz, cfg.hidden_size, generator=gen, device=w.device).to(w.dtype)  # [B, H]
 
@@ -196,18 +201,20 @@ class CodePredictorPasses:
 
 
 class TalkerDecode:
-    """A FusedTalker's decode forward, each row attending over `context` keys on its own pages of `cache`
-    (`DecodeInputs`). The engine passes its own KV cache before any sequence holds a page; the pages written
-    (each row's last) are zeroed when tuning ends, as a fresh cache holds them."""
+    """A FusedTalker's decode forward, each row attending over `context` keys on its own pages of `cache` in a
+    block table `width` pages wide (`DecodeInputs`). The engine passes its own KV cache before any sequence holds
+    a page, and its block tables' width; the pages written (each row's last) are zeroed when tuning ends, as a
+    fresh cache holds them."""
 
     name = "talker"
 
-    def __init__(self, fused, cache: PagedKVCache, context: int = 300):
-        self.fused, self.cache, self.context = fused, cache, context
+    def __init__(self, fused, cache: PagedKVCache, context: int = 300, width: int | None = None):
+        self.fused, self.cache, self.context, self.width = fused, cache, context, width
 
     def chain(self, batches: Sequence[int], iters: int) -> Chain:
-        inputs = {b: DecodeInputs(self.fused.stack, self.cache, b, self.context) for b in batches}
-        written = torch.cat([i.ctx.block_tables[:, -1] for i in inputs.values()]).long()
+        inputs = {b: DecodeInputs(self.fused.stack, self.cache, b, self.context, width=self.width)
+                  for b in batches}
+        written = torch.cat([i.written_pages for i in inputs.values()])
 
         def restore():
             for kv in (self.cache.k, self.cache.v):
@@ -218,7 +225,7 @@ class TalkerDecode:
     def mark(self, batches: Sequence[int]) -> tuple:
         cfg, w = self.fused.stack.cfg, self.fused.stack.norm.weight
         shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
-        return "talker_chain_tuned", shape, w.dtype, tuple(sorted(batches)), self.context
+        return "talker_chain_tuned", shape, w.dtype, tuple(sorted(batches)), self.context, self.width
 
 
 @dataclass

@@ -312,12 +312,17 @@ class EngineConfig:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    @property
+    def sequence_pages(self) -> int:
+        """Pages of the longest sequence (prompt and frames): the decode step's block-table width."""
+        return self.pages_for(self.max_prompt_tokens + self.max_frames)
+
     def resolve(self, bytes_per_page: int, free_bytes: int | None) -> EngineConfig:
         """Copy with `num_pages` filled in (from the memory fraction when it was None)."""
         if self.num_pages is not None:
             return self
         if free_bytes is None:  # CPU: no device budget to split; enough for max_slots full sequences
-            pages = self.max_slots * self.pages_for(self.max_prompt_tokens + self.max_frames)
+            pages = self.max_slots * self.sequence_pages
         else:
             pages = int(free_bytes * self.kv_memory_fraction) // bytes_per_page
         if pages < 1:

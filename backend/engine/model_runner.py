@@ -102,7 +102,7 @@ class ModelRunner:
                                lc.head_dim, self.dtype, self.device)
         self.dummy_page, self.dummy_slot = config.num_pages, config.max_slots
         assert codec is None or codec.scratch_slot == self.dummy_slot, "padding rows share one slot id"
-        max_pages = config.pages_for(config.max_prompt_tokens + config.max_frames)
+        max_pages = config.sequence_pages
         self.meta = DecodeMeta(config.page_size, max_pages, self.dummy_slot, self.dummy_page)
         self.state = SlotState.allocate(config.max_slots, tc.hidden_size, tc.vocab_size,
                                         config.max_text_tokens, self.dtype, self.device)
@@ -172,14 +172,15 @@ class ModelRunner:
 
     def _chain_tune(self, startup: Startup) -> None:
         """`EngineConfig.chain_tune`: tune the launch configs of the fused code predictor's passes, then of the
-        fused talker's decode forward (over this runner's KV cache, before any sequence holds a page), each on
-        its captured chain (engine/chain_tuning.py), where it serves the step (not under `fp32_residual`, nor
-        with the kernels off), unless the tuning table (`tune_cache`) says that was done; the decode graphs
-        captured next take the result."""
+        fused talker's decode forward (over this runner's KV cache, before any sequence holds a page, in block
+        tables as wide as the step's), each on its captured chain (engine/chain_tuning.py), where it serves the
+        step (not under `fp32_residual`, nor with the kernels off), unless the tuning table (`tune_cache`) says
+        that was done; the decode graphs captured next take the result."""
         cp, talker, config = self.talker.code_predictor.fused, self.talker.fused, self.config
         parts = [(chain_tuning.CodePredictorPasses(cp), config.chain_tune_batches(config.fused_code_predictor_batch))
                  if cp is not None and cp.serves(self.pad_row) else None,
-                 (chain_tuning.TalkerDecode(talker, self.kv), config.chain_tune_batches(config.fused_talker_batch))
+                 (chain_tuning.TalkerDecode(talker, self.kv, width=self.meta.max_pages),
+                  config.chain_tune_batches(config.fused_talker_batch))
                  if talker is not None and talker.serves(self.pad_row) else None]
         for part, batches in filter(None, parts):
             if not batches or not chain_tuning.needs_tuning(part, batches):

@@ -140,7 +140,9 @@ def test_an_engine_chain_tunes_each_part_once_per_table(fake_tune, tiny_ckpt, tm
     # max_slots 2: the bucket 2; the talker's chain over the runner's own KV cache
     assert tuned_parts(fake_tune) == [("code predictor", (1, 2)), ("talker", (1, 2))]
     assert fake_tune[0][0].fused is runner.talker.code_predictor.fused
-    assert fake_tune[1][0].fused is runner.talker.fused and fake_tune[1][0].cache is runner.kv
+    talker = fake_tune[1][0]
+    assert talker.fused is runner.talker.fused and talker.cache is runner.kv
+    assert talker.width == runner.meta.max_pages  # block tables as wide as the step's: its split count
     assert "chain tuning" in startup.phases
     runner._chain_tune(startup)
     assert len(fake_tune) == 2  # the table holds both marks
@@ -176,12 +178,12 @@ def fake_cp(hidden: int, dtype=torch.bfloat16) -> CodePredictorPasses:
         model=SimpleNamespace(cfg=cfg), lm_head=[SimpleNamespace(weight=head)], num_groups=16)))
 
 
-def fake_talker(hidden: int, dtype=torch.bfloat16, context: int = 300) -> TalkerDecode:
+def fake_talker(hidden: int, dtype=torch.bfloat16, context: int = 300, width: int = 640) -> TalkerDecode:
     """What TalkerDecode.mark reads of a FusedTalker: its stack's sizes and dtype."""
     cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=3 * hidden, num_layers=28, num_heads=16,
                           num_kv_heads=8)
     stack = SimpleNamespace(cfg=cfg, norm=SimpleNamespace(weight=torch.empty(hidden, dtype=dtype)))
-    return TalkerDecode(SimpleNamespace(stack=stack), None, context)
+    return TalkerDecode(SimpleNamespace(stack=stack), None, context, width)
 
 
 def test_no_chain_tuning_where_the_kernels_are_off(fake_tune, tiny_ckpt, monkeypatch):
@@ -199,7 +201,7 @@ def test_the_mark_holds_for_one_part_model_shape_and_dtype_only(make, monkeypatc
     others = [(make(2048), (1, 16)), (make(1024, torch.float16), (1, 16)), (make(1024), (1, 8)),
               ((fake_talker if make is fake_cp else fake_cp)(1024), (1, 16))]
     if make is fake_talker:
-        others.append((fake_talker(1024, context=600), (1, 16)))
+        others += [(fake_talker(1024, context=600), (1, 16)), (fake_talker(1024, width=320), (1, 16))]
     for other, batches in others:
         assert chain_tuning.needs_tuning(other, batches)
 
@@ -304,10 +306,14 @@ def test_tune_runs_the_talker_on_its_own_pages_of_the_cache_and_zeroes_what_it_w
     assert not chain_tuning.needs_tuning(TalkerDecode(fused, kv, context=40), (2, 1))
 
 
-def test_decode_inputs_wrap_around_a_cache_with_fewer_pages():
+def test_decode_inputs_wrap_around_a_cache_with_fewer_pages_and_fill_a_wider_table():
     stack = SimpleNamespace(cfg=SimpleNamespace(head_dim=4, hidden_size=8),
                             norm=SimpleNamespace(weight=torch.ones(8)))
     cache = PagedKVCache(1, 4, 16, 1, 4, torch.float32)
     inputs = DecodeInputs(stack, cache, 2, 40)
     assert inputs.ctx.block_tables.tolist() == [[0, 1, 2], [3, 0, 1]]
     assert inputs.positions.tolist() == [39, 39] and inputs.x.shape == (2, 8)
+    wide = DecodeInputs(stack, cache, 2, 40, width=5)
+    assert wide.ctx.block_tables.tolist() == [[0, 1, 2, 2, 2], [3, 0, 1, 1, 1]]
+    assert wide.ctx.slot_mapping.tolist() == [2 * 16 + 39 % 16, 1 * 16 + 39 % 16]
+    assert wide.written_pages.tolist() == [2, 1] and wide.ctx.context_lens.tolist() == [40, 40]
