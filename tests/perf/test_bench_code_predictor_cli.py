@@ -59,11 +59,13 @@ def test_importing_the_bench_switches_no_cpu_engine_to_the_interpreter():
     assert out.strip() == "None"
 
 
-def test_the_config_table_lists_gemms_and_passes_over_the_chain_tuning_mark(monkeypatch):
-    """An engine's table holds the chain-tuned mark (engine/chain_tuning.py `mark_key`: a "cp_..." key whose value
-    is not a launch config); the report lists the GEMMs' configs and passes over it."""
+def test_the_config_table_lists_gemms_and_passes_over_the_chain_tuning_marks(monkeypatch):
+    """An engine's table holds the chain-tuned marks (engine/chain_tuning.py `Part.mark`: the code predictor's
+    a "cp_..." key, whose values are not launch configs); the report lists the GEMMs' configs and passes over them."""
     gemm = ("cp_test/plain", 7, 9, torch.float32, 16)
     mark = ("cp_chain_tuned", (1024, 3072, 5, 2048, 16), torch.bfloat16, (1, 16))
-    monkeypatch.setattr(autotune, "_BEST", {gemm: GemmConfig(32, 128, 2, 4, 4, 16), mark: {1: 2.9, 16: 3.8}})
+    talker = ("talker_chain_tuned", (2048, 6144, 28, 16, 8), torch.bfloat16, (1, 16), 300, 640)
+    monkeypatch.setattr(autotune, "_BEST", {gemm: GemmConfig(32, 128, 2, 4, 4, 16), mark: {1: 2.9, 16: 3.8},
+                                            talker: {1: 1.7, 16: 2.0}})
     rows = bench_code_predictor.gemm_config_table()[2:]
     assert rows == ["| cp_test/plain | 7 | 9 | 16 | 16 | 32 | 128 | 2 | 4 | 4 |"]
