@@ -161,9 +161,10 @@ def test_an_engine_chain_tunes_each_part_once_per_table(fake_tune, tiny_ckpt, tm
 @pytest.mark.parametrize("fields, parts", [
     ({"chain_tune": False}, []), ({"fused_code_predictor": 0}, ["talker"]), ({"fused_talker": 0}, ["code predictor"]),
     ({"fp32_residual": True}, []), ({"batch_invariant": True}, ["code predictor"])])
-def test_no_chain_tuning_of_a_part_off_or_not_fused(fake_tune, tiny_ckpt, fields, parts):
+def test_no_chain_tuning_of_a_part_off_or_not_fused(fake_tune, tiny_ckpt, fields, parts, monkeypatch):
     """Off; a part not fused; fused parts that do not serve the step (an fp32 residual stream); the eager talker
-    at every bucket (batch_invariant)."""
+    at every bucket (batch_invariant: its engine turns the kernels' process-wide switch on, undone after)."""
+    monkeypatch.setattr(autotune, "_INVARIANT", [autotune.batch_invariant()])
     runner, startup = tiny_engine(tiny_ckpt, **fields).runner, Startup()
     runner._chain_tune(startup)
     assert [name for name, _ in tuned_parts(fake_tune)] == parts

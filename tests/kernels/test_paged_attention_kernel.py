@@ -124,8 +124,9 @@ def test_one_split_a_row_is_one_launch_with_the_merged_values(dtype, monkeypatch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_splits_past_the_context_store_nothing_and_are_not_merged(dtype, launch, monkeypatch):
     """A short context in a wide block table (the engine's at one row: 300 of its 10,240 keys): 160 keys over 8
-    splits at one row (4 at two), of which a row of 21 keys uses 2 and an empty row none. The partials start as
-    NaN: those past the context stay NaN (not stored) and the output, equal to the reference, read none of them."""
+    splits at one row (4 at two, 8 under the batch-invariant switch), of which a row of 21 keys uses 2 and an empty
+    row none. The partials start as NaN: those past the context stay NaN (not stored) and the output, equal to the
+    reference, read none of them."""
     made = []
 
     def poisoned(*shape_args):
@@ -155,6 +156,6 @@ def test_splits_past_the_context_store_nothing_and_are_not_merged(dtype, launch,
     for b, n in enumerate(used):
         assert not top[b, :, :n].isnan().any() and not acc[b, :, :n].isnan().any()
         assert top[b, :, n:].isnan().all() and total[b, :, n:].isnan().all() and acc[b, :, n:].isnan().all()
-    assert splits == {1: 8, 2: 4}[rows]  # about 4 waves of the interpreter's 4 SMs
+    assert splits == pa.num_splits_for(rows, 2, 40, 4, pa._INTERPRET_CONFIG.block_n, torch.device("cpu"))
     if rows == 2:
         assert torch.equal(out[1], torch.zeros_like(out[1]))  # the empty row
