@@ -6,9 +6,9 @@ its share of the row's context, writing an unnormalised partial (acc, max, sum) 
 Each row's *actual* context is divided evenly among the splits in-kernel, so short and long
 contexts both spread over the whole grid while the launch shape depends only on (B, max_pages).
 Phase 2, grid (B, NH): merges the partials (log-sum-exp) and writes the output. Splits past the row's
-context (`used_splits`: a short context in a wide block table, e.g. 300 keys of the engine's 10,240 at one row:
-10 of 64 splits) store nothing and the merge reads only the used ones; a row with context_len 0 has none and
-returns zeros. With one split a row (`num_splits_for`: the code
+context (`used_splits`: a short context in a wide block table, e.g. 300 keys of the engine's 10,240 at
+one row: 10 of 64 splits) store nothing and the merge reads only the used ones; a row with
+context_len 0 has none and returns zeros. With one split a row (`num_splits_for`: the code
 predictor's 16 positions, or few pages over many rows) one launch, grid (B, KVH), does both: each program
 normalises its own result (`_decode_single_kernel`, the values phase 2 makes of one partial).
 CUDA-graph safe: no host syncs, no data-dependent shapes; split counts are not specialised on.

@@ -5,7 +5,8 @@ context (`_decode_split_kernel`, called as a device function) and stores its fp3
 row's context); it then takes a ticket on its (row, kv head) counter, and the last of the num_splits
 programs merges the GROUP heads' used partials (`merge_splits`, the phase-2 math) and writes the
 output. No program waits on another. Same arithmetic as `paged_decode_attention` (the same split
-count, the same merge order), one launch instead of two: the talker decode layer's second launch (models/talker_fused.py).
+count, the same merge order), one launch instead of two: the talker decode layer's second launch
+(models/talker_fused.py).
 Torch reference: `reference.paged_decode_attention_ref`.
 """
 

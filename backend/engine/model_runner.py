@@ -177,12 +177,14 @@ class ModelRunner:
         step (not under `fp32_residual`, nor with the kernels off), unless the tuning table (`tune_cache`) says
         that was done; the decode graphs captured next take the result."""
         cp, talker, config = self.talker.code_predictor.fused, self.talker.fused, self.config
-        parts = [(chain_tuning.CodePredictorPasses(cp), config.chain_tune_batches(config.fused_code_predictor_batch))
-                 if cp is not None and cp.serves(self.pad_row) else None,
-                 (chain_tuning.TalkerDecode(talker, self.kv, width=self.meta.max_pages),
-                  config.chain_tune_batches(config.fused_talker_batch))
-                 if talker is not None and talker.serves(self.pad_row) else None]
-        for part, batches in filter(None, parts):
+        parts = []
+        if cp is not None and cp.serves(self.pad_row):
+            parts.append((chain_tuning.CodePredictorPasses(cp),
+                          config.chain_tune_batches(config.fused_code_predictor_batch)))
+        if talker is not None and talker.serves(self.pad_row):
+            parts.append((chain_tuning.TalkerDecode(talker, self.kv, width=self.meta.max_pages),
+                          config.chain_tune_batches(config.fused_talker_batch)))
+        for part, batches in parts:
             if not batches or not chain_tuning.needs_tuning(part, batches):
                 continue
             with startup.phase("chain tuning"), torch.no_grad():
