@@ -26,8 +26,10 @@ H200 (the default): python3 perf/profile_step.py            (~2-4 min with the c
                       for), and the codec alone there
     each as its own captured CUDA graph (replay timed with CUDA events, median of --iters) and eager
     (wall clock around a synchronized call, median), plus graph == eager (bit-exact) per component;
-    then a torch.profiler trace of one eager step aggregated by kernel name (top 25 by CUDA time,
-    with launch counts). Writes $OUT/profile_step.md when OUT is set.
+    then (CUDA graphs) --timeline-replays replays of the engine's step graph under torch.profiler, read by
+    perf/graph_timeline.py: how long no kernel runs inside a replay, how much its branches overlap, the
+    kernels' time inside the graph; then a torch.profiler trace of one eager step aggregated by kernel name
+    (top 25 by CUDA time, with launch counts). Writes $OUT/profile_step.md when OUT is set.
 CPU check:          python3 perf/profile_step.py --scale tiny --device cpu --batches 1 3 --iters 3
 """
 
@@ -35,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -45,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import emit  # noqa: E402
+from graph_timeline import REPLAY_GAP_US, kernel_events, split_replays, summarize, timeline_table  # noqa: E402
 from bench_engine import add_model_arguments, build_engine, drain, fill, sync  # noqa: E402
 
 from q3tts.engine.audio_pipeline import green_context  # noqa: E402
@@ -324,19 +329,26 @@ def _step_mode(engine: Engine, bs: int) -> str:
     return engine.runner.step_mode(DecodeMeta.columns(engine.runner.buf.meta[:bs]).slot.tolist())
 
 
+def _live_rows(engine: Engine, bs: int) -> tuple[Callable[[], None], str]:
+    """(restore, mode): `restore()` puts back the meta rows and block tables [:bs] of the last decode step (as they
+    are now) for the step to run again on them; mode: the step's sampling mode on those rows."""
+    buf = engine.runner.buf
+    meta, tables = buf.meta[:bs].clone(), buf.tables[:bs].clone()
+
+    def restore():
+        buf.meta[:bs].copy_(meta)
+        buf.tables[:bs].copy_(tables)
+
+    return restore, _step_mode(engine, bs)
+
+
 def full_step(engine: Engine, bs: int, timer: Timer) -> dict:
     """The engine's own step on the current meta rows: its captured graph and its eager body. For the graph also
     `synced` (ms, wall clock of synchronize, replay, synchronize: the launch not hidden behind earlier work, as
     in an engine step launched once the last one landed) and `launch` (ms of host time in the replay call)."""
     runner = engine.runner
     r = dict(name="full_step", graph=None, eager=None, same=None, synced=None, launch=None)
-    meta, tables = runner.buf.meta[:bs].clone(), runner.buf.tables[:bs].clone()
-    mode = _step_mode(engine, bs)
-
-    def restore():
-        runner.buf.meta[:bs].copy_(meta)
-        runner.buf.tables[:bs].copy_(tables)
-
+    restore, mode = _live_rows(engine, bs)
     with torch.no_grad():
         if bs in runner.graph_buckets:
             restore()
@@ -364,6 +376,29 @@ def trace_step(engine: Engine, bs: int, top: int = 25) -> tuple[list[str], str]:
             runner.decode_rows(bs, mode)
             sync(str(runner.device))
     return kernel_table(prof, cuda, "in one eager step", top)
+
+
+def graph_trace(engine: Engine, bs: int, replays: int) -> list[str]:
+    """torch.profiler over `replays` replays of the engine's step graph of bucket `bs` on the live rows, the
+    device idle between them -> perf/graph_timeline.py's table (idle, overlap, kernels inside the graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    restore, mode = _live_rows(engine, bs)
+    with torch.no_grad():
+        restore()
+        engine.runner.run_step(bs, mode)  # warm
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                restore()
+                engine.runner.run_step(bs, mode)
+                torch.cuda.synchronize()
+                time.sleep(2 * REPLAY_GAP_US / 1e6)  # the device idles: split_replays cuts here
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return timeline_table(summarize(split_replays(kernel_events(trace))))
 
 
 def kernel_table(prof, cuda: bool, where: str, top: int = 25) -> tuple[list[str], str]:
@@ -420,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-batches", type=int, nargs="*", default=None,
                    help="batches to trace with torch.profiler (default: all)")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--timeline-replays", type=int, default=5,
+                   help="replays of the step graph under torch.profiler for its device timeline (0: none)")
     p.add_argument("--probe-sms", type=int, nargs="*", default=[],
                    help="overlap probe: also confine the codec to a green context of N SMs, for each N")
     args = p.parse_args(argv)
@@ -487,6 +524,13 @@ def main(argv: list[str] | None = None) -> int:
                       for n in args.probe_sms]
             md += [""] + lines
             print(f"B={b}:", *lines, sep="\n", flush=True)
+        if args.timeline_replays and bucket in engine.runner.graph_buckets:
+            try:
+                lines = graph_trace(engine, bucket, args.timeline_replays)
+                md += ["", f"The step graph on the device (B={b}, bucket {bucket}; perf/graph_timeline.py):", ""] + lines
+                print(f"B={b}:", lines[0], flush=True)
+            except Exception as exc:  # noqa: BLE001 - the trace is extra: keep the timings
+                md += ["", f"graph trace failed: {type(exc).__name__}: {exc}"]
         if b in trace_b:
             try:
                 lines, summary = trace_step(engine, bucket)
