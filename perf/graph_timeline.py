@@ -116,8 +116,8 @@ def timeline_table(t: Timeline, name_width: int = 80) -> list[str]:
     edges = ["< %g" % GAP_BOUNDS_US[0]] + [f"{a:g}-{b:g}" for a, b in zip(GAP_BOUNDS_US, GAP_BOUNDS_US[1:])] \
         + ["≥ %g" % GAP_BOUNDS_US[-1]]
     lines = [f"{t.replays} replays, medians: {t.kernels:.0f} kernels, span {t.span / 1e3:.3f} ms, busy "
-             f"{t.busy / 1e3:.3f} ms (kernel time {t.kernel_time / 1e3:.3f}), idle {t.idle / 1e3:.3f} ms ({100 * t.idle / t.span:.1f} %), "
-             f"{t.overlap:.2f} kernels at once while busy",
+             f"{t.busy / 1e3:.3f} ms (kernel time {t.kernel_time / 1e3:.3f}), idle {t.idle / 1e3:.3f} ms "
+             f"({100 * t.idle / t.span:.1f} %), {t.overlap:.2f} kernels at once while busy",
              "", "| idle stretches a replay, µs | " + " | ".join(edges) + " |",
              "|---|" + "---:|" * len(edges),
              "| count | " + " | ".join(f"{g:.0f}" for g in t.gaps) + " |",

@@ -2,21 +2,59 @@
 fleet's own checks (`python -m q3tts.serving.health --http HOST:PORT --metrics HOST:PORT`, exit 0 = ready).
 
 Ready means Triton's /v2/health/ready answers 200 AND every engine instance's `q3tts_instance_ready` gauge
-is 1: a python model cannot make Triton 2.51 answer NOT READY, so an instance restarting after a device fault
-shows only in that gauge.
+is 1 AND the tritonserver process holds no more resident memory than its budget (`q3tts_server_resident_bytes`
+against `q3tts_server_memory_budget_bytes`, the rendered `max_server_memory_gib`; 0 = none): a python model
+cannot make Triton 2.51 answer NOT READY, so an instance restarting after a device fault, or a server grown
+past its budget, shows only in those gauges.
+
+Why a memory budget: Triton 2.51's gRPC frontend never frees a streamed request it refused itself (an input
+of the wrong type, shape or name, a sequence without START) when the client then cancels the stream or drops
+the connection, input buffers included (measured on the CPU: 2000 such requests of 1 KB left 84 MB behind,
+100 of 4 MB 385 MB; the model cannot unload afterwards: a stop waits for Triton's exit timeout). A client can
+thus grow the server without bound; over its budget the server reports not ready, so that a fleet drains and
+replaces it before the host runs out of memory, while its streams play on.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import urllib.request
 
 
+def gauge_values(metrics_text: str, name: str) -> list[float]:
+    """The values of gauge `name` (one per engine instance) in a Prometheus metrics page."""
+    return [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+            if line.startswith((name + "{", name + " "))]
+
+
 def instance_ready_values(metrics_text: str) -> list[float]:
     """The `q3tts_instance_ready` value of each engine instance in a Prometheus metrics page."""
-    return [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
-            if line.startswith(("q3tts_instance_ready{", "q3tts_instance_ready "))]
+    return gauge_values(metrics_text, "q3tts_instance_ready")
+
+
+def resident_bytes(pid: int) -> int:
+    """The resident memory of process `pid` in bytes (Linux /proc); 0 where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def memory_reason(metrics_text: str) -> str | None:
+    """Why the server is over its memory budget (`q3tts_server_resident_bytes` above a nonzero
+    `q3tts_server_memory_budget_bytes` in any instance's report), or None."""
+    reports = zip(gauge_values(metrics_text, "q3tts_server_resident_bytes"),
+                  gauge_values(metrics_text, "q3tts_server_memory_budget_bytes"))
+    over = [(held, budget) for held, budget in reports if 0 < budget < held]
+    if not over:
+        return None
+    held, budget = over[0]
+    return (f"tritonserver holds {held / 2 ** 30:.2f} GiB, over its budget of {budget / 2 ** 30:.2f} GiB "
+            "(max_server_memory_gib): memory Triton 2.51 leaks when clients cancel refused requests; replace "
+            "this server")
 
 
 def not_ready_reason(http: str, metrics: str, instances: int = 1) -> str | None:
@@ -27,14 +65,15 @@ def not_ready_reason(http: str, metrics: str, instances: int = 1) -> str | None:
             if r.status != 200:
                 return f"http://{http}/v2/health/ready answered {r.status}"
         with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=2) as r:
-            values = instance_ready_values(r.read().decode())
+            text = r.read().decode()
+        values = instance_ready_values(text)
     except OSError as e:
         return f"not reachable: {e}"
     if len(values) < instances:
         return f"{len(values)} of {instances} engine instances report q3tts_instance_ready"
     if not all(v == 1 for v in values):
         return f"q3tts_instance_ready values {values} (0 = restarting after a device fault)"
-    return None
+    return memory_reason(text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,14 +95,14 @@ class TritonServer:
                  chunk_schedule: str | None = None, stub_env: Path | runtime.StubEnvSpec | None = None,
                  ready_timeout_s: float = 300.0, exit_timeout_s: int = 10, log_verbose: int = 0,
                  bind: str = "127.0.0.1", voices_dir: Path | None = None, voice_cache_size: int | None = None,
-                 instances: int = 1):
+                 instances: int = 1, max_server_memory_gib: float = RepositorySettings.max_server_memory_gib):
         self.model = str(Path(model).resolve()) if Path(model).exists() else model
         self.run_dir = (Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="q3tts-serve-"))).resolve()
         self.gpus = detect_gpus() if gpus is None else list(gpus)
         self.voices_dir = Path(voices_dir or default_voices_dir()).resolve()  # registered voices (q3tts.voices)
         self.settings = RepositorySettings(self.model, tuple(self.gpus), dtype, max_slots, dict(pool or {}),
                                            float(idle_s), chunk_schedule, str(self.voices_dir), voice_cache_size,
-                                           instances=instances)
+                                           instances=instances, max_server_memory_gib=max_server_memory_gib)
         self.stub_env = stub_env
         self.ready_timeout_s = ready_timeout_s
         self.exit_timeout_s = exit_timeout_s
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
                               chunk_schedule=args.chunk_schedule, stub_env=args.stub_env,
                               ready_timeout_s=args.ready_timeout_s, log_verbose=args.log_verbose, bind=args.bind,
                               voices_dir=args.voices_dir, voice_cache_size=args.voice_cache_size,
-                              instances=args.instances)
+                              instances=args.instances, max_server_memory_gib=args.max_server_memory_gib)
     except ValueError as e:  # a flag the settings refuse (RepositorySettings), named
         print(f"q3tts serve: {e}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import queue
 import threading
 import time
@@ -31,6 +32,7 @@ from q3tts.serving import request as R
 from q3tts.serving.commands import Cancel, Command, CommandQueue, Refuse, Shutdown, Start
 from q3tts.serving.engine_process import DeviceFault, WhileStepping
 from q3tts.serving.handlers import INTERNAL, SHUTTING_DOWN, CommandHandlers
+from q3tts.serving.health import resident_bytes
 from q3tts.serving.session import Reply, Session, SessionTable
 
 TICK_S = 0.2  # engine thread housekeeping period
@@ -57,7 +59,8 @@ class EngineLoop(CommandHandlers):
 
     def __init__(self, make_engine: Callable, default_schedule: tuple[int, ...], idle_s: float, metrics=None,
                  log: Callable[[str, str], None] = _no_log, model_ready: Callable[[], bool] = lambda: True,
-                 make_voices: Callable | None = None):
+                 make_voices: Callable | None = None, server_memory_budget: int = 0,
+                 server_resident: Callable[[], int] = lambda: resident_bytes(os.getppid())):
         self.commands = CommandQueue()
         self.responses = [queue.Queue() for _ in range(RESPONSE_THREADS)]  # one per response thread
         self.default_schedule, self.idle_s, self.metrics, self.log = default_schedule, idle_s, metrics, log
@@ -72,6 +75,8 @@ class EngineLoop(CommandHandlers):
         self.health = {"device_faults": 0, "instance_restarts": 0}  # cumulative, for the metrics
         self._respawn_at: float | None = None  # when to try again to start a replacement engine
         self._make_engine, self._model_ready, self._was_ready = make_engine, model_ready, False
+        # the tritonserver process's memory (the stub's parent) against its budget (bytes, 0 = none; health.py)
+        self._memory_budget, self._server_resident, self._over_budget = server_memory_budget, server_resident, False
         self._not_ready_since: float | None = None  # after being ready: since when Triton says not ready
         self._ids = itertools.count(1)
         self._started = threading.Event()
@@ -278,8 +283,19 @@ class EngineLoop(CommandHandlers):
         if self.metrics is None:
             return
         engine = {} if self.restarting else self.engine.stats()  # the voice cache's counts included
-        health = {**self.health, "instance_ready": 0 if self.restarting else 1}
+        health = {**self.health, "instance_ready": 0 if self.restarting else 1, **self._server_memory()}
         self.metrics.update({**engine, **health}, len(self.table))
+
+    def _server_memory(self) -> dict[str, int]:
+        """The server's resident memory and budget (the health probe's); logs each time it goes over budget."""
+        held, budget = self._server_resident(), self._memory_budget
+        over = 0 < budget < held
+        if over and not self._over_budget:
+            self.log("error", f"tritonserver holds {held / 2 ** 30:.2f} GiB, over its budget of {budget / 2 ** 30:.2f} "
+                     "GiB (max_server_memory_gib): the health probe now says not ready; the likely cause is Triton "
+                     "2.51's gRPC leak of refused requests whose clients cancelled (q3tts.serving.health)")
+        self._over_budget = over
+        return {"server_resident_bytes": held, "server_memory_budget_bytes": budget}
 
     def _check_unload(self, now: float) -> None:
         ready = self._model_ready()

@@ -31,6 +31,11 @@ GAUGES = {  # name -> (Engine.stats() key, None = set by the serving layer; HELP
                                          "most (engine setting voice_cache_bytes)."),
     "q3tts_instance_ready": ("instance_ready", "1 when the instance serves, 0 while it restarts after a device "
                              "fault (strict readiness: Triton's own ready endpoint cannot show this)."),
+    "q3tts_server_resident_bytes": ("server_resident_bytes", "Resident memory of the tritonserver process (it "
+                                    "grows where Triton 2.51 leaks: serving/health.py)."),
+    "q3tts_server_memory_budget_bytes": ("server_memory_budget_bytes", "The server's memory budget "
+                                         "(max_server_memory_gib; 0 = none): over it, the health probe says "
+                                         "not ready."),
 }
 COUNTERS = {  # name -> (cumulative Engine.stats() key, sent to Triton as increments at each tick; HELP)
     "q3tts_audio_seconds_total": (None, "Seconds of audio sent to clients."),

@@ -75,7 +75,8 @@ class TritonPythonModel:
         self.metrics = ServingMetrics(pb_utils, {"model": name, "version": version, "model_instance": instance})
         self.loop = EngineLoop(make_engine, schedule, float(params.get("idle_s") or 30), self.metrics, log,
                                model_ready=lambda: self.requests_seen.is_set() and model_ready(name, version),
-                               make_voices=make_voices if voices_dir else None)
+                               make_voices=make_voices if voices_dir else None,
+                               server_memory_budget=int(float(params.get("max_server_memory_gib") or 0) * 2 ** 30))
         log("info", f"loading {checkpoint} ({json.dumps(engine_cfg)})")
         self.loop.start()
         log("info", f"ready: instance {instance}, chunk schedule {list(schedule)}")

@@ -41,12 +41,15 @@ class RepositorySettings:
     voice_cache_size: int | None = None
     execution_env: str | None = None  # EXECUTION_ENV_PATH; None = the server's own python3
     instances: int = 1  # CPU engine instances (on GPUs: one per GPU)
+    max_server_memory_gib: float = 16.0  # over it the health probe says not ready (serving/health.py); 0 = none
 
     def __post_init__(self) -> None:
         if "max_slots" in self.pool:  # it is also the batcher's max_candidate_sequences: one value, one flag
             raise ValueError("set the engine slots with --max-slots, not --pool max_slots=...")
         if self.instances < 1:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
+        if not self.max_server_memory_gib >= 0:
+            raise ValueError(f"--max-server-memory-gib must be >= 0 (0 = no budget), got {self.max_server_memory_gib}")
         if self.on_gpu and self.instances != 1:
             raise ValueError(f"--instances {self.instances} is for CPU serving (--gpus none); on GPUs there is "
                              "one instance per GPU (--gpus)")
@@ -88,6 +91,7 @@ class RepositorySettings:
             "engine_config": pbtxt_string(json.dumps(engine_cfg)),
             "chunk_schedule": pbtxt_string(self.chunk_schedule or ",".join(map(str, protocol.DEFAULT_CHUNK_SCHEDULE))),
             "idle_s": pbtxt_string(str(self.idle_s)),
+            "max_server_memory_gib": pbtxt_string(str(self.max_server_memory_gib)),
             "execution_env_param": env_param,
             "voices_dir": pbtxt_string(self.voices_dir or str(default_voices_dir())),
             "voice_cache_size": pbtxt_string(str(self.voice_cache_size or "")),
@@ -127,6 +131,9 @@ def add_settings_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=1,
                    help="CPU engine instances (with --gpus none), each its own engine process; a sequence "
                         "stays on the instance that started it (on GPUs: one instance per GPU)")
+    p.add_argument("--max-server-memory-gib", type=float, default=RepositorySettings.max_server_memory_gib,
+                   help="the health probe says not ready once tritonserver holds more (Triton 2.51 leaks refused "
+                        "requests whose clients cancel: a fleet then replaces the server); 0 = no budget")
 
 
 def default_tune_cache() -> Path:
@@ -182,7 +189,8 @@ def settings_from_args(args: argparse.Namespace, gpus: tuple[int, ...] | None,
         checkpoint=str(model.resolve()) if model.exists() else args.model, gpus=gpus, dtype=args.dtype,
         max_slots=args.max_slots, pool=parse_pool(args.pool), idle_s=args.idle_s, chunk_schedule=args.chunk_schedule,
         voices_dir=str(Path(args.voices_dir or default_voices_dir()).resolve()),
-        voice_cache_size=args.voice_cache_size, execution_env=execution_env, instances=args.instances)
+        voice_cache_size=args.voice_cache_size, execution_env=execution_env, instances=args.instances,
+        max_server_memory_gib=args.max_server_memory_gib)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -59,6 +59,8 @@ def test_packed_env_archives_are_accepted(tmp_path, kind):
     (["--pool", "max_slots=9"], "set the engine slots with --max-slots"),
     (["--instances", "2"], "--instances 2 is for CPU serving (--gpus none)"),
     (["--gpus", "none", "--instances", "0"], "--instances must be >= 1"),
+    (["--max-server-memory-gib", "-1"], "--max-server-memory-gib must be >= 0"),
+    (["--max-server-memory-gib", "nan"], "--max-server-memory-gib must be >= 0"),
 ])
 def test_bad_flags_get_one_clear_error(tmp_path, capsys, flags, needle):
     assert main(["render-repository", str(tmp_path / "repo"), "--model", "ckpt", *flags]) == 2
@@ -79,3 +81,14 @@ def test_gpu_engines_keep_their_kernel_tuning_in_the_user_cache_unless_told_othe
     assert engine_config(render(tmp_path)[P.MODEL])["tune_cache"] == "/srv/tuning.pkl"
     assert engine_config(render(tmp_path, "--pool", "tune_cache=null")[P.MODEL])["tune_cache"] is None
     assert "tune_cache" not in engine_config(render(tmp_path, "--gpus", "none")[P.MODEL])  # CPU: nothing to tune
+
+
+def test_the_server_memory_budget_reaches_the_sequence_model(tmp_path):
+    out = tmp_path / "repo"
+    assert main(["render-repository", str(out), "--model", "ckpt", "--gpus", "none",
+                 "--max-server-memory-gib", "2.5"]) == 0
+    config = (out / "qwen3_tts" / "config.pbtxt").read_text()
+    assert 'key: "max_server_memory_gib" value: { string_value: "2.5" }' in config
+    assert main(["render-repository", str(out), "--model", "ckpt", "--gpus", "none"]) == 0  # the default
+    config = (out / "qwen3_tts" / "config.pbtxt").read_text()
+    assert 'key: "max_server_memory_gib" value: { string_value: "16.0" }' in config
