@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n\n".join(table([r for r in rows if r["loop"] == loop]) for loop, table
                        in (("closed", closed_table), ("open", open_table)) if any(r["loop"] == loop for r in rows))
     text += "\n\n" + anatomy_table(rows) if any(r["anatomy"] for r in rows) else ""
+    if args.metrics_url:
+        text += "\n\n" + server_memory(scrape(args.metrics_url))
     print(text)
     if args.md:
         with open(args.md, "w") as f:
@@ -314,6 +316,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"CHECK FAILED: {bad} bad streams", file=sys.stderr)
         return 1
     return 0
+
+
+def server_memory(metrics: dict[str, float]) -> str:
+    """The tritonserver process's resident memory after the run, against its budget (serving/health.py)."""
+    n = metrics.get("q3tts_instance_ready") or 1.0  # scrape sums over instances: each reports the same server
+    held, budget = (metrics.get(k, 0.0) / n for k in ("q3tts_server_resident_bytes",
+                                                      "q3tts_server_memory_budget_bytes"))
+    return (f"tritonserver resident memory after the run: {held / 2 ** 20:.0f} MiB (budget {budget / 2 ** 30:g} "
+            "GiB; 0 = none)")
 
 
 def _progress(r: dict) -> None:
