@@ -5,9 +5,10 @@ only queues what to build, so a step's 64 responses do not hold up its next step
 The engine thread applies the queued commands as one batch (serving/calls.py: their engine calls in one round
 trip per round, each sequence's in arrival order), steps the engine while it has work (commands that come while
 a step runs are applied meanwhile: `_between`, the step's `while_waiting`), routes each output's PCM to its
-session, and every TICK_S does the housekeeping: idle sequences, cancellations while
-no audio flows, metrics, and the unload check (once Triton unloads the model, every open sequence ends within
-UNLOAD_CONFIRM_S with "the model is being unloaded (...)", new ones are refused: unloading never waits on a client).
+session, and every TICK_S does the housekeeping: idle sequences, cancellations while no audio flows, metrics (the
+server's resident memory among them), and the unload check (once Triton unloads the model, every open sequence
+ends within UNLOAD_CONFIRM_S with "the model is being unloaded (...)", new ones are refused: unloading never
+waits on a client).
 
 A `DeviceFault` from any engine call (the engine runs in a child process, serving/engine_process.py, whose
 device context failed or which died) heals the instance: new sequences are refused at once, every open
@@ -55,7 +56,9 @@ def _no_log(level: str, msg: str) -> None:
 class EngineLoop(CommandHandlers):
     """`make_engine()` runs on the engine thread (a failure is raised from start()); it returns an engine or an
     `EngineProcess` (then the loop waits for its child, and replaces it after a device fault). `model_ready()`
-    says whether Triton still serves the model; it is only trusted after it was once True (not while loading)."""
+    says whether Triton still serves the model; it is only trusted after it was once True (not while loading).
+    `server_resident()`: the tritonserver process's resident bytes (by default the stub's parent's), reported
+    at each tick with `server_memory_budget` (bytes, 0 = none) for the health probe (serving/health.py)."""
 
     def __init__(self, make_engine: Callable, default_schedule: tuple[int, ...], idle_s: float, metrics=None,
                  log: Callable[[str, str], None] = _no_log, model_ready: Callable[[], bool] = lambda: True,
