@@ -9,9 +9,10 @@ VoiceDesign checkpoint `instructions` is the voice description and `voice` is no
 set the server's sampling parameters (client/protocol.py SAMPLING_PARAMS: greedy, seed, temperature, ...) and
 `language`. The status and headers wait for the first audio, so every refusal before it is an ordinary
 HTTP error in OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 bad input, 404 unknown
-voice, 429 too many requests (this endpoint's limit or the engine's wait queue), 503 the server cannot
-serve. A failure after audio has started ends the body early (SSE: an `error` event). The Server-Timing
-header splits the time to the first byte into the sequence's own time to first audio and the endpoint's.
+voice, 413 a body over MAX_BODY_BYTES (refused as it arrives), 429 too many requests (this endpoint's limit
+or the engine's wait queue), 503 the server cannot serve. A failure after audio has started ends the body
+early (SSE: an `error` event). The Server-Timing header splits the time to the first byte into the
+sequence's own time to first audio and the endpoint's.
 
 The speech route is a plain ASGI handler in front of the FastAPI app (which serves the other routes): its
 time to first byte is what the endpoint adds to every request, and FastAPI's per-request machinery (body
@@ -30,6 +31,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from q3tts.openai_api import audio
@@ -39,7 +41,10 @@ from q3tts_client import protocol as P
 SPEECH_PATH = "/v1/audio/speech"
 MAX_INPUT_CHARS = 4096  # OpenAI's limit for `input`
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+# far above any valid body (input <= 4096 characters, instructions <= protocol.MAX_TEXT_CHARS, each at most 12
+# bytes a character as JSON escapes), far below what would strain the process that serves the endpoint
+MAX_BODY_BYTES = 1 << 20
 EXTRA_FIELDS = (*P.SAMPLING_PARAMS, "language")
 
 
@@ -60,6 +65,25 @@ def error_body(status: int, message: str, param: str | None = None) -> JSONRespo
     code = {404: "voice_not_found", 429: "rate_limit_exceeded"}.get(status)
     return JSONResponse({"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
                                    "param": param, "code": code}}, status_code=status)
+
+
+async def _body(scope: Scope, receive: Receive) -> bytes:
+    """The request body as it arrives, refused (413) once past MAX_BODY_BYTES; a declared Content-Length past it
+    is refused before any of it is read."""
+    declared = dict(scope["headers"]).get(b"content-length", b"")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise Refusal(413, f"the request body holds {int(declared)} bytes; at most {MAX_BODY_BYTES}")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > MAX_BODY_BYTES:
+            raise Refusal(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def _parse(body: bytes) -> SpeechRequest:
@@ -184,7 +208,7 @@ def speech_endpoint(bridge: TritonBridge, formats: tuple[str, ...]) -> ASGIApp:
         try:
             if scope["method"] != "POST":
                 raise Refusal(405, f"{SPEECH_PATH} takes POST, not {scope['method']}")
-            req = _parse(await Request(scope, receive).body())
+            req = _parse(await _body(scope, receive))
             params = _check(req, formats)
             voice = await _voice(bridge, req)
             stream, first = await bridge.speak(req.input, voice, params)

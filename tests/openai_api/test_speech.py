@@ -17,6 +17,7 @@ import openai
 import pytest
 import soundfile as sf
 
+from q3tts.openai_api.app import MAX_BODY_BYTES
 from q3tts.openai_api.server import OpenAIServer
 from q3tts_client import protocol as P
 from q3tts_client.metrics import scrape
@@ -112,6 +113,22 @@ def test_refusals_have_openai_shape(api, body, status, param, match):
     assert set(error) == {"message", "type", "param", "code"} and match in error["message"]
     assert error["param"] == param
     assert error["type"] == "invalid_request_error"
+
+
+def test_an_oversized_body_is_refused_before_it_is_read_whole(api):
+    over = MAX_BODY_BYTES + 1
+    declared = httpx.post(f"{api.url}/v1/audio/speech", content=b" " * over, timeout=60)
+    assert declared.status_code == 413, declared.text
+    assert f"holds {over} bytes; at most {MAX_BODY_BYTES}" in declared.json()["error"]["message"]
+
+    def chunks():  # no Content-Length (chunked): 64 MiB offered, refused once past the limit
+        for _ in range(1024):
+            yield b" " * (64 << 10)
+
+    streamed = httpx.post(f"{api.url}/v1/audio/speech", content=chunks(), timeout=60)
+    assert streamed.status_code == 413 and streamed.json()["error"]["type"] == "invalid_request_error"
+    assert f"over {MAX_BODY_BYTES} bytes" in streamed.json()["error"]["message"]
+    assert post(api, response_format="pcm").status_code == 200  # the endpoint serves on
 
 
 def test_malformed_requests_have_openai_shape(api):
