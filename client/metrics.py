@@ -33,12 +33,16 @@ def scrape_by(url: str, label: str = "model_instance", timeout_s: float = 5.0) -
     return out
 
 
-def _series(url: str, timeout_s: float):
-    """(name, labels text, value) of each q3tts_* series on the metrics page at `url`."""
-    text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
+def series(text: str):
+    """(name, labels text, value) of each q3tts_* series of a Prometheus metrics page."""
     for line in text.splitlines():
         if m := _LINE.match(line):
             yield m.group(1), m.group(2) or "", float(m.group(3))
+
+
+def _series(url: str, timeout_s: float):
+    """`series` of the metrics page at `url`."""
+    return series(urllib.request.urlopen(url, timeout=timeout_s).read().decode())
 
 
 def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:

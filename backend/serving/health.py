@@ -22,11 +22,12 @@ import os
 import sys
 import urllib.request
 
+from q3tts_client.metrics import series
+
 
 def gauge_values(metrics_text: str, name: str) -> list[float]:
     """The values of gauge `name` (one per engine instance) in a Prometheus metrics page."""
-    return [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
-            if line.startswith((name + "{", name + " "))]
+    return [value for series_name, _, value in series(metrics_text) if series_name == name]
 
 
 def instance_ready_values(metrics_text: str) -> list[float]:
@@ -45,13 +46,12 @@ def resident_bytes(pid: int) -> int:
 
 def memory_reason(metrics_text: str) -> str | None:
     """Why the server is over its memory budget (`q3tts_server_resident_bytes` above a nonzero
-    `q3tts_server_memory_budget_bytes` in any instance's report), or None."""
-    reports = zip(gauge_values(metrics_text, "q3tts_server_resident_bytes"),
-                  gauge_values(metrics_text, "q3tts_server_memory_budget_bytes"))
-    over = [(held, budget) for held, budget in reports if 0 < budget < held]
-    if not over:
+    `q3tts_server_memory_budget_bytes`; every instance reports the one tritonserver and the one rendered
+    budget, so the largest of each is read), or None."""
+    held, budget = (max(gauge_values(metrics_text, name), default=0.0)
+                    for name in ("q3tts_server_resident_bytes", "q3tts_server_memory_budget_bytes"))
+    if not 0 < budget < held:
         return None
-    held, budget = over[0]
     return (f"tritonserver holds {held / 2 ** 30:.2f} GiB, over its budget of {budget / 2 ** 30:.2f} GiB "
             "(max_server_memory_gib): memory Triton 2.51 leaks when clients cancel refused requests; replace "
             "this server")
