@@ -5,7 +5,7 @@ Programmatic dependent launch (PDL, Hopper and later; `set_programmatic_launch(T
 default): a kernel launched with it may start while the kernel before it in the stream still runs. Its programs
 first prefetch their own weight slice into L2 (weights never depend on an earlier kernel), then wait at
 `griddepcontrol.wait` until the previous kernel has finished and its writes are visible, then let the next kernel
-launch (`griddepcontrol.launch_dependents`). So a chain of small launches (the code predictor's 23 a pass) overlaps
+launch (`griddepcontrol.launch_dependents`). So a chain of small launches (the code predictor's 22-23 a pass) overlaps
 each launch's start-up and weight fetch with the kernel before it, inside CUDA graphs too. A kernel without PDL
 code before or after one with it is ordered as usual: its successor only starts once it completes.
 """

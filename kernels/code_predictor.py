@@ -1,13 +1,17 @@
-"""The code predictor's kernels: one code-predictor pass in 23 launches (4 per layer).
+"""The code predictor's kernels: a frame's 15 passes in 23 launches for the first, 22 for each later one
+(4 per layer), and one more for the talker's next input.
 
-    project          input rows (or codec-embedding rows by id) @ small_to_mtp_projection + bias
+    project          input rows @ small_to_mtp_projection + bias (the first pass: past hidden, C(c0))
     per layer (x5):
-      qkv_attention  RMSNorm + QKV + QK-norm + RoPE + K/V cache write + attention (<= 16 positions)
+      qkv_attention  RMSNorm + QKV + QK-norm + RoPE + K/V cache write + attention (<= 16 positions);
+                     on the later passes' first layer its input rows are gathered by code id from a table
+                     (the codec embedding, through the projection once per weights: models/code_predictor_fused.py)
       linear_residual o_proj + residual
       norm_gate_up   RMSNorm + gate/up + SiLU * up
       linear_residual down_proj + residual
     norm_head        final RMSNorm + lm_head[j] -> fp32 logits
     sample           the GREEDY / TOPK draw (the FULL mode stays with models/sampling.py)
+    embed_sum        C(c0) + the 15 codes' embeddings: the talker's next input
 
 Every GEMM is a split-K skinny GEMM whose last program per unit runs the epilogue
 (code_predictor_gemm.py); the launch config is tuned per weight shape and row class (per weight
@@ -20,9 +24,10 @@ Each kernel's torch reference is in code_predictor_reference.py (sampling: model
 from __future__ import annotations
 
 from .code_predictor_attention import qkv_attention
+from .code_predictor_embed import embed_sum
 from .code_predictor_gemm import MIN_BLOCK_N, GemmConfig, counters_needed
 from .code_predictor_linear import linear_residual, norm_gate_up, norm_head, project
 from .code_predictor_sampling import sample
 
-__all__ = ["GemmConfig", "MIN_BLOCK_N", "counters_needed", "linear_residual", "norm_gate_up",
+__all__ = ["GemmConfig", "MIN_BLOCK_N", "counters_needed", "embed_sum", "linear_residual", "norm_gate_up",
            "norm_head", "project", "qkv_attention", "sample"]

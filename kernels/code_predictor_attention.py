@@ -27,13 +27,14 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import batch_invariant, pick
-from .code_predictor_gemm import (BLOCK_M, NORM, GemmConfig, arrive, interpret_config,
+from .code_predictor_gemm import (BLOCK_M, GATHER, NORM, GemmConfig, arrive, interpret_config,
                                   candidates, counters_needed, dot_precision, k_slice, load_sum,
                                   mainloop, row_blocks, row_offsets, row_rstd, store_partial,
                                   wait_for_inputs)
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": the first update has no inf - inf
-_NORM = tl.constexpr(NORM)  # a jit function reads globals only as constexpr (the interpreter does not check)
+# a jit function reads globals only as constexpr (the interpreter does not check)
+_NORM, _GATHER = tl.constexpr(NORM), tl.constexpr(GATHER)
 _CHUNK = tl.constexpr(4)  # cache positions the attention reads per step
 FEW_ROWS = 1  # launches of at most this many rows attend in one round of loads (`attention_rows`)
 
@@ -172,15 +173,29 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
 
 
 @triton.jit
-def qkv_group_partials(x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm,
-                       stride_w, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _copy_rows(x_ptr, x_off, row_mask, out_ptr, rows, stride_out, K, BLOCK_M: tl.constexpr):
+    """out[rows] = the rows of x at element offsets x_off [BLOCK_M] (all K columns)."""
+    CHUNK: tl.constexpr = 8192 // BLOCK_M
+    out_off = rows.to(tl.int64) * stride_out
+    for k0 in range(0, K, CHUNK):
+        ks = k0 + tl.arange(0, CHUNK)
+        mask = row_mask[:, None] & (ks < K)[None, :]
+        tl.store(out_ptr + out_off[:, None] + ks[None, :],
+                 tl.load(x_ptr + x_off[:, None] + ks[None, :], mask=mask), mask=mask)
+
+
+@triton.jit
+def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm,
+                       stride_ids, stride_w, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
+                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       PDL: tl.constexpr, GATHER: tl.constexpr):
     """This program's share of RMSNorm(X) @ W_qkv^T (grid: row blocks, column tiles, K slices),
     stored as an fp32 partial [SPLIT, M_PAD, (NH + 2 KVH) D], then a ticket on its (row block, kv
-    head g) group: q heads g*GROUP.., k head g, v head g. PDL: see `wait_for_inputs`.
-    Returns rows, row_mask [BLOCK_M], g, and whether this is the group's last program (which runs
-    the group's epilogue)."""
+    head g) group: q heads g*GROUP.., k head g, v head g. PDL: see `wait_for_inputs`. GATHER: row m
+    of X is row ids[m] of the table at x_ptr.
+    Returns rows, row_mask [BLOCK_M], the rows' element offsets in x [BLOCK_M], g, and whether this
+    is the group's last program (which runs the group's epilogue)."""
     m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_off = cols.to(tl.int64) * stride_w
@@ -188,7 +203,8 @@ def qkv_group_partials(x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD
     wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
-    x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, 1, 0, stride_xm, 0, _NORM)
+    x_off = row_offsets(x_ptr, ids_ptr, rows, row_mask, 1, 0, stride_xm, stride_ids,
+                        _GATHER if GATHER else _NORM)
     rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M)
     acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, _NORM, BLOCK_M,
                    BLOCK_N, BLOCK_K, DOT_PRECISION)
@@ -198,28 +214,31 @@ def qkv_group_partials(x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD
     g = tl.where(col0 < NUM_HEADS * D, col0 // (GROUP * D),
                  (col0 - NUM_HEADS * D) // D % NUM_KV)
     TILES_PER_GROUP: tl.constexpr = (GROUP + 2) * D // BLOCK_N
-    return rows, row_mask, g, arrive(cnt_ptr + m * NUM_KV + g, TILES_PER_GROUP * SPLIT)
+    return rows, row_mask, x_off, g, arrive(cnt_ptr + m * NUM_KV + g, TILES_PER_GROUP * SPLIT)
 
 
 @triton.jit(do_not_specialize=["M", "pos0", "M_PAD"])
 def _qkv_attention_kernel(
     # pointers
-    x_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, out_ptr, part_ptr,
-    cnt_ptr,
+    x_ptr, ids_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, out_ptr,
+    rows_out_ptr, part_ptr, cnt_ptr,
     # sizes
     M, K, pos0, eps, scale, M_PAD,
     # strides
-    stride_xm, stride_w, stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
-    stride_vh, stride_cos, stride_sin,
+    stride_xm, stride_ids, stride_w, stride_out, stride_rows_out, stride_kb, stride_kp, stride_kh,
+    stride_vb, stride_vp, stride_vh, stride_cos, stride_sin,
     # meta
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ATT_ROWS: tl.constexpr,
-    P: tl.constexpr,
+    P: tl.constexpr, GATHER: tl.constexpr,
 ):
-    rows, row_mask, g, last = qkv_group_partials(
-        x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_w, NUM_HEADS,
-        NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL)
+    rows, row_mask, x_off, g, last = qkv_group_partials(
+        x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_ids,
+        stride_w, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL, GATHER)
+    if GATHER:  # the gathered rows are the layer's residual input: one program per row block keeps them
+        if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+            _copy_rows(x_ptr, x_off, row_mask, rows_out_ptr, rows, stride_rows_out, K, BLOCK_M)
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
         _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
@@ -237,22 +256,25 @@ def qkv_candidates(qkv_weight: torch.Tensor, head_dim: int) -> list[GemmConfig]:
     return candidates(fits, qkv_weight.shape[1], qkv_weight.device)
 
 
-def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache,
-            out, counters, pos0, tokens, eps, scale) -> None:
-    rows, num_heads, d = x.shape[0], out.shape[1] // k_cache.shape[3], k_cache.shape[3]
+def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache,
+            v_cache, out, counters, pos0, tokens, eps, scale) -> None:
+    rows, num_heads, d = out.shape[0], out.shape[1] // k_cache.shape[3], k_cache.shape[3]
     m_pad = row_blocks(rows) * BLOCK_M
     part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
     pdl = programmatic_launch(x, prefetched=qkv_w)
+    gather = ids is not None
     _qkv_attention_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
-        x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, out, part, counters,
+        x, ids if gather else x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, out,
+        rows_out if gather else out, part, counters,
         rows, x.shape[1], pos0, eps, scale, m_pad,
-        x.stride(0), qkv_w.stride(0), out.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        x.stride(0), ids.stride(0) if gather else 0, qkv_w.stride(0), out.stride(0),
+        rows_out.stride(0) if gather else 0, *k_cache.stride()[:3], *v_cache.stride()[:3],
         cos.stride(0), sin.stride(0),
         NUM_HEADS=num_heads, NUM_KV=k_cache.shape[2], D=d, T=tokens,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
         DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, ATT_ROWS=attention_rows(rows),
-        P=triton.next_power_of_2(k_cache.shape[1]), num_warps=cfg.num_warps,
+        P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=pdl,
     )
 
@@ -269,7 +291,8 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
                   q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int,
                   tokens_per_row: int, eps: float, scale: float, counters: torch.Tensor,
-                  out: torch.Tensor | None = None, config: GemmConfig | None = None
+                  out: torch.Tensor | None = None, config: GemmConfig | None = None,
+                  ids: torch.Tensor | None = None, rows_out: torch.Tensor | None = None
                   ) -> torch.Tensor:
     """Attention half of a code-predictor layer for rows x [M, H], M = B * T (T = tokens_per_row;
     row r is batch row r // T at position pos0 + r % T).
@@ -277,9 +300,11 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
     qkv_weight [(NH + 2 KVH) D, H] (rows q | k | v); q/k_norm_weight [D]; cos, sin [P, D] RoPE
     tables; k_cache, v_cache [>= B, P, KVH, D] (written at each row's position; positions < pos0
     must hold this frame's earlier k/v). counters: int32 zeros, >= counters_needed(M, KVH).
+    ids [M] (int, any stride): row m is x[ids[m]] (x is then a table [V, H]), and those rows are
+    also written to rows_out [M, H] (the layer's residual input), so no launch gathers them first.
     Returns attention output [M, NH * D] in x.dtype (before o_proj).
     """
-    rows, hidden = x.shape
+    rows, hidden = x.shape if ids is None else (ids.shape[0], x.shape[1])
     _, positions, num_kv, d = k_cache.shape
     num_heads = qkv_weight.shape[0] // d - 2 * num_kv
     t = tokens_per_row
@@ -296,10 +321,17 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
         and cos.shape == sin.shape == (cos.shape[0], d), \
         f"qkv_attention: positions {pos0}..{pos0 + t - 1} out of range"
     assert BLOCK_M % t == 0, f"qkv_attention: {t} tokens per row must divide {BLOCK_M}"
+    assert (ids is None) == (rows_out is None), "qkv_attention: ids and rows_out come together"
+    gathered = () if ids is None else (("rows_out", rows_out),)
     for name, ten in (("x", x), ("qkv_weight", qkv_weight), ("cos", cos), ("sin", sin),
-                      ("k_cache", k_cache), ("v_cache", v_cache)):
+                      ("k_cache", k_cache), ("v_cache", v_cache), *gathered):
         assert ten.stride(-1) == 1, f"qkv_attention: {name} last dim must be contiguous"
         assert ten.device == x.device, f"qkv_attention: {name} on {ten.device}, x on {x.device}"
+    if ids is not None:
+        assert ids.dim() == 1 and not ids.is_floating_point() and ids.device == x.device, \
+            f"qkv_attention: ids must be int [M] on {x.device}"
+        assert rows_out.shape == (rows, hidden) and rows_out.dtype == x.dtype, \
+            f"qkv_attention: rows_out {tuple(rows_out.shape)}/{rows_out.dtype} != ({rows}, {hidden})/{x.dtype}"
     assert counters.dtype == torch.int32 and counters.numel() >= counters_needed(rows, num_kv), \
         "qkv_attention: counters must be int32 zeros, counters_needed(M, KVH) long"
     if out is None:
@@ -308,12 +340,16 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
     if rows == 0:
         return out
     weights = (norm_weight, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache)
-    args = (x, *weights, out, counters, pos0, t, eps, scale)
+    args = (x, ids, rows_out, *weights, out, counters, pos0, t, eps, scale)
     with device_guard(x):
         if config is None and x.is_cuda:  # timed on the first row block (the batch-1 shape)
-            key = ("cp_qkv_attention", qkv_weight.shape, num_kv, qkv_weight.dtype)
+            # NOTE: the gathering launch is its own kernel: its own key (see code_predictor_linear._run)
+            key = ("cp_qkv_attention" + ("/gather" if ids is not None else ""), qkv_weight.shape, num_kv,
+                   qkv_weight.dtype)
             m = min(rows, BLOCK_M)
-            one_block = (x[:m], *weights, out[:m], counters, pos0, t, eps, scale)
+            one_block = (x if ids is not None else x[:m], None if ids is None else ids[:m],
+                         None if ids is None else rows_out[:m], *weights, out[:m], counters, pos0, t, eps,
+                         scale)
             config = pick(key, qkv_candidates(qkv_weight, d),
                           lambda c: _launch(c, *one_block), x.device)
         config = config or interpret_config(d)

@@ -1,6 +1,6 @@
 """The code predictor's plain skinny GEMMs, one launch each (see code_predictor_gemm.py):
 
-    project        out = X @ W^T + b, X rows given or gathered by id (the pass input projection)
+    project        out = X @ W^T + b (the first pass's input projection)
     linear_residual out = residual + X @ W^T          (o-proj + residual, down + residual)
     norm_gate_up   out = silu(g) * u, [g | u] = RMSNorm(X) @ W_gate_up^T   (one weight tile holds
                    gate row j and up row j side by side, so one dot feeds both halves)
@@ -24,14 +24,14 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import batch_invariant, choose, pick
-from .code_predictor_gemm import (BLOCK_M, GATHER, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
+from .code_predictor_gemm import (BLOCK_M, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
                                   interpret_config, arrive, candidates, counters_needed, dot_precision, k_slice,
                                   load_sum, mainloop, row_blocks, row_class, row_offsets, row_rstd,
                                   store_partial, wait_for_inputs)
 from .swiglu import silu_times
 
 BIAS, RESIDUAL, SWIGLU, ROUND = 0, 1, 2, 3  # epilogues (ROUND: the product in the weight dtype)
-_PROLOGUE_NAMES = {PLAIN: "plain", GATHER: "gather", NORM: "norm"}  # in tuning keys
+_PROLOGUE_NAMES = {PLAIN: "plain", NORM: "norm"}  # in tuning keys
 _EPILOGUE_NAMES = {BIAS: "bias", RESIDUAL: "residual", SWIGLU: "swiglu", ROUND: "round"}
 
 
@@ -59,11 +59,11 @@ def _epilogue(acc, rows, row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, st
 @triton.jit(do_not_specialize=["M", "row_step", "row_first", "M_PAD"])
 def _linear_kernel(
     # pointers
-    x_ptr, ids_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, cnt_ptr,
+    x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, cnt_ptr,
     # sizes
     M, N, K, row_step, row_first, eps, M_PAD,
     # strides
-    stride_xm, stride_ids, stride_w, stride_res, stride_out,
+    stride_xm, stride_w, stride_res, stride_out,
     # meta
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
@@ -82,8 +82,7 @@ def _linear_kernel(
     wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
-    x_off = row_offsets(x_ptr, ids_ptr, rows, row_mask, row_step, row_first, stride_xm, stride_ids,
-                        PROLOGUE)
+    x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, row_step, row_first, stride_xm, 0, PROLOGUE)
     if PROLOGUE == 2:
         rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M)
     else:
@@ -104,8 +103,7 @@ def _linear_kernel(
                   EPILOGUE, BLOCK_M, BLOCK_N)
 
 
-def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n, ids=None,
-            norm_w=None, bias=None, residual=None, row_step=1, row_first=0, eps=0.0) -> None:
+def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n, norm_w=None, bias=None, residual=None, row_step=1, row_first=0, eps=0.0) -> None:
     tiles = n // cfg.block_n
     m_pad = row_blocks(rows, cfg.block_m) * cfg.block_m
     w_tile = cfg.block_n * (2 if epilogue == SWIGLU else 1)
@@ -118,11 +116,11 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
     cnt = counters if counters is not None else out  # never read with one K slice
     pdl = programmatic_launch(w, prefetched=w)
     _linear_kernel[(row_blocks(rows, cfg.block_m), tiles, cfg.split)](
-        x, ids if ids is not None else cnt, norm_w if norm_w is not None else w, w,
+        x, norm_w if norm_w is not None else w, w,
         bias if bias is not None else w, residual if residual is not None else out, out, part,
         cnt,
         rows, n, w.shape[1], row_step, row_first, eps, m_pad,
-        x.stride(0), ids.stride(0) if ids is not None else 0, w.stride(0),
+        x.stride(0), w.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
         PROLOGUE=prologue, EPILOGUE=epilogue, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype), PDL=pdl,
@@ -170,9 +168,9 @@ def _run(name: str, config: GemmConfig | None, split_k: bool = True, **kw) -> No
         return
     with device_guard(w):
         if config is None and w.is_cuda:
-            # NOTE: one tuning key per kernel variant: a wrapper that runs two (project with and
-            # without ids, linear with and without bias) must not hand a row class's pick for one to
-            # the other, a compile its warm-up may never have made
+            # NOTE: one tuning key per kernel variant: a wrapper that runs two (linear with and
+            # without bias) must not hand a row class's pick for one to the other, a compile its
+            # warm-up may never have made
             variant = f"{name}/{_PROLOGUE_NAMES[kw['prologue']]}+{_EPILOGUE_NAMES[kw['epilogue']]}"
             config = select_config(variant, w, n, kw["rows"],
                                    lambda c, m: _launch(c, **dict(kw, rows=m)), split_k)
@@ -191,18 +189,15 @@ def _out(out, rows: int, cols: int, like: torch.Tensor, dtype: torch.dtype) -> t
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, counters: torch.Tensor,
-            ids: torch.Tensor | None = None, out: torch.Tensor | None = None,
-            config: GemmConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T + bias [N] -> [M, N] in weight.dtype; with ids [M] (int, any
-    stride), row m of the input is x[ids[m]] (x is then an embedding table [V, K]).
+            out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias [N] -> [M, N] in weight.dtype.
     counters: int32 zeros, >= counters_needed(M, N // 16) (left zero)."""
-    rows = x.shape[0] if ids is None else ids.shape[0]
+    rows = x.shape[0]
     assert x.shape[1] == weight.shape[1] and bias.shape == (weight.shape[0],), \
         f"project: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias {tuple(bias.shape)}"
     out = _out(out, rows, weight.shape[0], x, weight.dtype)
     _run("cp_project", config, x=x, w=weight, out=out, counters=counters,
-         prologue=PLAIN if ids is None else GATHER, epilogue=BIAS, rows=rows, n=weight.shape[0],
-         ids=ids, bias=bias)
+         prologue=PLAIN, epilogue=BIAS, rows=rows, n=weight.shape[0], bias=bias)
     return out
 
 

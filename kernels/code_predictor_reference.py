@@ -14,10 +14,9 @@ from .reference import paged_decode_attention_ref, rms_norm_ref
 from .talker_reference import qkv_rope_store_ref
 
 
-def project_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                ids: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (or table rows x[ids]) @ weight^T + bias -> [M, N]."""
-    return F.linear(x if ids is None else x[ids.long()], weight, bias)
+def project_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight^T + bias -> [M, N]."""
+    return F.linear(x, weight, bias)
 
 
 def linear_residual_ref(x: torch.Tensor, weight: torch.Tensor,
@@ -39,6 +38,16 @@ def norm_head_ref(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tens
     """fp32 logits of the final norm + head on the last token of each batch row."""
     t = tokens_per_row
     return F.linear(rms_norm_ref(x[t - 1::t], norm_weight, eps), weight).float()
+
+
+def embed_sum_ref(first: torch.Tensor, tables: tuple[torch.Tensor, ...], ids: torch.Tensor) -> torch.Tensor:
+    """first [B, H] + sum of tables[g] at rows ids[:, g], in fp32 in the order of torch's CUDA sum of
+    `torch.stack(rows, 1).sum(1)` (term i to accumulator i % 4, then ((a0 + a1) + a2) + a3), rounded once."""
+    terms = [first] + [table[ids[:, g].long()] for g, table in enumerate(tables)]
+    acc = [torch.zeros_like(first, dtype=torch.float32) for _ in range(4)]
+    for i, term in enumerate(terms):
+        acc[i % 4] = acc[i % 4] + term.float()
+    return (((acc[0] + acc[1]) + acc[2]) + acc[3]).to(first.dtype)
 
 
 def qkv_attention_ref(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,

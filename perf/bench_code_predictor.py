@@ -154,20 +154,21 @@ def pass_launches(cp: CodePredictor, bsz: int, j: int = 7) -> list[tuple[str, in
     attn = torch.randn(bsz, cfg.num_heads * d, device=dev, dtype=dtype)
     act = torch.randn(bsz, inter, device=dev, dtype=dtype)
     logits = torch.randn(bsz, cp.lm_head[j].out_features, device=dev)
-    proj, table = cp.small_to_mtp_projection, model.codec_embedding[j - 1].weight
+    table = FusedCodePredictor(cp)._pass_tables()[j - 1]  # [V, Hc]
     ids = torch.randint(0, table.shape[0], (bsz,), device=dev)
     sampler = FrameInputs(cp, bsz, greedy=False).sampler
     p = sampler.params
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     kv_read = 2 * bsz * (j + 2) * nkv * d * esz  # k and v of positions 0..j+1
+    qkv = (layer.input_layernorm.weight, layer.self_attn.fused_weight(), layer.self_attn.q_norm.weight,
+           layer.self_attn.k_norm.weight, *model.rope(dev, dtype), k_cache, v_cache, j + 1, 1, 1e-6, d ** -0.5,
+           counters)
     return [
-        ("project (gather)", nbytes(proj.weight, proj.bias, h) + bsz * table.shape[1] * esz,
-         lambda: cpk.project(table, proj.weight, proj.bias, counters, ids=ids)),
+        ("qkv_attention, rows by id (a pass's first)",
+         nbytes(layer.self_attn.fused_weight(), attn, h) + 2 * bsz * table.shape[1] * esz + kv_read,
+         lambda: cpk.qkv_attention(table, *qkv, ids=ids, rows_out=h)),
         ("qkv_attention", nbytes(layer.self_attn.fused_weight(), h, attn) + kv_read,
-         lambda: cpk.qkv_attention(h, layer.input_layernorm.weight, layer.self_attn.fused_weight(),
-                                   layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight,
-                                   *model.rope(dev, dtype), k_cache, v_cache, j + 1, 1,
-                                   1e-6, d ** -0.5, counters)),
+         lambda: cpk.qkv_attention(h, *qkv)),
         ("o_proj + residual", nbytes(layer.self_attn.o_proj.weight, attn, h, h),
          lambda: cpk.linear_residual(attn, layer.self_attn.o_proj.weight, h, counters)),
         ("norm + gate_up + silu", nbytes(layer.mlp.fused_weight(), h, act),

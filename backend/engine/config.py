@@ -87,7 +87,7 @@ class EngineConfig:
                          64 SMs 8.14 against 8.98 ms per frame; no gain at 1 and 16 rows
                          (perf/results/RESULTS.md)
     fused_code_predictor the largest decode bucket whose code predictor runs its 15 passes through the fused
-                         kernels (kernels/code_predictor.py, 23 launches a pass; where the kernels serve the
+                         kernels (kernels/code_predictor.py, 22-23 launches a pass; where the kernels serve the
                          device); larger buckets run the eager passes; 0: never. 16: on the H200 (1.7B, bf16,
                          graphs) the fused passes made the step 1.4-2.1 ms faster at batch 1-16 (fourth
                          session); at 32 the eager passes have since overtaken them (step 8.35 against 8.91 ms

@@ -79,10 +79,8 @@ class GemmCase(NamedTuple):
 def gemm_cases(cpk, s: Shapes, rows: int, dtype: torch.dtype, inp: Inputs) -> list[GemmCase]:
     """One case per GEMM kernel use of a pass, for `rows` batch rows."""
     h, hidden, inter = inp.randn(rows, s.hidden, scale=2, dtype=dtype), s.hidden, s.inter
-    x_in, table = inp.randn(rows, s.talker_hidden, dtype=dtype), \
-        inp.randn(50, s.talker_hidden, scale=0.5, dtype=dtype)
-    proj_w, proj_b, ids = inp.weight(hidden, s.talker_hidden, dtype), \
-        inp.randn(hidden, scale=0.02, dtype=dtype), inp.ids(rows, 50)
+    x_in = inp.randn(rows, s.talker_hidden, dtype=dtype)
+    proj_w, proj_b = inp.weight(hidden, s.talker_hidden, dtype), inp.randn(hidden, scale=0.02, dtype=dtype)
     o_x, o_w = inp.randn(rows, s.heads * s.head_dim, dtype=dtype), \
         inp.weight(hidden, s.heads * s.head_dim, dtype)
     act, down_w = inp.randn(rows, inter, dtype=dtype), inp.weight(hidden, inter, dtype)
@@ -94,10 +92,6 @@ def gemm_cases(cpk, s: Shapes, rows: int, dtype: torch.dtype, inp: Inputs) -> li
         GemmCase("project",
                  lambda c, cfg, o: cpk.project(x_in, proj_w, proj_b, c, config=cfg, out=o),
                  lambda t: R.project_ref(*f(t, x_in, proj_w, proj_b)), (rows, hidden), dtype),
-        GemmCase("project by id",
-                 lambda c, cfg, o: cpk.project(table, proj_w, proj_b, c, ids=ids, config=cfg,
-                                               out=o),
-                 lambda t: R.project_ref(*f(t, table, proj_w, proj_b), ids), (rows, hidden), dtype),
         GemmCase("o_proj + residual",
                  lambda c, cfg, o: cpk.linear_residual(o_x, o_w, h, c, config=cfg, out=o),
                  lambda t: R.linear_residual_ref(*f(t, o_x, o_w, h)), (rows, hidden), dtype),
@@ -125,6 +119,25 @@ def check_gemms(cpk, s: Shapes, rows: int, dtype: torch.dtype, inp: Inputs, conf
         assert out.dtype == case.out_dtype
         assert_close_3way(out, case.ref(False), case.ref(True), dtype, f"{case.name} ({rows} rows)")
         assert not counters.any(), f"{case.name}: counters left non-zero"
+
+
+def check_gather(cpk, s: Shapes, bsz: int, dtype: torch.dtype, inp: Inputs, config) -> None:
+    """A later pass's first layer: rows by id from a table (a strided column of ids, as the codes table gives
+    them) make the same output and cache entries, bit for bit, as the gathered rows passed in, and land in
+    rows_out (the layer's residual input)."""
+    table, ids = inp.randn(50, s.hidden, scale=2, dtype=dtype), inp.ids(bsz, 50)
+    weights = (inp.norm_weight(s.hidden, dtype), inp.weight((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, dtype),
+               inp.norm_weight(s.head_dim, dtype), inp.norm_weight(s.head_dim, dtype))
+    rope = rope_cos_sin(torch.arange(s.positions, device=inp.device), s.head_dim, 1e6, dtype)
+    cache = [inp.randn(bsz, s.positions, s.kv_heads, s.head_dim, dtype=dtype) for _ in range(2)]  # earlier passes'
+    given, gathered = [c.clone() for c in cache], [c.clone() for c in cache]
+    args = (3, 1, EPS, s.head_dim ** -0.5)
+    want = cpk.qkv_attention(table[ids], *weights, *rope, *given, *args, inp.counters(), config=config)
+    rows_out, counters = inp.poisoned(bsz, s.hidden, dtype=dtype), inp.counters()
+    got = cpk.qkv_attention(table, *weights, *rope, *gathered, *args, counters, config=config, ids=ids,
+                            rows_out=rows_out, out=inp.poisoned(bsz, s.heads * s.head_dim, dtype=dtype))
+    assert torch.equal(got, want) and torch.equal(rows_out, table[ids])
+    assert all(torch.equal(a, b) for a, b in zip(gathered, given)) and not counters.any()
 
 
 class AttentionFrame:

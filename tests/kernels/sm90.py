@@ -6,7 +6,7 @@ test_register_spills.py (the interpreter that the other kernel tests set up must
 real shapes) with every JIT kernel's `run` replaced: each launch is bound and specialized exactly as
 on a GPU (the JIT's own binder, for a CUDA sm_90 backend), compiled by triton.compile to a cubin,
 and measured by the cuobjdump that ships with Triton (registers, spill stack), plus the shared memory it
-takes. `python tests/kernels/sm90.py [qkv | conv | sample | attention]` prints one spec set's (SPECS) as JSON;
+takes. `python tests/kernels/sm90.py [qkv | conv | sample | embed | attention]` prints one spec set's (SPECS) as JSON;
 `compiled(spec_set)` runs that from a test.
 """
 
@@ -81,7 +81,7 @@ H200_SMS = 132  # streaming multiprocessors: the tuner's split counts follow the
 def _qkv_specs():
     """(name, launch) of each qkv kernel config the H200's tuner times (`qkv_candidates` with its SM
     count): the code predictor's (1.7B shapes, T = 1 and 2; 4 rows, and the one batch row that attends in
-    one round of loads) and the talker's."""
+    one round of loads; rows gathered by id at 4 rows and at one) and the talker's."""
     import torch
 
     from q3tts.kernels import code_predictor_attention as cpa, code_predictor_gemm, talker_qkv
@@ -98,10 +98,14 @@ def _qkv_specs():
         for cfg in configs:
             if name == "cp":
                 cache = torch.zeros(4, 16, kv, d, **bf)  # 16 positions: the 1.7B's code groups
-                for t, rows in ((1, 4), (2, 4), (1, 1)):  # 1 row: `attention_rows` FEW_ROWS
-                    yield f"cp_qkv_attention T={t} rows={rows} {cfg}", lambda c=cfg, t=t, r=rows: cpa._launch(
-                        c, x[:r], norm_w, w, qn, kn, cos, sin, cache, cache.clone(),
-                        torch.zeros(r, heads * d, **bf), cnt, 0, t, 1e-6, 0.1)
+                table, ids = torch.zeros(2048, hidden, **bf), torch.zeros(4, dtype=torch.int64)
+                # 1 row: `attention_rows` FEW_ROWS; gathered: the passes after the first, rows by id from a table
+                for t, rows, gather in ((1, 4, False), (2, 4, False), (1, 1, False), (1, 4, True), (1, 1, True)):
+                    src = (table, ids[:rows], x[:rows]) if gather else (x[:rows], None, None)
+                    yield (f"cp_qkv_attention T={t} rows={rows}{' gathered' if gather else ''} {cfg}",
+                           lambda c=cfg, t=t, r=rows, src=src: cpa._launch(
+                               c, *src, norm_w, w, qn, kn, cos, sin, cache, cache.clone(),
+                               torch.zeros(r, heads * d, **bf), cnt, 0, t, 1e-6, 0.1))
             else:
                 cache = torch.zeros(8, 16, kv, d, **bf)
                 ids = torch.arange(4, dtype=torch.int64)
@@ -148,6 +152,18 @@ def _sample_specs():
                 yield f"sample V={vocab} topk={topk} warps={warps}", lambda a=(vocab, topk, warps): draw(*a)
 
 
+def _embed_specs():
+    """(name, launch) of the talker's next input (`embed_sum`) at the 1.7B's shapes, 4 rows: a tuple argument
+    of 15 tables."""
+    import torch
+
+    from q3tts.kernels import code_predictor_embed as ce
+
+    bf = dict(dtype=torch.bfloat16)
+    tables = tuple(torch.zeros(2048, 2048, **bf) for _ in range(15))
+    yield "embed_sum", lambda: ce.embed_sum(torch.zeros(4, 2048, **bf), tables, torch.zeros(4, 15, dtype=torch.int64))
+
+
 def _attention_specs():
     """(name, launch) of each decode attention config the tuner times (paged_attention._CANDIDATES), the talker's
     one launch and the two of paged_decode_attention, at the 1.7B talker's heads over the engine's block table at
@@ -169,7 +185,8 @@ def _attention_specs():
                                                                   torch.zeros_like(q))
 
 
-SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs, "attention": _attention_specs}
+SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs, "embed": _embed_specs,
+         "attention": _attention_specs}
 
 
 def compiled(spec_set: str) -> dict[str, list[dict]]:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from code_predictor_cases import (REAL, AttentionFrame, Inputs, assert_as_faithful, check_gemms,
-                                  forced_logits)
+from code_predictor_cases import (REAL, AttentionFrame, Inputs, assert_as_faithful, check_gather,
+                                  check_gemms, forced_logits)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -54,6 +54,22 @@ def test_gemm_kernels_at_real_shapes(cpk, rows):
 def test_qkv_attention_at_real_shapes(cpk, bsz):
     frame = AttentionFrame(cpk, REAL, bsz, BF16, Inputs("cuda", 2, bsz))
     frame.run_frame(None, passes=((0, 2), *((pos, 1) for pos in range(2, REAL.positions))))
+
+
+@pytest.mark.parametrize("bsz", [1, 16])
+def test_qkv_attention_gathers_its_rows_by_id_at_real_shapes(cpk, bsz):
+    check_gather(cpk, REAL, bsz, BF16, Inputs("cuda", 4, bsz), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=str)
+def test_next_input_sum_is_torchs_cuda_sum(cpk, dtype):
+    """embed_sum at the 1.7B's shapes (64 rows, 15 tables [2048, 2048]) gives the bits of the eager
+    torch.stack(rows, 1).sum(1) on the GPU (the order kernels/code_predictor_embed.py says torch takes)."""
+    inp = Inputs("cuda", 5)
+    first, tables = inp.randn(64, 2048, dtype=dtype), tuple(inp.randn(2048, 2048, dtype=dtype) for _ in range(15))
+    ids = torch.randint(0, 2048, (64, 15), generator=inp.gen, device="cuda")
+    want = torch.stack([first] + [t[ids[:, g]] for g, t in enumerate(tables)], 1).sum(1)
+    assert torch.equal(cpk.embed_sum(first, tables, ids), want)
 
 
 def _inputs(cp, bsz: int, greedy: bool, seed: int = 0):

@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from code_predictor_cases import (TINY, AttentionFrame, Inputs, assert_as_faithful, check_gemms,
-                                  forced_logits)
+from code_predictor_cases import (TINY, AttentionFrame, Inputs, assert_as_faithful, check_gather,
+                                  check_gemms, forced_logits)
 from kernel_checks import DEVICE, kernel_module
 from q3tts.checkpoint.maker import make_checkpoint, random_main_weights
 from q3tts.checkpoint.presets import model_config_dict
@@ -30,6 +30,7 @@ cpk = kernel_module("code_predictor")  # skips the module without triton
 from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402 (imports triton)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from q3tts.kernels import code_predictor_reference as R  # noqa: E402
 from q3tts.kernels.code_predictor_sampling import _kth_largest  # noqa: E402
 from q3tts.kernels.reference import rope_cos_sin  # noqa: E402
 GemmConfig = cpk.GemmConfig
@@ -45,8 +46,8 @@ CONFIG_IDS = ["default", "split2", "split4"]
 @pytest.mark.parametrize("rows", [1, 19])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gemm_kernels_match_their_references(dtype, rows, config):
-    """project (rows given and by id), o_proj / down + residual, norm + gate_up, norm + head (one
-    and two tokens per row); 19 rows span two row blocks."""
+    """project, o_proj / down + residual, norm + gate_up, norm + head (one and two tokens per row);
+    19 rows span two row blocks."""
     inp = Inputs(DEVICE, 1, rows, CONFIGS.index(config), dtype.itemsize)
     check_gemms(cpk, TINY, rows, dtype, inp, config)
 
@@ -59,6 +60,28 @@ def test_qkv_attention_over_a_frame(dtype, bsz, config):
     (9 rows x 2 tokens span two row blocks)."""
     inp = Inputs(DEVICE, 5, bsz, dtype.itemsize, config is None)
     AttentionFrame(cpk, TINY, bsz, dtype, inp).run_frame(config)
+
+
+@pytest.mark.parametrize("config", [None, GemmConfig(16, 32, 3, 1, 1)], ids=["default", "split3"])
+@pytest.mark.parametrize("bsz", [1, 19])
+def test_qkv_attention_gathers_its_rows_by_id(bsz, config):
+    """19 rows span two row blocks (fp32; check_gather says what)."""
+    check_gather(cpk, TINY, bsz, torch.float32, Inputs(DEVICE, 41, bsz), config)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_embed_sum_adds_in_order_and_rounds_once(dtype):
+    """C(c0) + 15 embedding rows by id -> the rows added in fp32 in torch's CUDA order, rounded once (bit-equal
+    to embed_sum_ref; a width that is not a multiple of the program's columns); within fp32 reordering of the
+    eager stack-and-sum on this CPU."""
+    inp = Inputs(DEVICE, 43)
+    first, tables = inp.randn(3, 600, dtype=dtype), tuple(inp.randn(50, 600, dtype=dtype) for _ in range(15))
+    ids = torch.randint(0, 50, (3, 15), generator=inp.gen)
+    got = cpk.embed_sum(first, tables, ids, out=inp.poisoned(3, 600, dtype=dtype))
+    assert torch.equal(got, R.embed_sum_ref(first, tables, ids))
+    terms = torch.stack([first] + [t[ids[:, g]] for g, t in enumerate(tables)], 1).float()  # [B, 16, H]
+    step = 16 * torch.finfo(torch.float32).eps * terms.abs().sum(1) + torch.finfo(dtype).eps * terms.sum(1).abs()
+    assert ((got.float() - terms.sum(1).to(dtype).float()).abs() <= step).all()
 
 
 def test_one_row_attention_is_batch_invariant_under_the_switch(invariant):
@@ -276,7 +299,32 @@ def test_fused_code_predictor_generates_the_eager_codes(fused_calls, monkeypatch
         cp.use_fused(2)
         got_codes, got_next = cp.generate(past_hidden, c0, SubtalkerSampler(params, u))
     assert fused_calls == [1] and got_codes.shape == (len(rows), 15)
-    assert torch.equal(got_codes, want_codes) and torch.equal(got_next, want_next)
+    assert torch.equal(got_codes, want_codes)
+    # the next input: the same 16 rows, added in torch's CUDA order (embed_sum), where this CPU's torch adds
+    # them in another
+    tables = tuple(e.weight for e in cp.model.codec_embedding)
+    e0 = cp._embed_c0(c0)
+    assert torch.equal(got_next, R.embed_sum_ref(e0, tables, got_codes))
+    terms = torch.stack([e0] + [t[got_codes[:, g]] for g, t in enumerate(tables)], 1)  # [B, 16, H]
+    assert ((got_next - want_next).abs() <= 16 * torch.finfo(torch.float32).eps * terms.abs().sum(1)).all()
+
+
+@torch.no_grad()
+def test_projected_input_tables_follow_the_weights():
+    """The 1.7B's later passes gather from codec_embedding[j - 1] through the projection, computed once: equal
+    to the projection of each row, and made again once load_state_dict changes the weights (not before)."""
+    cp = _tiny_talker("1.7b").code_predictor
+    fused, proj = FusedCodePredictor(cp), cp.small_to_mtp_projection
+    first = fused._pass_tables()
+    assert len(first) == 14 and fused._pass_tables() is first  # kept
+    for j, table in enumerate(first):
+        assert torch.equal(table, proj(cp.model.codec_embedding[j].weight))
+    state = {k: v * 1.5 if k.startswith(("small_to_mtp", "model.codec_embedding.3.")) else v
+             for k, v in cp.state_dict().items()}
+    cp.load_state_dict(state)
+    again = fused._pass_tables()
+    assert again is not first and torch.equal(again[3], proj(cp.model.codec_embedding[3].weight))
+    assert not torch.equal(again[3], first[3])
 
 
 @torch.no_grad()

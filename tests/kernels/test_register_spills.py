@@ -1,7 +1,8 @@
 """Kernels compiled for the H200 (sm_90) spill no registers (tests/kernels/sm90.py, run in a fresh interpreter
 without TRITON_INTERPRET: it compiles, it does not interpret; the alignment a real launch specializes on).
 The fused qkv kernels: every launch config their tuner times there (4 candidates of 132-SM split counts, each
-kernel and token count; the code predictor's also at one row, which attends in one round of loads). The draw
+kernel and token count; the code predictor's also at one row, which attends in one round of loads, and with its
+rows gathered by id). The talker's next input (`embed_sum`: a tuple of 15 tables). The draw
 kernel: every warp count its tuner times. The decode attention: every config its tuner times. A spill puts a thread's values in local memory, whose round trips
 every program of these kernels would wait on."""
 
@@ -17,8 +18,8 @@ def usage() -> dict[str, list[dict]]:
 
 
 def test_every_qkv_spec_compiles_once(usage):
-    # 4 configs x (code predictor: T = 1 and 2 over 4 rows, T = 1 at one row; talker)
-    assert len(usage) == 16 and all(len(kernels) == 1 for kernels in usage.values()), usage
+    # 4 configs x (code predictor: T = 1 and 2 over 4 rows, T = 1 at one row, rows by id at 4 and at one; talker)
+    assert len(usage) == 24 and all(len(kernels) == 1 for kernels in usage.values()), usage
 
 
 def spilled(usage: dict[str, list[dict]]) -> dict[str, dict]:
@@ -35,6 +36,12 @@ def test_no_draw_warp_candidate_spills():
     none spills (one warp does in TOPK mode on the talker's 4096-wide row, so it is not offered there)."""
     usage = compiled("sample")
     assert len(usage) == 13, usage  # 2 vocabularies x (greedy: 4 counts; TOPK: 4 at 2048, 2 at 4096 wide)
+    assert not spilled(usage), spilled(usage)
+
+
+def test_the_next_input_sum_compiles_without_spilling():
+    usage = compiled("embed")
+    assert [k["kernel"] for k in usage["embed_sum"]] == ["_embed_sum_kernel"], usage
     assert not spilled(usage), spilled(usage)
 
 
