@@ -51,6 +51,7 @@ try:
     from . import snake as _sn
     from . import store_kv as _kv
     from . import swiglu as _sw
+    from . import splitmix as _un
     from .autotune import tuning as _tuning
     from .warmup import warmup as _warmup
 
@@ -62,7 +63,7 @@ __all__ = ["HAS_TRITON", "PagedPrefix", "QKNorm", "apply_rotary", "batch_invaria
            "linear", "paged_decode_attention", "prefill_attention", "ring_attention", "rms_norm",
            "conv_kernel_weight",
            "set_batch_invariant", "set_programmatic_launch", "silu_mul", "snake_beta", "store_kv", "tuning",
-           "use_triton", "warmup"]
+           "uniforms", "use_triton", "warmup"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -73,6 +74,13 @@ def use_triton(t: torch.Tensor) -> bool:
         return True
     return (os.environ.get("TRITON_INTERPRET", "0") == "1"
             and os.environ.get("Q3TTS_TRITON_ON_CPU", "0") == "1")
+
+
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor, lanes: int) -> torch.Tensor:
+    """[B, lanes] float32 uniforms in [0, 1) from seeds, counters [B] int (`reference.uniforms_ref`'s bits)."""
+    if use_triton(seeds):
+        return _un.uniforms(seeds, counters, lanes)
+    return reference.uniforms_ref(seeds, counters, lanes)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

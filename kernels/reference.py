@@ -200,3 +200,36 @@ def snake_beta_ref(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> 
     alpha = torch.exp(alpha[None, :, None])
     beta = torch.exp(beta[None, :, None])
     return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+
+
+# ---------------------------------------------------------------- counter-based uniforms
+
+def to_int64(x: int) -> int:
+    """Two's-complement int64 value of a 64-bit unsigned constant."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+SPLITMIX64 = tuple(to_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    golden, mix1, mix2 = SPLITMIX64
+    z = x + golden
+    z = (z ^ _shr(z, 30)) * mix1
+    z = (z ^ _shr(z, 27)) * mix2
+    return z ^ _shr(z, 31)
+
+
+def uniforms_ref(seeds: torch.Tensor, counters: torch.Tensor, lanes: int) -> torch.Tensor:
+    """[B, lanes] float32 uniforms in [0, 1) for (seed, counter) pairs (seeds, counters: [B] int): lane l of
+    row b is the top 24 bits of splitmix64(splitmix64(seed) ^ (counter * lanes + l)), times 2^-24. int64
+    arithmetic wraps as uint64's does, so the bits are the unsigned hash's."""
+    lane = torch.arange(lanes, dtype=torch.int64, device=seeds.device)  # [lanes]
+    key = _splitmix64(seeds.long())[:, None]  # [B, 1]
+    bits = _splitmix64(key ^ (counters.long()[:, None] * lanes + lane))  # [B, lanes]
+    return _shr(bits, 40).float() * (1.0 / (1 << 24))

@@ -11,8 +11,8 @@ twice (any parameters: the reference); TOPK takes the k-th largest from `topk(TO
 top-p (valid when every row has top_p >= 1 and, unless greedy, 1 <= top_k <= TOPK_CAP); GREEDY is
 a plain argmax (valid when every row is greedy with top_p >= 1). `sampling_mode` picks the cheapest
 valid one from the rows' Python values.
-Uniforms come from `uniforms(seeds, counters)`: a splitmix64 hash in int64 tensor ops, no host RNG,
-so a sequence's draws depend only on its seed and frame index.
+Uniforms come from `uniforms(seeds, counters)`: a splitmix64 hash on the device (one kernel, or int64 tensor
+ops), no host RNG, so a sequence's draws depend only on its seed and frame index.
 Batch invariance (EngineConfig.batch_invariant): given a row's logits, its draw depends on no other row.
 The processors are elementwise; argmax, amax, sort and topk select (exact in any order); softmax and
 cumsum reduce within a row, torch's CUDA kernels in a per-row order set by the vocabulary size alone.
@@ -267,29 +267,7 @@ class SubtalkerSampler:
 
 # ---------------------------------------------------------------- counter-based uniforms
 
-def _i64(x: int) -> int:
-    """Two's-complement int64 value of a 64-bit unsigned constant."""
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
-
-
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _splitmix64(x: torch.Tensor) -> torch.Tensor:
-    z = x + _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
-
-
 def uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """[B, 16] float32 uniforms in [0, 1) for (seed, counter) pairs (seeds, counters: [B] int64)."""
-    lane = torch.arange(NUM_UNIFORMS, dtype=torch.int64, device=seeds.device)  # [16]
-    key = _splitmix64(seeds.long())[:, None]  # [B, 1]
-    bits = _splitmix64(key ^ (counters.long()[:, None] * NUM_UNIFORMS + lane))  # [B, 16]
-    return _shr(bits, 40).float() * (1.0 / (1 << 24))
+    """[B, 16] float32 uniforms in [0, 1) for (seed, counter) pairs (seeds, counters: [B] int64): a splitmix64
+    hash (`kernels.uniforms`: one launch where the kernels serve, else int64 torch ops; the same bits)."""
+    return kernels.uniforms(seeds, counters, NUM_UNIFORMS)

@@ -6,7 +6,7 @@ test_register_spills.py (the interpreter that the other kernel tests set up must
 real shapes) with every JIT kernel's `run` replaced: each launch is bound and specialized exactly as
 on a GPU (the JIT's own binder, for a CUDA sm_90 backend), compiled by triton.compile to a cubin,
 and measured by the cuobjdump that ships with Triton (registers, spill stack), plus the shared memory it
-takes. `python tests/kernels/sm90.py [qkv | conv | sample | embed | attention]` prints one spec set's (SPECS) as JSON;
+takes. `python tests/kernels/sm90.py [qkv | conv | sample | small | attention]` prints one spec set's (SPECS) as JSON;
 `compiled(spec_set)` runs that from a test.
 """
 
@@ -152,16 +152,17 @@ def _sample_specs():
                 yield f"sample V={vocab} topk={topk} warps={warps}", lambda a=(vocab, topk, warps): draw(*a)
 
 
-def _embed_specs():
-    """(name, launch) of the talker's next input (`embed_sum`) at the 1.7B's shapes, 4 rows: a tuple argument
-    of 15 tables."""
+def _small_specs():
+    """(name, launch) of the decode step's small kernels: the talker's next input (`embed_sum`) at the 1.7B's
+    shapes, 4 rows (a tuple argument of 15 tables), and the uniforms (uint64 arithmetic)."""
     import torch
 
-    from q3tts.kernels import code_predictor_embed as ce
+    from q3tts.kernels import code_predictor_embed as ce, splitmix
 
-    bf = dict(dtype=torch.bfloat16)
+    bf, rows = dict(dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int64)
     tables = tuple(torch.zeros(2048, 2048, **bf) for _ in range(15))
     yield "embed_sum", lambda: ce.embed_sum(torch.zeros(4, 2048, **bf), tables, torch.zeros(4, 15, dtype=torch.int64))
+    yield "uniforms", lambda: splitmix.uniforms(rows, rows.clone(), 16)
 
 
 def _attention_specs():
@@ -185,7 +186,7 @@ def _attention_specs():
                                                                   torch.zeros_like(q))
 
 
-SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs, "embed": _embed_specs,
+SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs, "small": _small_specs,
          "attention": _attention_specs}
 
 

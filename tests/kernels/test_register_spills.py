@@ -2,7 +2,7 @@
 without TRITON_INTERPRET: it compiles, it does not interpret; the alignment a real launch specializes on).
 The fused qkv kernels: every launch config their tuner times there (4 candidates of 132-SM split counts, each
 kernel and token count; the code predictor's also at one row, which attends in one round of loads, and with its
-rows gathered by id). The talker's next input (`embed_sum`: a tuple of 15 tables). The draw
+rows gathered by id). The talker's next input (`embed_sum`: a tuple of 15 tables) and the uniforms. The draw
 kernel: every warp count its tuner times. The decode attention: every config its tuner times. A spill puts a thread's values in local memory, whose round trips
 every program of these kernels would wait on."""
 
@@ -39,9 +39,10 @@ def test_no_draw_warp_candidate_spills():
     assert not spilled(usage), spilled(usage)
 
 
-def test_the_next_input_sum_compiles_without_spilling():
-    usage = compiled("embed")
-    assert [k["kernel"] for k in usage["embed_sum"]] == ["_embed_sum_kernel"], usage
+def test_the_small_step_kernels_compile_without_spilling():
+    usage = compiled("small")
+    assert {spec: [k["kernel"] for k in kernels] for spec, kernels in usage.items()} == \
+        {"embed_sum": ["_embed_sum_kernel"], "uniforms": ["_uniforms_kernel"]}, usage
     assert not spilled(usage), spilled(usage)
 
 
