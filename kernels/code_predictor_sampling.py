@@ -12,9 +12,15 @@ only where u * total lands within fp32 rounding of a CDF step.
 Each program's warp count is tuned once per vocabulary and mode (`warp_candidates`).
 The finite guard is the reference's (`guard_ids`): a row whose scores (after temperature) hold a NaN
 or +inf, or are all -inf, draws id 0 and is or-ed into `faults`.
+The talker's draw (`TalkerScores`) first runs its processors on the row, as `models.sampling.sample_talker`
+does in torch (about 15 launches): the repetition penalty on the ids the row generated (s / p if s > 0 else
+s * p; an exact division), EOS at -inf while fewer than min_new_tokens frames were generated, and every id
+from suppress_start on at -inf but EOS.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -23,6 +29,30 @@ import triton.language as tl
 from ._launch import device_guard, programmatic_launch
 from .autotune import pick
 from .code_predictor_gemm import wait_for_previous
+
+
+class TalkerScores(NamedTuple):
+    """The talker's processors before its draw: generated [B, V] bool (the row's history), penalty [B] float
+    (repetition penalty), num_generated [B] int, and the codec's ids."""
+
+    generated: torch.Tensor
+    penalty: torch.Tensor
+    num_generated: torch.Tensor
+    eos_id: int
+    min_new_tokens: int
+    suppress_start: int
+
+
+@triton.jit
+def _talker_scores(x, idx, valid, r, gen_ptr, pen_ptr, ngen_ptr, stride_gen, stride_pen, stride_ngen, eos_id,
+                   min_new, suppress_start):
+    """The row x [BLOCK_V] after the repetition penalty, the EOS block and the suppressed range."""
+    generated = tl.load(gen_ptr + r * stride_gen + idx, mask=valid, other=0) != 0
+    p = tl.zeros_like(x) + tl.load(pen_ptr + r * stride_pen).to(tl.float32)
+    x = tl.where(generated, tl.where(x > 0, tl.math.div_rn(x, p), x * p), x)
+    blocked = tl.load(ngen_ptr + r * stride_ngen) < min_new
+    x = tl.where(blocked & (idx == eos_id), float("-inf"), x)
+    return tl.where((idx >= suppress_start) & (idx != eos_id), float("-inf"), x)
 
 
 @triton.jit
@@ -54,20 +84,23 @@ def _kth_largest(x, valid, k):
 @triton.jit
 def _sample_kernel(
     # pointers
-    logits_ptr, temp_ptr, topk_ptr, greedy_ptr, u_ptr, out_ptr, faults_ptr,
+    logits_ptr, temp_ptr, topk_ptr, greedy_ptr, u_ptr, out_ptr, faults_ptr, gen_ptr, pen_ptr, ngen_ptr,
     # sizes
-    cap,
+    cap, eos_id, min_new, suppress_start,
     # strides (parameters and outputs may be strided columns of the engine's tables)
-    stride_l, stride_t, stride_k, stride_g, stride_u, stride_o, stride_f,
+    stride_l, stride_t, stride_k, stride_g, stride_u, stride_o, stride_f, stride_gen, stride_pen, stride_ngen,
     # meta
     V: tl.constexpr, BLOCK_V: tl.constexpr, TOPK: tl.constexpr, HAS_FAULTS: tl.constexpr,
-    PDL: tl.constexpr,
+    TALKER: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)  # every input may come from the kernel before
     r = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, BLOCK_V)
     valid = idx < V
     x = tl.load(logits_ptr + r * stride_l + idx, mask=valid, other=float("-inf"))
+    if TALKER:
+        x = _talker_scores(x, idx, valid, r, gen_ptr, pen_ptr, ngen_ptr, stride_gen, stride_pen, stride_ngen,
+                           eos_id, min_new, suppress_start)
     best = tl.argmax(x, 0, tie_break_left=True)
     if TOPK:
         greedy = tl.load(greedy_ptr + r * stride_g) != 0
@@ -93,17 +126,25 @@ def _sample_kernel(
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            greedy: torch.Tensor, u: torch.Tensor, topk: bool, cap: int,
-           out: torch.Tensor | None = None, faults: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, faults: torch.Tensor | None = None,
+           talker: TalkerScores | None = None) -> torch.Tensor:
     """ids [B] int64 from fp32 logits [B, V] (last dim contiguous).
 
     topk False: argmax of every row (GREEDY mode). topk True (TOPK mode; valid when every
     non-greedy row has 1 <= top_k <= cap): temperature [B] f32, top_k [B] int, greedy [B] bool,
     u [B] f32 uniforms. faults [B] bool: or-ed with the rows the finite guard sent to id 0.
+    talker: the talker's processors run on the logits first (`TalkerScores`).
     Parameter tensors, `out` and `faults` may be strided views."""
     bsz, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(-1) == 1, \
         f"sample: logits must be fp32 with a contiguous last dim, got {logits.dtype}"
-    for name, t in (("temperature", temperature), ("top_k", top_k), ("greedy", greedy), ("u", u)):
+    rows = (("temperature", temperature), ("top_k", top_k), ("greedy", greedy), ("u", u))
+    if talker is not None:
+        rows += (("penalty", talker.penalty), ("num_generated", talker.num_generated))
+        assert talker.generated.shape == (bsz, vocab) and talker.generated.dtype == torch.bool \
+            and talker.generated.stride(-1) == 1 and talker.generated.device == logits.device, \
+            f"sample: generated must be bool [{bsz}, {vocab}] on {logits.device}, last dim contiguous"
+    for name, t in rows:
         assert t.shape == (bsz,), f"sample: {name} {tuple(t.shape)} != ({bsz},)"
         assert t.device == logits.device, f"sample: {name} on {t.device}, logits on {logits.device}"
     assert greedy.dtype == torch.bool and not top_k.is_floating_point(), \
@@ -118,28 +159,36 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     block_v = triton.next_power_of_2(vocab)
     pdl = programmatic_launch(logits)
 
+    t = talker or TalkerScores(greedy, u, u, 0, 0, 0)  # unread without talker
+
     def launch(num_warps: int) -> None:  # idempotent: out overwritten, faults or-ed
         _sample_kernel[(bsz,)](
             logits, temperature, top_k, greedy, u, out, faults if faults is not None else greedy,
-            cap,
+            t.generated, t.penalty, t.num_generated,
+            cap, t.eos_id, t.min_new_tokens, t.suppress_start,
             logits.stride(0), temperature.stride(0), top_k.stride(0), greedy.stride(0),
             u.stride(0), out.stride(0), faults.stride(0) if faults is not None else 0,
-            V=vocab, BLOCK_V=block_v, TOPK=topk, HAS_FAULTS=faults is not None, PDL=pdl,
-            num_warps=num_warps, launch_pdl=pdl,
+            t.generated.stride(0), t.penalty.stride(0), t.num_generated.stride(0),
+            V=vocab, BLOCK_V=block_v, TOPK=topk, HAS_FAULTS=faults is not None, TALKER=talker is not None,
+            PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
         )
 
+    # NOTE: the talker's draw is its own kernel: its own key (a warp count timed without the processors may
+    # never have compiled with them)
+    key = ("sample" + ("/talker" if talker is not None else ""), block_v, topk)
     with device_guard(logits):
-        launch(pick(("sample", block_v, topk), warp_candidates(block_v, topk), launch, logits.device))
+        launch(pick(key, warp_candidates(block_v, topk, talker is not None), launch, logits.device))
     return out
 
 
-def warp_candidates(block_v: int, topk: bool) -> list[int]:
+def warp_candidates(block_v: int, topk: bool, talker: bool = False) -> list[int]:
     """The warps a draw's program may run with, the heuristic first (the CPU's; the GPU times them once per
     vocabulary and mode, never per batch). One program is one row's chain of reductions (TOPK: 32 select
     steps and a few more), each across the program's warps, with 2+ warps through shared memory and a
-    barrier: fewer warps hold more of the row each, and one warp reduces by shuffles alone. TOPK offers 1 warp
-    only up to a 2048-wide row: on sm_90 it holds that row in 231 registers, none spilled, and spills from a
-    4096-wide one (96 bytes a thread)."""
+    barrier: fewer warps hold more of the row each, and one warp reduces by shuffles alone. TOPK, and the
+    talker's processors (which hold its history too), offer 1 warp only up to a 2048-wide row: on sm_90 TOPK
+    holds that row in 231 registers, none spilled, and both spill from a 4096-wide one (96 and 352 bytes a
+    thread)."""
     first = 8 if block_v >= 4096 else 4
-    one = (1,) if not topk or block_v <= 2048 else ()
+    one = (1,) if not (topk or talker) or block_v <= 2048 else ()
     return [first] + [w for w in (*one, 2, 8) if w != first]

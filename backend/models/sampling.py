@@ -242,7 +242,15 @@ def sample_talker(logits: torch.Tensor, params: SamplingTensors, rules: TalkerRu
     """First-codebook draw. logits [B, V] (any float dtype); generated [B, V] bool history mask;
     num_generated [B] int; u [B]. Returns c0 [B] int64: always a speech id (< suppress_start) or EOS —
     a non-finite row draws speech id 0 (valid for the codec too: never EOS, which a prefill row may not
-    draw and the codec cannot embed) and is flagged in `faults` [B] bool (see `warp_and_draw`)."""
+    draw and the codec cannot embed) and is flagged in `faults` [B] bool (see `warp_and_draw`).
+    Where `warp_and_draw` would run the sampling kernel, the processors run inside it (one launch)."""
+    if params.mode != FULL and kernels.use_triton(logits):
+        from q3tts.kernels.code_predictor_sampling import TalkerScores, sample  # imports triton
+
+        talker = TalkerScores(generated, params.repetition_penalty, num_generated, rules.eos_id,
+                              rules.min_new_tokens, rules.suppress_start)
+        return sample(logits.float(), params.temperature, params.top_k, params.greedy, u, params.mode == TOPK,
+                      TOPK_CAP, faults=faults, talker=talker)
     scores = apply_repetition_penalty(logits.float(), generated, params.repetition_penalty)
     scores = block_eos(scores, num_generated, rules.eos_id, rules.min_new_tokens)
     scores = suppress_range(scores, rules.suppress_start, rules.eos_id)

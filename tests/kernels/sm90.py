@@ -135,21 +135,24 @@ def _conv_specs():
 
 def _sample_specs():
     """(name, launch) of each warp count `warp_candidates` offers the draw kernel, both modes, at the code
-    predictor's vocabulary (2048) and the talker's (3072: a 4096-wide row)."""
+    predictor's vocabulary (2048) and the talker's (3072: a 4096-wide row; with and without its processors)."""
     import torch
 
     from q3tts.kernels import code_predictor_sampling as cs
 
     ones, top_k, flags = torch.ones(4), torch.ones(4, dtype=torch.int64), torch.zeros(4, dtype=torch.bool)
 
-    def draw(vocab: int, topk: bool, warps: int) -> None:
+    def draw(vocab: int, topk: bool, warps: int, talker: bool) -> None:
+        scores = cs.TalkerScores(torch.zeros(4, vocab, dtype=torch.bool), ones, top_k, 2150, 2, 2048) if talker else None
         with mock.patch.object(cs, "pick", lambda *_: warps):
-            cs.sample(torch.zeros(4, vocab), ones, top_k, flags, ones, topk, 50, faults=flags.clone())
+            cs.sample(torch.zeros(4, vocab), ones, top_k, flags, ones, topk, 50, faults=flags.clone(), talker=scores)
 
     for vocab in (2048, 3072):
         for topk in (False, True):
-            for warps in cs.warp_candidates(triton.next_power_of_2(vocab), topk):
-                yield f"sample V={vocab} topk={topk} warps={warps}", lambda a=(vocab, topk, warps): draw(*a)
+            for talker in (False, True) if vocab == 3072 else (False,):  # the talker's draw runs its processors
+                for warps in cs.warp_candidates(triton.next_power_of_2(vocab), topk, talker):
+                    yield (f"sample V={vocab} topk={topk} warps={warps}{' talker' if talker else ''}",
+                           lambda a=(vocab, topk, warps, talker): draw(*a))
 
 
 def _small_specs():

@@ -21,8 +21,9 @@ from q3tts.config import ModelConfig
 from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
-from q3tts.models.sampling import (FULL, GREEDY, TOPK, TOPK_CAP, SamplingTensors, SubtalkerSampler,
-                                   apply_temperature, apply_top_k_capped, uniforms, warp_and_draw,
+from q3tts.models.sampling import (FULL, GREEDY, TOPK, TOPK_CAP, SamplingTensors, SubtalkerSampler, TalkerRules,
+                                   apply_repetition_penalty, apply_temperature, apply_top_k_capped, block_eos,
+                                   sample_talker, suppress_range, uniforms, warp_and_draw,
                                    warp_and_draw_reference)
 from q3tts.models.talker import Talker
 
@@ -223,6 +224,46 @@ def test_sample_finite_guard_matches_the_reference(mode):
     want = warp_and_draw_reference(logits, params, u, faults=want_faults)
     assert torch.equal(got, want) and torch.equal(faults, want_faults)
     assert faults[:5 if mode == TOPK else 3].all() and got[:3].eq(0).all() and faults[6]
+
+
+@pytest.mark.parametrize("mode", [GREEDY, TOPK])
+def test_sample_talker_runs_its_processors_in_the_kernel(mode, monkeypatch):
+    """sample_talker where the kernels serve (one launch: the processors inside the draw) against its torch
+    reference (repetition penalty, EOS blocked, control ids suppressed, then warp_and_draw_reference): rows
+    with penalties above and below 1 over a random history, fewer and more than min_new_tokens frames, the
+    best score on EOS and on a suppressed id, a NaN row (faults); the same ids but where u lands within fp32
+    rounding of a CDF step of the processed scores."""
+    cps = kernel_module("code_predictor_sampling")
+    calls: list[int] = []
+    kernel = cps.sample
+    monkeypatch.setattr(cps, "sample", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
+    inp = Inputs(DEVICE, 12, mode == TOPK)
+    vocab, rules = 3072, TalkerRules(eos_id=2150, suppress_start=2048)
+    n = 40
+    rows = [SamplingParams(greedy=mode == GREEDY, top_k=k, temperature=t, repetition_penalty=p)
+            for k, t, p in [(50, 0.9, 1.05), (7, 0.6, 1.3), (1, 1.0, 0.8), (64, 1.2, 1.0)] * (n // 4)]
+    params = SamplingTensors.talker(rows, DEVICE)
+    assert params.mode == mode
+    logits = inp.randn(n, vocab, scale=3)
+    logits[1, 2150] = logits[2, 2150] = logits[5, 2500] = 50.0  # EOS on top (blocked, then not); a control id
+    logits[6, 100] = float("nan")
+    generated = torch.rand(n, vocab, generator=inp.gen, device=DEVICE) < 0.05
+    num_generated = torch.arange(n, device=DEVICE) % 3  # 0, 1 (EOS blocked), 2
+    u = torch.rand(n, generator=inp.gen, device=DEVICE)
+    faults, want_faults = (torch.zeros(n, dtype=torch.bool, device=DEVICE) for _ in range(2))
+    got = sample_talker(logits, params, rules, generated, num_generated, u, faults)
+    scores = suppress_range(block_eos(apply_repetition_penalty(logits, generated, params.repetition_penalty),
+                                      num_generated, rules.eos_id, rules.min_new_tokens), rules.suppress_start,
+                            rules.eos_id)
+    want = warp_and_draw_reference(scores, params, u, want_faults)
+    assert calls == [1]
+    differ = got != want
+    near_step = _at_cdf_step(scores, params, u) if mode == TOPK else torch.zeros_like(differ)
+    assert not (differ & ~near_step).any(), f"rows {differ.nonzero().flatten().tolist()} differ"
+    assert torch.equal(faults, want_faults) and faults[6] and got[6] == 0
+    if mode == GREEDY:
+        assert got[1] != 2150 and got[2] == 2150 and got[5] < 2048
 
 
 def test_warp_and_draw_runs_the_kernel_where_the_kernels_serve(monkeypatch):

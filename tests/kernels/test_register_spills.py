@@ -33,9 +33,12 @@ def test_no_qkv_spec_spills(usage):
 
 def test_no_draw_warp_candidate_spills():
     """The draw kernel's warp counts the tuner times (kernels/code_predictor_sampling.py `warp_candidates`):
-    none spills (one warp does in TOPK mode on the talker's 4096-wide row, so it is not offered there)."""
+    none spills (one warp does in TOPK mode, and with the talker's processors, on the talker's 4096-wide row, so
+    it is not offered there)."""
     usage = compiled("sample")
-    assert len(usage) == 13, usage  # 2 vocabularies x (greedy: 4 counts; TOPK: 4 at 2048, 2 at 4096 wide)
+    # the code predictor's 2048 (greedy and TOPK: 4 counts each) and the talker's 3072, a 4096-wide row (greedy: 3,
+    # TOPK: 2), that one also with the talker's processors (greedy 2, TOPK 2: no one-warp program, which spills)
+    assert len(usage) == 17, usage
     assert not spilled(usage), spilled(usage)
 
 
