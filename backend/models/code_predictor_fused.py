@@ -5,7 +5,9 @@ launches: the first pass projects its two input rows, then 4 launches per layer,
 and the draw (23 for the 1.7B models; the 0.6B models have no projection); a later pass gathers its input
 row by the last code's id inside its first layer's first launch (22), and one launch sums the talker's next
 input. The 1.7B gathers from the codec embeddings through the projection, computed once per weights
-(`_pass_tables`: 14 tables of [2048, Hc], 59 MB at bf16) as F.linear rounds each row (fp32 sums, one rounding).
+(`_pass_tables`: 14 tables of [2048, Hc], 59 MB at bf16), each row summed in float64 and rounded once (the eager
+projection sums in fp32 and rounds once: the two differ at most where an fp32 sum order would; no TF32 switch
+reaches float64).
 The K/V of a frame's 16 positions live in a small contiguous cache [layers, B, 16, KVH, D] (no pages).
 Sampling: the sampler's (`warp_and_draw`: the GREEDY and TOPK modes in the sampling kernel).
 Used by `CodePredictor.generate` after `use_fused(max_batch)` when the kernels serve the inputs' device
@@ -77,7 +79,7 @@ class FusedCodePredictor:
 
     def _pass_tables(self) -> list[torch.Tensor]:
         """The input table [V, Hc] of passes 1..14: codec_embedding[j - 1] through small_to_mtp_projection,
-        each row rounded once as F.linear rounds it (kept while the weights are the same tensors, unmodified)."""
+        each row summed in float64 and rounded once (kept while the weights are the same tensors, unmodified)."""
         tables = [e.weight for e in self.cp.model.codec_embedding[:-1]]
         proj = self.cp.small_to_mtp_projection
         if isinstance(proj, nn.Identity):
@@ -87,8 +89,8 @@ class FusedCodePredictor:
             refuse_in_capture("projecting the code predictor's input tables")
             self._projected = None  # the old tables go before the new ones are made
             with torch.no_grad():
-                w, b = proj.weight.float(), proj.bias.float()
-                self._projected = (key, [F.linear(t.float(), w, b).to(t.dtype) for t in tables])
+                w, b = proj.weight.double(), proj.bias.double()
+                self._projected = (key, [F.linear(t.double(), w, b).to(t.dtype) for t in tables])
         return self._projected[1]
 
     def _layer(self, layer: DecoderLayer, x: torch.Tensor, k_cache: torch.Tensor,

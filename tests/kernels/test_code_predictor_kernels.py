@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from code_predictor_cases import (TINY, AttentionFrame, Inputs, assert_as_faithful, check_gather,
                                   check_gemms, forced_logits)
@@ -352,20 +353,27 @@ def test_fused_code_predictor_generates_the_eager_codes(fused_calls, monkeypatch
 
 @torch.no_grad()
 def test_projected_input_tables_follow_the_weights():
-    """The 1.7B's later passes gather from codec_embedding[j - 1] through the projection, computed once: equal
-    to the projection of each row, and made again once load_state_dict changes the weights (not before)."""
+    """The 1.7B's later passes gather from codec_embedding[j - 1] through the projection, computed once: each row
+    summed in float64 and rounded once (within fp32 rounding of the eager projection), and made again once
+    load_state_dict changes the weights (not before)."""
     cp = _tiny_talker("1.7b").code_predictor
     fused, proj = FusedCodePredictor(cp), cp.small_to_mtp_projection
+
+    def check(tables: list[torch.Tensor], j: int) -> None:
+        rows = cp.model.codec_embedding[j].weight
+        assert torch.equal(tables[j], F.linear(rows.double(), proj.weight.double(), proj.bias.double()).float())
+        torch.testing.assert_close(tables[j], proj(rows))
+
     first = fused._pass_tables()
     assert len(first) == 14 and fused._pass_tables() is first  # kept
-    for j, table in enumerate(first):
-        assert torch.equal(table, proj(cp.model.codec_embedding[j].weight))
+    for j in range(14):
+        check(first, j)
     state = {k: v * 1.5 if k.startswith(("small_to_mtp", "model.codec_embedding.3.")) else v
              for k, v in cp.state_dict().items()}
     cp.load_state_dict(state)
     again = fused._pass_tables()
-    assert again is not first and torch.equal(again[3], proj(cp.model.codec_embedding[3].weight))
-    assert not torch.equal(again[3], first[3])
+    assert again is not first and not torch.equal(again[3], first[3])
+    check(again, 3)
 
 
 @torch.no_grad()
