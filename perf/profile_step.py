@@ -129,7 +129,8 @@ def components(engine: Engine, bs: int) -> list[Component]:
     generated = st.rep_mask[sl].clone()
     num_gen = frame + 1
     mode = runner.step_mode(sl.tolist())  # the engine step's sampling mode on these rows
-    tparams, sparams = runner.talker_params(sl, mode), runner.sub_params(sl, mode)
+    sampling = runner.state.sampling_rows(sl)
+    tparams, sparams = runner.talker_params(sampling, mode), runner.sub_params(sampling, mode)
     rules = model_step.talker_rules(talker)
     uni = runner.uniform_source
     with torch.no_grad():

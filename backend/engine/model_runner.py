@@ -51,7 +51,7 @@ from .audio_pipeline import AudioPipeline
 from .config import EngineConfig
 from .cuda_graph import SIDES, DecodeMeta, DecodeRow, GraphBuffers, GraphRunner, WhileWaiting
 from .prefill_graph import PrefillGraphs, token_buckets
-from .slots import SlotState
+from .slots import SamplingColumns, SlotState
 from .timing import START_LOG, Startup
 
 
@@ -194,7 +194,7 @@ class ModelRunner:
     def packed_prefill(self) -> PrefillGraphs:
         """The token-bucketed prefill over this runner's talker, KV and slots, for up to max_slots
         sequences (it runs eagerly until captured)."""
-        return PrefillGraphs(self.talker, self.kv, lambda sl: (self.talker_params(sl), self.state.seed[sl]),
+        return PrefillGraphs(self.talker, self.kv, self._talker_sampling,
                              self.uniform_source, self.config.max_slots, self.dummy_slot,
                              token_buckets(self.config.max_prefill_tokens), self.dtype, self.device,
                              self.config.pages_for(self.config.max_prompt_tokens))
@@ -260,7 +260,7 @@ class ModelRunner:
             if r.start else None for r in rows]
         c0, hidden = step.prefill_batch(self.talker, self.kv, embeds, lens,
                                         torch.from_numpy(mapping).to(self.device),
-                                        self.talker_params(head_sl, mode), self.state.seed[head_sl],
+                                        *self._talker_sampling(head_sl, mode),
                                         self.uniform_source, faults=faults, prefixes=prefixes)
         return c0[:n], hidden[:n], faults[:n]
 
@@ -371,17 +371,22 @@ class ModelRunner:
         self.meta.pack(rows, *self.buf.staging(start, stop))
         self.buf.load(start, stop)
 
-    def talker_params(self, sl: torch.Tensor, mode: str = FULL) -> SamplingTensors:
-        """The talker's sampling parameters of slots `sl` [B], as tensors of the given mode."""
-        st = self.state
-        return SamplingTensors(st.temperature[sl], st.top_k[sl], st.top_p[sl],
-                               st.repetition_penalty[sl], st.greedy[sl]).with_mode(mode)
+    @staticmethod
+    def talker_params(p: SamplingColumns, mode: str = FULL) -> SamplingTensors:
+        """The talker's sampling parameters of some slots' rows (`SlotState.sampling_rows`), as tensors of the
+        given mode."""
+        return SamplingTensors(p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.greedy).with_mode(mode)
 
-    def sub_params(self, sl: torch.Tensor, mode: str = FULL) -> SamplingTensors:
-        """The code predictor's sampling parameters of slots `sl` [B] (no repetition penalty)."""
-        st = self.state
-        return SamplingTensors(st.sub_temperature[sl], st.sub_top_k[sl], st.sub_top_p[sl],
-                               torch.ones_like(st.sub_temperature[sl]), st.sub_greedy[sl]).with_mode(mode)
+    @staticmethod
+    def sub_params(p: SamplingColumns, mode: str = FULL) -> SamplingTensors:
+        """The code predictor's sampling parameters of some slots' rows (no repetition penalty)."""
+        return SamplingTensors(p.sub_temperature, p.sub_top_k, p.sub_top_p, torch.ones_like(p.sub_temperature),
+                               p.sub_greedy).with_mode(mode)
+
+    def _talker_sampling(self, sl: torch.Tensor, mode: str = FULL) -> tuple[SamplingTensors, torch.Tensor]:
+        """(the talker's sampling parameters, seeds [B]) of slots `sl` [B]: what a prefill's first draw takes."""
+        p = self.state.sampling_rows(sl)
+        return self.talker_params(p, mode), p.seed
 
     def decode_rows(self, bs: int, mode: str = TOPK) -> None:
         """The step body on rows [:bs] of the static buffers (captured as-is into a CUDA graph), sampling
@@ -392,19 +397,20 @@ class ModelRunner:
         text = st.text_queue[row.slot, queue_row]  # [B, H]
         text = torch.where((row.frame < st.text_len[row.slot])[:, None], text, self.pad_row[None, :])
         sl = row.slot
+        sampling = st.sampling_rows(sl)
         batch = step.DecodeBatch(
             c0=st.last_c0[sl], past_hidden=st.past_hidden[sl], text=text, positions=row.position,
             slot_mapping=row.slot_mapping, block_tables=buf.tables[:bs],
             context_lens=row.context_len.int(), generated=st.rep_mask[sl], num_generated=row.frame + 1,
-            seeds=st.seed[sl], counters=row.frame)
+            seeds=sampling.seed, counters=row.frame)
         faults = self.slot_faults[sl]  # [B] a fault of the row's prefill draw is reported with this step
-        buf.frames[:bs], next_input = step.predict_frame(self.talker, batch, self.sub_params(sl, mode),
+        buf.frames[:bs], next_input = step.predict_frame(self.talker, batch, self.sub_params(sampling, mode),
                                                          self.uniform_source, faults)  # [B, 16], [B, H]
         if self.audio is not None:
             self.audio.frames_made()  # its codec runs one step behind (engine/audio_pipeline.py)
         else:
             self._decode_audio(bs, sl)
-        c0_next, hidden = step.advance(self.talker, self.kv, batch, next_input, self.talker_params(sl, mode),
+        c0_next, hidden = step.advance(self.talker, self.kv, batch, next_input, self.talker_params(sampling, mode),
                                        self.uniform_source, faults)  # [B], [B, H]
         buf.faults[:bs] = faults
         buf.c0_next[:bs] = c0_next

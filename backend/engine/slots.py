@@ -72,22 +72,16 @@ def _column(packed: str, index: int) -> property:
 
 
 @dataclass
-class SlotState:
-    """Device state of all slots (+1 dummy row). S = num_slots + 1, H = talker hidden, Q = text queue.
+class SamplingColumns:
+    """Sampling parameters of R rows as [R] column views of three packed tensors (float32, int64, bool): R = every
+    slot (`SlotState`), or a step's rows (`SlotState.sampling_rows`: one index op per packed tensor, where a step
+    once gathered each of its 11 parameters apart)."""
 
-    The per-slot sampling parameters are column views of three packed tensors (float32, int64, bool),
-    so starting a batch of sequences writes them with one host-to-device copy (`load_sampling`)."""
+    params_f: torch.Tensor     # [R, 5] float32, columns = _FLOAT_PARAMS
+    params_i: torch.Tensor     # [R, 3] int64, columns = _INT_PARAMS
+    params_b: torch.Tensor     # [R, 2] bool, columns = _BOOL_PARAMS
 
-    last_c0: torch.Tensor      # [S] int64, c0 sampled at the previous talker step
-    past_hidden: torch.Tensor  # [S, H] model dtype, final-norm talker hidden that c0 was sampled from
-    rep_mask: torch.Tensor     # [S, V] bool, c0 ids generated so far (repetition penalty)
-    text_queue: torch.Tensor   # [S, Q, H] model dtype, trailing text rows (frame t adds row t)
-    text_len: torch.Tensor     # [S] int64, valid rows of text_queue (past them: E_pad)
-    params_f: torch.Tensor     # [S, 5] float32, columns = _FLOAT_PARAMS
-    params_i: torch.Tensor     # [S, 3] int64, columns = _INT_PARAMS
-    params_b: torch.Tensor     # [S, 2] bool, columns = _BOOL_PARAMS
-
-    # [S] column views, talker then code predictor
+    # [R] column views, talker then code predictor
     temperature = _column("params_f", 0)
     top_p = _column("params_f", 1)
     repetition_penalty = _column("params_f", 2)
@@ -98,6 +92,20 @@ class SlotState:
     seed = _column("params_i", 2)  # uniform stream of the sequence
     greedy = _column("params_b", 0)
     sub_greedy = _column("params_b", 1)
+
+
+@dataclass
+class SlotState(SamplingColumns):
+    """Device state of all slots (+1 dummy row). S = num_slots + 1, H = talker hidden, Q = text queue.
+
+    The per-slot sampling parameters are `SamplingColumns` (R = S), so starting a batch of sequences writes
+    them with one host-to-device copy (`load_sampling`)."""
+
+    last_c0: torch.Tensor      # [S] int64, c0 sampled at the previous talker step
+    past_hidden: torch.Tensor  # [S, H] model dtype, final-norm talker hidden that c0 was sampled from
+    rep_mask: torch.Tensor     # [S, V] bool, c0 ids generated so far (repetition penalty)
+    text_queue: torch.Tensor   # [S, Q, H] model dtype, trailing text rows (frame t adds row t)
+    text_len: torch.Tensor     # [S] int64, valid rows of text_queue (past them: E_pad)
 
     @classmethod
     def allocate(cls, num_slots: int, hidden: int, vocab: int, queue: int,
@@ -113,6 +121,10 @@ class SlotState:
             params_i=torch.zeros(s, len(_INT_PARAMS), **i64),
             params_b=torch.ones(s, len(_BOOL_PARAMS), dtype=torch.bool, device=device),
         )
+
+    def sampling_rows(self, slots: torch.Tensor) -> SamplingColumns:
+        """The sampling parameters of `slots` [B] (three index ops)."""
+        return SamplingColumns(self.params_f[slots], self.params_i[slots], self.params_b[slots])
 
     def load_sampling(self, slots: list[int], params: list) -> None:
         """Write SamplingParams `params[j]` into the parameter rows of `slots[j]`: one host-to-device copy of
