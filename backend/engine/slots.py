@@ -75,7 +75,7 @@ def _column(packed: str, index: int) -> property:
 class SamplingColumns:
     """Sampling parameters of R rows as [R] column views of three packed tensors (float32, int64, bool): R = every
     slot (`SlotState`), or a step's rows (`SlotState.sampling_rows`: one index op per packed tensor, where a step
-    once gathered each of its 11 parameters apart)."""
+    once gathered each of its parameters apart: 11 index ops)."""
 
     params_f: torch.Tensor     # [R, 5] float32, columns = _FLOAT_PARAMS
     params_i: torch.Tensor     # [R, 3] int64, columns = _INT_PARAMS
