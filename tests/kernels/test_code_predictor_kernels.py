@@ -78,7 +78,7 @@ def test_embed_sum_adds_in_order_and_rounds_once(dtype):
     eager stack-and-sum on this CPU."""
     inp = Inputs(DEVICE, 43)
     first, tables = inp.randn(3, 600, dtype=dtype), tuple(inp.randn(50, 600, dtype=dtype) for _ in range(15))
-    ids = torch.randint(0, 50, (3, 15), generator=inp.gen)
+    ids = torch.randint(0, 50, (3, 15), generator=inp.gen, device=DEVICE)
     got = cpk.embed_sum(first, tables, ids, out=inp.poisoned(3, 600, dtype=dtype))
     assert torch.equal(got, R.embed_sum_ref(first, tables, ids))
     terms = torch.stack([first] + [t[ids[:, g]] for g, t in enumerate(tables)], 1).float()  # [B, 16, H]
