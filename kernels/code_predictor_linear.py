@@ -103,7 +103,8 @@ def _linear_kernel(
                   EPILOGUE, BLOCK_M, BLOCK_N)
 
 
-def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n, norm_w=None, bias=None, residual=None, row_step=1, row_first=0, eps=0.0) -> None:
+def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n, norm_w=None, bias=None,
+            residual=None, row_step=1, row_first=0, eps=0.0) -> None:
     tiles = n // cfg.block_n
     m_pad = row_blocks(rows, cfg.block_m) * cfg.block_m
     w_tile = cfg.block_n * (2 if epilogue == SWIGLU else 1)

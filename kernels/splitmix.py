@@ -1,6 +1,6 @@
 """The sampler's counter-based uniforms in one launch: `reference.uniforms_ref` (splitmix64 of the seed, then
-of that key xor counter * lanes + lane; the top 24 bits, times 2^-24), which a decode step ran twice as about
-25 int64 torch ops each. uint64 arithmetic here, so the bits are the reference's exactly.
+of that key xor counter * lanes + lane; the top 24 bits, times 2^-24), which a decode step ran twice as 32
+int64 torch ops each. uint64 arithmetic here, so the bits are the reference's exactly.
 """
 
 from __future__ import annotations

@@ -204,13 +204,24 @@ def warp_and_draw(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor
     top-k keeps every copy of the maximum and top-p (>= 1) keeps it too, so argmax is unchanged.
     Where the kernels serve fp32 logits, GREEDY and TOPK are one launch of the sampling kernel
     (kernels/code_predictor_sampling.py) instead of ~20 torch ops (`warp_and_draw_reference`)."""
-    if params.mode != FULL and logits.dtype == torch.float32 and kernels.use_triton(logits):
-        from q3tts.kernels.code_predictor_sampling import sample  # imports triton
-
-        return sample(logits, params.temperature, params.top_k, params.greedy, u, params.mode == TOPK,
-                      TOPK_CAP, out=out, faults=faults)
+    if logits.dtype == torch.float32 and _kernel_draws(logits, params):
+        return _kernel_draw(logits, params, u, faults, out=out)
     ids = warp_and_draw_reference(logits, params, u, faults)
     return ids if out is None else out.copy_(ids)
+
+
+def _kernel_draws(logits: torch.Tensor, params: SamplingTensors) -> bool:
+    """Whether the sampling kernel draws from `logits`: GREEDY and TOPK modes where the kernels serve them."""
+    return params.mode != FULL and kernels.use_triton(logits)
+
+
+def _kernel_draw(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor, faults: torch.Tensor | None,
+                 out: torch.Tensor | None = None, talker=None) -> torch.Tensor:
+    """The sampling kernel's draw from fp32 `logits` (talker: `TalkerScores`, its processors run first)."""
+    from q3tts.kernels.code_predictor_sampling import sample  # imports triton
+
+    return sample(logits, params.temperature, params.top_k, params.greedy, u, params.mode == TOPK, TOPK_CAP,
+                  out=out, faults=faults, talker=talker)
 
 
 def warp_and_draw_reference(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor,
@@ -244,13 +255,12 @@ def sample_talker(logits: torch.Tensor, params: SamplingTensors, rules: TalkerRu
     a non-finite row draws speech id 0 (valid for the codec too: never EOS, which a prefill row may not
     draw and the codec cannot embed) and is flagged in `faults` [B] bool (see `warp_and_draw`).
     Where `warp_and_draw` would run the sampling kernel, the processors run inside it (one launch)."""
-    if params.mode != FULL and kernels.use_triton(logits):
-        from q3tts.kernels.code_predictor_sampling import TalkerScores, sample  # imports triton
+    if _kernel_draws(logits, params):
+        from q3tts.kernels.code_predictor_sampling import TalkerScores  # imports triton
 
-        talker = TalkerScores(generated, params.repetition_penalty, num_generated, rules.eos_id,
-                              rules.min_new_tokens, rules.suppress_start)
-        return sample(logits.float(), params.temperature, params.top_k, params.greedy, u, params.mode == TOPK,
-                      TOPK_CAP, faults=faults, talker=talker)
+        return _kernel_draw(logits.float(), params, u, faults,
+                            talker=TalkerScores(generated, params.repetition_penalty, num_generated, rules.eos_id,
+                                                rules.min_new_tokens, rules.suppress_start))
     scores = apply_repetition_penalty(logits.float(), generated, params.repetition_penalty)
     scores = block_eos(scores, num_generated, rules.eos_id, rules.min_new_tokens)
     scores = suppress_range(scores, rules.suppress_start, rules.eos_id)
