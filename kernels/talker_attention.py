@@ -21,7 +21,8 @@ from ._launch import device_guard, programmatic_launch
 from .autotune import pick
 from .code_predictor_gemm import arrive, wait_for_previous
 from .paged_attention import (_CANDIDATES, _INTERPRET_CONFIG, DecodeConfig, _decode_split_kernel,
-                              check_inputs, merge_splits, split_launch, used_splits)
+                              check_inputs, merge_splits, split_launch, tuning_key,
+                              used_splits)
 
 _BLOCK_S = 16  # splits merged per step (as paged_attention's phase 2)
 
@@ -90,9 +91,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     args = (q, k_cache, v_cache, block_tables, context_lens, scale, counters, out)
     with device_guard(q):  # the tuning launches too: q may sit on another GPU than the current one
         if q.is_cuda:
-            key = ("talker_attention", head_dim, k_cache.shape[1], num_heads // num_kv, q.dtype,
-                   k_cache.dtype)
-            cfg = pick(key, _CANDIDATES, lambda c: _launch(c, *args), q.device)
+            cfg = pick(tuning_key("talker_attention", q, k_cache, block_tables), _CANDIDATES,
+                       lambda c: _launch(c, *args), q.device)
         else:
             cfg = _INTERPRET_CONFIG
         _launch(cfg, *args)

@@ -160,7 +160,7 @@ def test_stack_warm_kernels_settles_every_decode_kernel_before_capture():
     heads, kv, hd, pages = 4, 2, 80, 4  # head_dim 80: a shape class no other test tunes
     cfg = DecoderLayerConfig(256, 512, 2, heads, kv, hd, 1e-6, 1e6)
     stack = DecoderStack(cfg, 64).to("cuda", BF16).eval().fuse_()
-    key = ("paged_decode", hd, PAGE, heads // kv, BF16, BF16)
+    key = ("paged_decode", hd, PAGE, heads // kv, BF16, BF16, pages * PAGE)
     assert key not in tuned_configs()
     stack.warm_kernels(PAGE, pages, (1, 4))
     assert key in tuned_configs()

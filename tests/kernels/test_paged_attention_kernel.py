@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -159,3 +161,31 @@ def test_splits_past_the_context_store_nothing_and_are_not_merged(dtype, launch,
     assert splits == pa.num_splits_for(rows, 2, 40, 4, pa._INTERPRET_CONFIG.block_n, torch.device("cpu"))
     if rows == 2:
         assert torch.equal(out[1], torch.zeros_like(out[1]))  # the empty row
+
+
+def test_the_tuning_key_holds_the_table_width_and_not_the_batch():
+    """The code predictor's one-page tables and the talker's wide ones share head_dim, page size, group and
+    dtypes: only the table's width keeps their tuned configs apart; the batch never enters (a CUDA-graph
+    sweep over batch sizes must find every key tuned)."""
+    def key(bsz, pages):
+        q, k_cache, _, tables, _, _ = make_inputs(bsz, 16, 8, 128, 16, pages, [1] * bsz, torch.float32)
+        return pa.tuning_key("paged_decode", q, k_cache, tables)
+
+    assert key(1, 1) == ("paged_decode", 128, 16, 2, torch.float32, torch.float32, 16)
+    assert key(5, 1) == key(1, 1)
+    assert key(2, 640) == ("paged_decode", 128, 16, 2, torch.float32, torch.float32, 10240) != key(2, 1)
+
+
+def test_warmup_tunes_over_a_serving_context_not_the_whole_table(monkeypatch):
+    """kernels.warmup times the configs over rows of `tuning_context(width)` keys: the default talker table's
+    10,240 keys are tuned at TUNING_KEYS, the code predictor's one page of 16 in full; every launch fits its
+    table."""
+    wu = importlib.import_module("q3tts.kernels.warmup")  # the module: q3tts.kernels.warmup is its function
+    seen = []
+    monkeypatch.setattr(wu, "paged_decode_attention",
+                        lambda q, k, v, tables, lens, scale: seen.append((tables.shape[1], lens.tolist())))
+    for page_size, max_pages in ((16, 640), (16, 1), (4, 3)):
+        wu._tune_paged_attention(4, 2, 16, page_size, max_pages, (1, 3), torch.float32, torch.device("cpu"))
+    assert wu.tuning_context(10240) == wu.TUNING_KEYS == 256 and wu.tuning_context(16) == 16
+    assert seen == [(640, [256]), (640, [256]), (640, [256] * 3),
+                    (1, [16]), (1, [16]), (1, [16] * 3), (3, [12]), (3, [12]), (3, [12] * 3)]
