@@ -18,6 +18,7 @@ import torch
 
 from code_predictor_cases import (REAL, AttentionFrame, Inputs, assert_as_faithful, check_gather,
                                   check_gemms, forced_logits)
+from q3tts.engine.chain_tuning import FrameInputs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -73,7 +74,7 @@ def test_next_input_sum_is_torchs_cuda_sum(cpk, dtype):
 
 
 def _inputs(cp, bsz: int, greedy: bool, seed: int = 0):
-    return _bench().Inputs(cp, bsz, greedy, seed)
+    return FrameInputs(cp, bsz, greedy, seed)
 
 
 @torch.no_grad()
