@@ -30,7 +30,7 @@ def _splitmix64(x):
     return z ^ (z >> 31)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])  # one build for every batch: B = 1 would be a build of its own
 def _uniforms_kernel(seeds_ptr, counters_ptr, out_ptr, B, stride_s, stride_c, stride_out,
                      LANES: tl.constexpr, BLOCK_B: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
