@@ -146,8 +146,8 @@ def pass_launches(cp: CodePredictor, bsz: int, j: int = 7) -> list[tuple[str, in
     cfg, dtype, dev = model.cfg, cp.lm_head[0].weight.dtype, cp.lm_head[0].weight.device
     esz = torch.empty((), dtype=dtype).element_size()
     hid, inter, nkv, d = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads, cfg.head_dim
-    counters = torch.zeros(cpk.counters_needed(bsz, inter // cpk.MIN_BLOCK_N), dtype=torch.int32,
-                           device=dev)
+    widest = max(inter, layer.self_attn.fused_weight().shape[0])  # gate_up's units or the qkv GEMM's columns
+    counters = torch.zeros(cpk.counters_needed(bsz, widest // cpk.MIN_BLOCK_N), dtype=torch.int32, device=dev)
     h = torch.randn(bsz, hid, device=dev, dtype=dtype)
     k_cache, v_cache = (torch.randn(bsz, cp.num_groups, nkv, d, device=dev, dtype=dtype)
                         for _ in range(2))
@@ -169,6 +169,10 @@ def pass_launches(cp: CodePredictor, bsz: int, j: int = 7) -> list[tuple[str, in
          lambda: cpk.qkv_attention(table, *qkv, ids=ids, rows_out=h)),
         ("qkv_attention", nbytes(layer.self_attn.fused_weight(), h, attn) + kv_read,
          lambda: cpk.qkv_attention(h, *qkv)),
+        # the same norm + GEMM without the epilogue (norm_head's launch: fp32 out): what the group's
+        # epilogue (partial sums, QK-norm, RoPE, cache write, attention) adds to the qkv_attention launch
+        ("norm + qkv GEMM alone (no epilogue)", nbytes(layer.self_attn.fused_weight(), h) + 4 * bsz * qkv[1].shape[0],
+         lambda: cpk.norm_head(h, layer.input_layernorm.weight, qkv[1], 1e-6, counters)),
         ("o_proj + residual", nbytes(layer.self_attn.o_proj.weight, attn, h, h),
          lambda: cpk.linear_residual(attn, layer.self_attn.o_proj.weight, h, counters)),
         ("norm + gate_up + silu", nbytes(layer.mlp.fused_weight(), h, act),
