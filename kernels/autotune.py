@@ -1,7 +1,7 @@
 """The tuning cache: the best launch config per key, timed once on the device.
 
-`pick` keys are shape classes (head_dim, page size, GQA group, dtypes), never batch or sequence length,
-so a CUDA-graph sweep over batch sizes compiles nothing new once `kernels.warmup()` has run (a graph
+`pick` keys are shape classes (head_dim, page size, GQA group, dtypes, a block table's width), never batch or
+sequence length, so a CUDA-graph sweep over batch sizes compiles nothing new once `kernels.warmup()` has run (a graph
 must not compile or time anything while it is captured).
 `choose` keys are whole shapes (the codec conv: kernel vs cuDNN per batch bucket) and are tuned only
 inside `tuning()`, i.e. in each bucket's graph warm-up; an untuned shape takes its default.
