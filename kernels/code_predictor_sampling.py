@@ -4,7 +4,7 @@ GREEDY and TOPK modes of `q3tts.models.sampling.warp_and_draw` in one launch (it
 
 GREEDY: argmax (first index of the maximum, as torch). TOPK: temperature (an exact division, so
 the same scaled values) -> keep scores >= the row's k-th largest (k clamped to [1, cap]; found by a
-32-step radix select on order-preserving integer keys of the scores, no sort: the same threshold and
+radix select of 16 rounds on order-preserving integer keys of the scores, no sort: the same threshold and
 ties as `apply_top_k_capped`) -> softmax -> inverse-CDF draw with the row's uniform, clamped to the
 last id of non-zero probability; greedy rows take the argmax. The kept set is exactly the
 reference's; the probabilities are summed in another order, so a draw can differ from the reference
@@ -63,20 +63,32 @@ def _not_finite(x):
     return (tl.sum((x != x).to(tl.int32), 0) > 0) | (top == float("inf")) | (top == float("-inf"))
 
 
+_COUNT_BITS = tl.constexpr(21)  # a field of _kth_largest's packed counts: a row holds fewer lanes than 2**21
+_FIELD = tl.constexpr((1 << _COUNT_BITS.value) - 1)
+
+
 @triton.jit
 def _kth_largest(x, valid, k):
     """The k-th largest of x [BLOCK_V] where valid (duplicates counted; 1 <= k <= count).
 
     Keys map fp32 order onto uint32 order (negatives: bits inverted, others: the sign bit set); the largest
-    key T with #(key >= T) >= k is found bit by bit from the top, and is the key of the k-th largest value.
+    key T with #(key >= T) >= k is found two bits a round from the top, and is the key of the k-th largest
+    value. A round counts the keys >= prefix | v << shift for v = 1, 2, 3 in one reduction (each count in its
+    own _COUNT_BITS field of an int64 sum) and keeps the largest v whose count reaches k (the counts fall as v
+    grows): the bit-by-bit search's T in 16 dependent reductions, not 32.
     Invalid lanes take key 0, which no candidate T (>= 1) counts."""
     bits = x.to(tl.uint32, bitcast=True)
     key = tl.where(bits >= 0x80000000, ~bits, bits | 0x80000000)
     key = tl.where(valid, key, 0)
     prefix = tl.zeros([], tl.uint32)
-    for bit in tl.static_range(31, -1, -1):
-        cand = prefix | (1 << bit)
-        prefix = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= k, cand, prefix)
+    for shift in tl.static_range(30, -1, -2):
+        packed = tl.sum((key >= (prefix | (1 << shift))).to(tl.int64)
+                        + ((key >= (prefix | (2 << shift))).to(tl.int64) << _COUNT_BITS)
+                        + ((key >= (prefix | (3 << shift))).to(tl.int64) << 2 * _COUNT_BITS), 0)
+        best = (((packed & _FIELD) >= k).to(tl.uint32)
+                + (((packed >> _COUNT_BITS) & _FIELD) >= k).to(tl.uint32)
+                + ((packed >> 2 * _COUNT_BITS) >= k).to(tl.uint32))  # the largest v (0..3) whose count reaches k
+        prefix = prefix | (best << shift)
     bits = tl.where(prefix >= 0x80000000, prefix & 0x7FFFFFFF, ~prefix)
     return bits.to(tl.float32, bitcast=True)
 
@@ -138,6 +150,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     bsz, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(-1) == 1, \
         f"sample: logits must be fp32 with a contiguous last dim, got {logits.dtype}"
+    assert vocab < 1 << _COUNT_BITS.value, f"sample: {vocab} ids overflow the top-k search's packed counts"
     rows = (("temperature", temperature), ("top_k", top_k), ("greedy", greedy), ("u", u))
     if talker is not None:
         rows += (("penalty", talker.penalty), ("num_generated", talker.num_generated))
