@@ -131,6 +131,18 @@ def layer_launches(stack: DecoderStack, step: Step) -> list[tuple[str, int, Call
     ]
 
 
+def qkv_gemm_alone(stack: DecoderStack, step: Step) -> tuple[str, int, Callable]:
+    """Layer 0's norm + qkv GEMM without the epilogue (norm_head's launch, fp32 out): beside the qkv launch, what
+    the kv groups' epilogue (partial sums, QK-norm, RoPE, K/V store) adds to it. Not one of the layer's launches."""
+    cfg, layer, x = stack.cfg, stack.layers[0], step.x
+    weight, norm = layer.self_attn.fused_weight(), layer.input_layernorm
+    counters = torch.zeros(cpk.counters_needed(x.shape[0], weight.shape[0] // cpk.MIN_BLOCK_N), dtype=torch.int32,
+                           device=x.device)
+    nbytes = weight.numel() * weight.element_size() + x.numel() * x.element_size() + 4 * x.shape[0] * weight.shape[0]
+    return ("norm + qkv GEMM alone (no epilogue; not in the layer)", nbytes,
+            lambda: cpk.norm_head(x, norm.weight, weight, norm.eps, counters))
+
+
 def hbm_gbps(timer: Timer) -> float:
     """GB/s of a 1 GiB device-to-device copy (read + write)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -162,7 +174,8 @@ def bench_batch(stack: DecoderStack, bsz: int, args, hbm: float | None) -> list[
         launches = {"eager": kernels_launched(lambda: step.run(stack)),
                     "fused": kernels_launched(lambda: step.run(fused.forward))}
         per_kernel = [(name, n, 1e3 * timer.graph(tuned_capture(fn).replay))
-                      for name, n, fn in layer_launches(stack, step)]
+                      for name, n, fn in (*layer_launches(stack, step), qkv_gemm_alone(stack, step))]
+    *per_kernel, alone = per_kernel
     layers = stack.cfg.num_layers
     lines += [f"fused graph replay == fused eager: {same}", "",
               "| forward | ms | ms / layer | kernels |", "|---|---:|---:|---:|"]
@@ -170,7 +183,7 @@ def bench_batch(stack: DecoderStack, bsz: int, args, hbm: float | None) -> list[
     pct = lambda gbps: f"{100 * gbps / hbm:.0f} %" if hbm else "-"  # noqa: E731
     lines += ["", f"| fused launch (layer 0, alone in a graph) | us | MB | GB/s | of HBM ({hbm:.0f}"
               f" GB/s) |", "|---|---:|---:|---:|---:|"]
-    for name, n, us in per_kernel:
+    for name, n, us in (*per_kernel, alone):
         lines.append(f"| {name} | {us:.1f} | {n / 1e6:.2f} | {n / us / 1e3:.0f} | "
                      f"{pct(n / us / 1e3)} |")
     layer_bytes = sum(n for _, n, _ in per_kernel)
