@@ -10,7 +10,9 @@ registers; no paging), written over the rotated q in `out`: online softmax over 
 time, each head in turn (a dependent round trip to L2 per chunk and head: about 0.8 µs each on the
 H200, where the launch at one row took 12.8 / 15.7 / 17.4 µs at pass 2 / 8 / 15 at bf7f9f3); a
 launch of at most FEW_ROWS rows (the 1-row step's passes after the first) loads both heads' q and
-every position's k and v in one round instead (`_attend_few`).
+every position's k and v in one round instead (`_attend_few`), and its epilogue, on those rows only,
+loads every head's partial sums before its first store (head by head, each head's loads waited a round
+trip behind the store before them).
 Rows are (batch row b, token t) = (r // T, r % T) at position pos0 + t: T = 2 on the first pass
 (past hidden and c0 at positions 0, 1: a row block holds both tokens of a batch row, so position 1
 sees position 0's k/v written by the same program), T = 1 after.
@@ -40,19 +42,34 @@ FEW_ROWS = 1  # launches of at most this many rows attend in one round of loads 
 
 
 @triton.jit
-def _norm_rope(part_ptr, rows, row_mask, col, M_PAD, NP, nw_ptr, c1, c2, s1, s2, eps,
-               DT: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
-    """One head of the GEMM result (columns col..col+2*HALF): rounded, RMS-normed over the head,
-    rotated. Returns the two halves [BLOCK_M, HALF] in DT."""
+def _halves(part_ptr, rows, row_mask, cols, M_PAD, NP, DT: tl.constexpr, HALF: tl.constexpr,
+            SPLIT: tl.constexpr):
+    """The heads starting at columns `cols` [H] of the GEMM result, summed over the K slices and rounded to DT:
+    their first and second halves [BLOCK_M, H, HALF], fp32."""
     d = tl.arange(0, HALF)
-    x1 = cast(load_sum(part_ptr, rows, row_mask, col + d, M_PAD, NP, SPLIT), DT).to(tl.float32)
-    x2 = cast(load_sum(part_ptr, rows, row_mask, col + HALF + d, M_PAD, NP, SPLIT),
-              DT).to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
-    w1 = tl.load(nw_ptr + d).to(tl.float32)[None, :]
-    w2 = tl.load(nw_ptr + HALF + d).to(tl.float32)[None, :]
-    n1 = cast(cast(x1 * rstd[:, None], DT).to(tl.float32) * w1, DT).to(tl.float32)
-    n2 = cast(cast(x2 * rstd[:, None], DT).to(tl.float32) * w2, DT).to(tl.float32)
+    at = tl.reshape(cols[:, None] + d[None, :], [cols.shape[0] * HALF])  # [H * HALF]
+    shape: tl.constexpr = [rows.shape[0], cols.shape[0], HALF]
+    x1 = cast(load_sum(part_ptr, rows, row_mask, at, M_PAD, NP, SPLIT), DT).to(tl.float32)
+    x2 = cast(load_sum(part_ptr, rows, row_mask, at + HALF, M_PAD, NP, SPLIT), DT).to(tl.float32)
+    return tl.reshape(x1, shape), tl.reshape(x2, shape)
+
+
+@triton.jit
+def _weight_halves(nw_ptr, HALF: tl.constexpr):
+    """A QK-norm weight [2 * HALF] as its two halves [HALF], fp32."""
+    d = tl.arange(0, HALF)
+    return tl.load(nw_ptr + d).to(tl.float32), tl.load(nw_ptr + HALF + d).to(tl.float32)
+
+
+@triton.jit
+def _norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps, DT: tl.constexpr, HALF: tl.constexpr,
+                      ROUND: tl.constexpr):
+    """Heads x1, x2 [BLOCK_M, H, HALF] (`_halves`) RMS-normed over each head (weight halves w1, w2 [HALF]) and
+    rotated (cos / sin halves c1, c2, s1, s2 [BLOCK_M, HALF]). Returns the two halves [BLOCK_M, H, HALF] in DT."""
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 2) + tl.sum(x2 * x2, 2)) / (2 * HALF) + eps)  # [BLOCK_M, H]
+    n1 = cast(cast(x1 * rstd[:, :, None], DT).to(tl.float32) * w1[None, None, :], DT).to(tl.float32)
+    n2 = cast(cast(x2 * rstd[:, :, None], DT).to(tl.float32) * w2[None, None, :], DT).to(tl.float32)
+    c1, c2, s1, s2 = c1[:, None, :], c2[:, None, :], s1[:, None, :], s2[:, None, :]
     a1, b1, a2, b2 = n1 * c1, n2 * s1, n2 * c2, n1 * s2
     if ROUND:
         a1 = cast(a1, DT).to(tl.float32)
@@ -60,6 +77,17 @@ def _norm_rope(part_ptr, rows, row_mask, col, M_PAD, NP, nw_ptr, c1, c2, s1, s2,
         a2 = cast(a2, DT).to(tl.float32)
         b2 = cast(b2, DT).to(tl.float32)
     return cast(a1 - b1, DT), cast(a2 + b2, DT)
+
+
+@triton.jit
+def _norm_rope(part_ptr, rows, row_mask, col, M_PAD, NP, nw_ptr, c1, c2, s1, s2, eps,
+               DT: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
+    """One head of the GEMM result (columns col..col+2*HALF): rounded, RMS-normed over the head,
+    rotated. Returns the two halves [BLOCK_M, HALF] in DT."""
+    x1, x2 = _halves(part_ptr, rows, row_mask, col + tl.zeros([1], tl.int32), M_PAD, NP, DT, HALF, SPLIT)
+    w1, w2 = _weight_halves(nw_ptr, HALF)
+    r1, r2 = _norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+    return tl.reshape(r1, [rows.shape[0], HALF]), tl.reshape(r2, [rows.shape[0], HALF])
 
 
 @triton.jit
@@ -134,7 +162,10 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
                     BLOCK_M: tl.constexpr, ATT_ROWS: tl.constexpr, P: tl.constexpr):
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     HALF: tl.constexpr = D // 2
-    pos = pos0 + rows % T  # [BLOCK_M]
+    if ATT_ROWS < BLOCK_M:  # a launch of at most ATT_ROWS rows: the epilogue holds only those
+        rows = m * BLOCK_M + tl.arange(0, ATT_ROWS)
+        row_mask = rows < M
+    pos = pos0 + rows % T  # [R]: R = ATT_ROWS or BLOCK_M
     b = (rows // T).to(tl.int64)
     d = tl.arange(0, HALF)
     c_offs = pos.to(tl.int64)[:, None] * stride_cos + d[None, :]
@@ -143,23 +174,45 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
     c2 = tl.load(cos_ptr + c_offs + HALF).to(tl.float32)
     s1 = tl.load(sin_ptr + s_offs).to(tl.float32)
     s2 = tl.load(sin_ptr + s_offs + HALF).to(tl.float32)
-    mask = row_mask[:, None]
-    r64 = rows.to(tl.int64)[:, None]
-    for j in tl.static_range(GROUP):  # rotated q parked in out, where its attention output goes
-        head = g * GROUP + j
-        r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2,
-                            eps, DT, HALF, SPLIT, ROUND)
-        tl.store(out_ptr + r64 * stride_out + head * D + d[None, :], r1, mask=mask)
-        tl.store(out_ptr + r64 * stride_out + head * D + HALF + d[None, :], r2, mask=mask)
     k_rows = b * stride_kb + pos.to(tl.int64) * stride_kp + g * stride_kh
     v_rows = b * stride_vb + pos.to(tl.int64) * stride_vp + g * stride_vh
-    r1, r2 = _norm_rope(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2,
-                        s1, s2, eps, DT, HALF, SPLIT, ROUND)
-    tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=mask)
-    tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=mask)
     dd = tl.arange(0, D)
-    v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
-    tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=mask)
+    if ATT_ROWS < BLOCK_M:
+        # every load before the first store: a load placed after a store is issued after it (the compiler cannot
+        # tell the partials from the outputs apart), so head by head between the stores each head's loads cost
+        # a dependent round trip to L2; with BLOCK_M rows the heads' loads at once would spill
+        j = tl.arange(0, GROUP)
+        q1, q2 = _halves(part_ptr, rows, row_mask, (g * GROUP + j) * D, M_PAD, NP, DT, HALF,
+                         SPLIT)  # [R, GROUP, HALF]
+        k1, k2 = _halves(part_ptr, rows, row_mask, (NUM_HEADS + g) * D + tl.zeros([1], tl.int32), M_PAD, NP,
+                         DT, HALF, SPLIT)  # [R, 1, HALF]
+        v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
+        qw1, qw2 = _weight_halves(qn_ptr, HALF)
+        kw1, kw2 = _weight_halves(kn_ptr, HALF)
+        q1, q2 = _norm_rope_halves(q1, q2, qw1, qw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+        k1, k2 = _norm_rope_halves(k1, k2, kw1, kw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+        mask = row_mask[:, None, None]
+        at = (rows.to(tl.int64)[:, None, None] * stride_out + ((g * GROUP + j) * D)[None, :, None]
+              + d[None, None, :])
+        tl.store(out_ptr + at, q1, mask=mask)  # rotated q parked in out, where its attention output goes
+        tl.store(out_ptr + at + HALF, q2, mask=mask)
+        tl.store(k_ptr + k_rows[:, None, None] + d[None, None, :], k1, mask=mask)
+        tl.store(k_ptr + k_rows[:, None, None] + HALF + d[None, None, :], k2, mask=mask)
+    else:
+        mask = row_mask[:, None]
+        r64 = rows.to(tl.int64)[:, None]
+        for j in tl.static_range(GROUP):  # rotated q parked in out, where its attention output goes
+            head = g * GROUP + j
+            r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2,
+                                eps, DT, HALF, SPLIT, ROUND)
+            tl.store(out_ptr + r64 * stride_out + head * D + d[None, :], r1, mask=mask)
+            tl.store(out_ptr + r64 * stride_out + head * D + HALF + d[None, :], r2, mask=mask)
+        r1, r2 = _norm_rope(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2,
+                            s1, s2, eps, DT, HALF, SPLIT, ROUND)
+        tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=mask)
+        tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=mask)
+        v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
+    tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=row_mask[:, None])
     tl.debug_barrier()  # this program's k/v and q stores are read below by its other threads
     if ATT_ROWS < BLOCK_M:
         _attend_few(out_ptr, k_ptr, v_ptr, m, M, g, pos0, scale, stride_out,
