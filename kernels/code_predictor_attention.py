@@ -333,9 +333,10 @@ def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w
 
 
 def attention_rows(rows: int) -> int:
-    """Rows the attention step holds at once: a launch of at most FEW_ROWS rows (the 1-row step's
-    passes after the first) holds them all, with every cached position in one round of loads; others
-    BLOCK_M, in chunks of positions (2 rows at FEW_ROWS 2 spilled registers in one sm_90 config).
+    """Rows the epilogue and the attention step hold at once: a launch of at most FEW_ROWS rows (the 1-row
+    step's passes after the first; the talker's qkv launch at one row) holds them all, loading every head's
+    sums before its first store and every cached position in one round; others BLOCK_M, head by head and in
+    chunks of positions (2 rows at FEW_ROWS 2 spilled registers in one sm_90 config).
     Under `batch_invariant()` always BLOCK_M (one arithmetic whatever the batch)."""
     return rows if rows <= FEW_ROWS and not batch_invariant() else BLOCK_M
 

@@ -6,7 +6,9 @@ code_predictor_gemm.py into fp32 partials (`qkv_group_partials`, shared with the
 qkv_attention); the last program of each (row block, kv head) group (its GROUP q heads, its k and
 v columns, every slice) runs the epilogue for those rows: sum the partials, round to the model
 dtype, QK-norm and RoPE at each row's position (cos/sin gathered from the [max_pos, D] tables),
-rotated q to `out`, k and v to the row's cache slot (slot < 0: a padding row, nothing stored).
+rotated q to `out`, k and v to the row's cache slot (slot < 0: a padding row, nothing stored). A launch
+of at most FEW_ROWS rows (`attention_rows`: the one-row step) holds only those in its epilogue and loads
+all its heads before the first store, as the code predictor's does.
 Roundings are the eager layer's (models/layers.py), through the code predictor's `_norm_rope`:
 bf16 GEMM output, rms_norm_ref's two roundings, rotary products rounded when the tables have the
 activation dtype (kernels/rotary.py). Torch reference: talker_reference.qkv_rope_store_ref.
@@ -21,7 +23,8 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import pick
-from .code_predictor_attention import _norm_rope, qkv_candidates, qkv_group_partials
+from .code_predictor_attention import (_halves, _norm_rope, _norm_rope_halves, _weight_halves,
+                                       attention_rows, qkv_candidates, qkv_group_partials)
 from .code_predictor_gemm import (BLOCK_M, GemmConfig, counters_needed, dot_precision,
                                   interpret_config, load_sum, row_blocks)
 
@@ -47,16 +50,19 @@ def _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, row_mask, keep, k_rows,
 
 @triton.jit
 def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
-                    slot_ptr, rows, row_mask, g, eps, M_PAD, NP,
+                    slot_ptr, m, M, rows, row_mask, g, eps, M_PAD, NP,
                     stride_q, stride_pos, stride_slot, stride_kp, stride_ks, stride_kh,
                     stride_vp, stride_vs, stride_vh, stride_cos, stride_sin,
                     DT: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
                     D: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-                    ROUND: tl.constexpr):
+                    ROUND: tl.constexpr, BLOCK_M: tl.constexpr, EPI_ROWS: tl.constexpr):
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     HALF: tl.constexpr = D // 2
+    if EPI_ROWS < BLOCK_M:  # a launch of at most EPI_ROWS rows: the epilogue holds only those
+        rows = m * BLOCK_M + tl.arange(0, EPI_ROWS)
+        row_mask = rows < M
     r64 = rows.to(tl.int64)
-    pos = tl.load(pos_ptr + r64 * stride_pos, mask=row_mask, other=0).to(tl.int64)  # [BLOCK_M]
+    pos = tl.load(pos_ptr + r64 * stride_pos, mask=row_mask, other=0).to(tl.int64)  # [R]: EPI_ROWS or BLOCK_M
     slot = tl.load(slot_ptr + r64 * stride_slot, mask=row_mask, other=-1).to(tl.int64)
     d = tl.arange(0, HALF)
     c_offs = pos[:, None] * stride_cos + d[None, :]
@@ -66,18 +72,38 @@ def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_
     c2 = tl.load(cos_ptr + c_offs + HALF, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + s_offs, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + s_offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    for j in tl.static_range(GROUP):
-        head = g * GROUP + j
-        r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2,
-                            eps, DT, HALF, SPLIT, ROUND)
-        tl.store(q_ptr + r64[:, None] * stride_q + head * D + d[None, :], r1, mask=mask)
-        tl.store(q_ptr + r64[:, None] * stride_q + head * D + HALF + d[None, :], r2, mask=mask)
     keep = row_mask & (slot >= 0)
-    page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE  # [BLOCK_M] each (junk where not kept)
-    _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, row_mask, keep,
-                   page * stride_kp + offset * stride_ks + g * stride_kh,
-                   page * stride_vp + offset * stride_vs + g * stride_vh, g, c1, c2, s1, s2, eps,
-                   M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
+    page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE  # [R] each (junk where not kept)
+    k_rows = page * stride_kp + offset * stride_ks + g * stride_kh
+    v_rows = page * stride_vp + offset * stride_vs + g * stride_vh
+    if EPI_ROWS < BLOCK_M:  # every load before the first store (code_predictor_attention._group_epilogue)
+        j = tl.arange(0, GROUP)
+        dd = tl.arange(0, D)
+        q1, q2 = _halves(part_ptr, rows, row_mask, (g * GROUP + j) * D, M_PAD, NP, DT, HALF,
+                         SPLIT)  # [R, GROUP, HALF]
+        k1, k2 = _halves(part_ptr, rows, row_mask, (NUM_HEADS + g) * D + tl.zeros([1], tl.int32), M_PAD, NP,
+                         DT, HALF, SPLIT)  # [R, 1, HALF]
+        v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
+        qw1, qw2 = _weight_halves(qn_ptr, HALF)
+        kw1, kw2 = _weight_halves(kn_ptr, HALF)
+        q1, q2 = _norm_rope_halves(q1, q2, qw1, qw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+        k1, k2 = _norm_rope_halves(k1, k2, kw1, kw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+        at = r64[:, None, None] * stride_q + ((g * GROUP + j) * D)[None, :, None] + d[None, None, :]
+        tl.store(q_ptr + at, q1, mask=row_mask[:, None, None])
+        tl.store(q_ptr + at + HALF, q2, mask=row_mask[:, None, None])
+        kept = keep[:, None, None]
+        tl.store(k_ptr + k_rows[:, None, None] + d[None, None, :], k1, mask=kept)
+        tl.store(k_ptr + k_rows[:, None, None] + HALF + d[None, None, :], k2, mask=kept)
+        tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=keep[:, None])
+    else:
+        for j in tl.static_range(GROUP):
+            head = g * GROUP + j
+            r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2,
+                                eps, DT, HALF, SPLIT, ROUND)
+            tl.store(q_ptr + r64[:, None] * stride_q + head * D + d[None, :], r1, mask=mask)
+            tl.store(q_ptr + r64[:, None] * stride_q + head * D + HALF + d[None, :], r2, mask=mask)
+        _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, row_mask, keep, k_rows, v_rows, g, c1, c2, s1,
+                       s2, eps, M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
 
 
 @triton.jit(do_not_specialize=["M", "M_PAD"])
@@ -93,7 +119,7 @@ def _talker_qkv_kernel(
     # meta
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, EPI_ROWS: tl.constexpr,
 ):
     rows, row_mask, _, g, last = qkv_group_partials(
         x_ptr, x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, 0, stride_w,
@@ -101,10 +127,11 @@ def _talker_qkv_kernel(
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
         _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
-                        slot_ptr, rows, row_mask, g, eps, M_PAD, NP,
+                        slot_ptr, tl.program_id(0), M, rows, row_mask, g, eps, M_PAD, NP,
                         stride_q, stride_pos, stride_slot, stride_kp, stride_ks, stride_kh,
                         stride_vp, stride_vs, stride_vh, stride_cos, stride_sin,
-                        w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, PAGE_SIZE, SPLIT, ROUND)
+                        w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, PAGE_SIZE, SPLIT, ROUND, BLOCK_M,
+                        EPI_ROWS)
 
 
 def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, positions,
@@ -122,8 +149,8 @@ def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, pos
         NUM_HEADS=out.shape[1] // d, NUM_KV=num_kv, D=d, PAGE_SIZE=page_size,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
-        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, launch_pdl=pdl,
+        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, EPI_ROWS=attention_rows(rows),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
 
 

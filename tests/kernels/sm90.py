@@ -81,7 +81,7 @@ H200_SMS = 132  # streaming multiprocessors: the tuner's split counts follow the
 def _qkv_specs():
     """(name, launch) of each qkv kernel config the H200's tuner times (`qkv_candidates` with its SM
     count): the code predictor's (1.7B shapes, T = 1 and 2; 4 rows, and the one batch row that attends in
-    one round of loads; rows gathered by id at 4 rows and at one) and the talker's."""
+    one round of loads; rows gathered by id at 4 rows and at one) and the talker's (4 rows and one)."""
     import torch
 
     from q3tts.kernels import code_predictor_attention as cpa, code_predictor_gemm, talker_qkv
@@ -109,9 +109,10 @@ def _qkv_specs():
             else:
                 cache = torch.zeros(8, 16, kv, d, **bf)
                 ids = torch.arange(4, dtype=torch.int64)
-                yield f"talker_qkv {cfg}", lambda c=cfg: talker_qkv._launch(
-                    c, x, norm_w, w, qn, kn, cos, sin, ids, ids, cache, cache.clone(),
-                    torch.zeros(4, heads * d, **bf), cnt, 1e-6)
+                for rows in (4, 1):  # 1: the epilogue of `attention_rows` rows, every head loaded at once
+                    yield f"talker_qkv rows={rows} {cfg}", lambda c=cfg, r=rows: talker_qkv._launch(
+                        c, x[:r], norm_w, w, qn, kn, cos, sin, ids[:r], ids[:r], cache, cache.clone(),
+                        torch.zeros(r, heads * d, **bf), cnt, 1e-6)
 
 
 def _conv_specs():

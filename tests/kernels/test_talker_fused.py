@@ -104,9 +104,10 @@ def _f32(*ts):
 # ------------------------------------------------------------------------------------ kernels
 
 def check_qkv(cfg: DecoderLayerConfig, rows: int, dtype: torch.dtype, inp: Inputs, config,
-              page_size: int = 4, max_context: int = 40) -> None:
-    """Rotated q and the whole cache after the store vs the references; every third row pads."""
-    r = Rows(cfg, rows, max_context, page_size, dtype, inp, padding=tuple(range(2, rows, 3)))
+              page_size: int = 4, max_context: int = 40, padding: tuple[int, ...] | None = None) -> None:
+    """Rotated q and the whole cache after the store vs the references; every third row pads (default)."""
+    padding = tuple(range(2, rows, 3)) if padding is None else padding
+    r = Rows(cfg, rows, max_context, page_size, dtype, inp, padding=padding)
     h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     weights = (inp.norm_weight(h, dtype), inp.weight((nh + 2 * nkv) * d, h, dtype),
                inp.norm_weight(d, dtype), inp.norm_weight(d, dtype))
@@ -151,6 +152,13 @@ def check_attention(cfg: DecoderLayerConfig, bsz: int, dtype: torch.dtype, inp: 
 def test_qkv_rope_store_matches_its_reference(dtype, rows, config):
     """19 rows span two row blocks; split2: the K slices' partials summed by the last program."""
     check_qkv(TINY, rows, dtype, Inputs(DEVICE, 1, rows, dtype.itemsize, config is None), config)
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+def test_a_one_row_launch_of_a_padding_row_stores_nothing(dtype):
+    """One row (the epilogue of FEW_ROWS rows, its heads loaded at once) whose slot is -1: its q is made, the
+    cache is left as it was."""
+    check_qkv(TINY, 1, dtype, Inputs(DEVICE, 3, dtype.itemsize), None, padding=(0,))
 
 
 @pytest.mark.parametrize("bsz", [1, 5])
