@@ -80,6 +80,36 @@ def _norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps, DT: tl.constexpr, HAL
 
 
 @triton.jit
+def _group_heads(part_ptr, rows, row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD, NP, DT: tl.constexpr,
+                 NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                 ROUND: tl.constexpr):
+    """kv group g of the GEMM result, every load issued before any store: its GROUP q heads and its k head
+    QK-normed and rotated, as halves [R, GROUP, D/2] and [R, 1, D/2] in DT, and its v head [R, D] (fp32 sums).
+    Head by head between the stores, each head's loads cost a dependent round trip to L2 (a load placed after a
+    store is issued after it: the compiler cannot tell the partials from the outputs apart); over BLOCK_M rows
+    the heads' loads at once would spill, so only the few-rows epilogues take this."""
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
+    HALF: tl.constexpr = D // 2
+    j = tl.arange(0, GROUP)
+    q1, q2 = _halves(part_ptr, rows, row_mask, (g * GROUP + j) * D, M_PAD, NP, DT, HALF, SPLIT)
+    k1, k2 = _halves(part_ptr, rows, row_mask, (NUM_HEADS + g) * D + tl.zeros([1], tl.int32), M_PAD, NP, DT,
+                     HALF, SPLIT)
+    v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + tl.arange(0, D), M_PAD, NP, SPLIT)
+    qw1, qw2 = _weight_halves(qn_ptr, HALF)
+    kw1, kw2 = _weight_halves(kn_ptr, HALF)
+    q1, q2 = _norm_rope_halves(q1, q2, qw1, qw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+    k1, k2 = _norm_rope_halves(k1, k2, kw1, kw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+    return q1, q2, k1, k2, v
+
+
+@triton.jit
+def _store_halves(ptr, offs, x1, x2, mask, HALF: tl.constexpr):
+    """Halves x1, x2 [R, H, HALF] to ptr + offs [R, H, HALF] (each head's first half) and offs + HALF."""
+    tl.store(ptr + offs, x1, mask=mask)
+    tl.store(ptr + offs + HALF, x2, mask=mask)
+
+
+@triton.jit
 def _norm_rope(part_ptr, rows, row_mask, col, M_PAD, NP, nw_ptr, c1, c2, s1, s2, eps,
                DT: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
     """One head of the GEMM result (columns col..col+2*HALF): rounded, RMS-normed over the head,
@@ -178,26 +208,13 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
     v_rows = b * stride_vb + pos.to(tl.int64) * stride_vp + g * stride_vh
     dd = tl.arange(0, D)
     if ATT_ROWS < BLOCK_M:
-        # every load before the first store: a load placed after a store is issued after it (the compiler cannot
-        # tell the partials from the outputs apart), so head by head between the stores each head's loads cost
-        # a dependent round trip to L2; with BLOCK_M rows the heads' loads at once would spill
-        j = tl.arange(0, GROUP)
-        q1, q2 = _halves(part_ptr, rows, row_mask, (g * GROUP + j) * D, M_PAD, NP, DT, HALF,
-                         SPLIT)  # [R, GROUP, HALF]
-        k1, k2 = _halves(part_ptr, rows, row_mask, (NUM_HEADS + g) * D + tl.zeros([1], tl.int32), M_PAD, NP,
-                         DT, HALF, SPLIT)  # [R, 1, HALF]
-        v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
-        qw1, qw2 = _weight_halves(qn_ptr, HALF)
-        kw1, kw2 = _weight_halves(kn_ptr, HALF)
-        q1, q2 = _norm_rope_halves(q1, q2, qw1, qw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
-        k1, k2 = _norm_rope_halves(k1, k2, kw1, kw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+        q1, q2, k1, k2, v = _group_heads(part_ptr, rows, row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD,
+                                         NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
         mask = row_mask[:, None, None]
-        at = (rows.to(tl.int64)[:, None, None] * stride_out + ((g * GROUP + j) * D)[None, :, None]
-              + d[None, None, :])
-        tl.store(out_ptr + at, q1, mask=mask)  # rotated q parked in out, where its attention output goes
-        tl.store(out_ptr + at + HALF, q2, mask=mask)
-        tl.store(k_ptr + k_rows[:, None, None] + d[None, None, :], k1, mask=mask)
-        tl.store(k_ptr + k_rows[:, None, None] + HALF + d[None, None, :], k2, mask=mask)
+        at = (rows.to(tl.int64)[:, None, None] * stride_out
+              + ((g * GROUP + tl.arange(0, GROUP)) * D)[None, :, None] + d[None, None, :])
+        _store_halves(out_ptr, at, q1, q2, mask, HALF)  # rotated q parked in out, where its attention output goes
+        _store_halves(k_ptr, k_rows[:, None, None] + d[None, None, :], k1, k2, mask, HALF)
     else:
         mask = row_mask[:, None]
         r64 = rows.to(tl.int64)[:, None]

@@ -23,8 +23,8 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import pick
-from .code_predictor_attention import (_halves, _norm_rope, _norm_rope_halves, _weight_halves,
-                                       attention_rows, qkv_candidates, qkv_group_partials)
+from .code_predictor_attention import (_group_heads, _norm_rope, _store_halves, attention_rows, qkv_candidates,
+                                       qkv_group_partials)
 from .code_predictor_gemm import (BLOCK_M, GemmConfig, counters_needed, dot_precision,
                                   interpret_config, load_sum, row_blocks)
 
@@ -76,24 +76,13 @@ def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_
     page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE  # [R] each (junk where not kept)
     k_rows = page * stride_kp + offset * stride_ks + g * stride_kh
     v_rows = page * stride_vp + offset * stride_vs + g * stride_vh
-    if EPI_ROWS < BLOCK_M:  # every load before the first store (code_predictor_attention._group_epilogue)
-        j = tl.arange(0, GROUP)
+    if EPI_ROWS < BLOCK_M:  # every load before the first store (`_group_heads`)
+        q1, q2, k1, k2, v = _group_heads(part_ptr, rows, row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD,
+                                         NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
+        at = r64[:, None, None] * stride_q + ((g * GROUP + tl.arange(0, GROUP)) * D)[None, :, None] + d[None, None, :]
+        _store_halves(q_ptr, at, q1, q2, row_mask[:, None, None], HALF)
+        _store_halves(k_ptr, k_rows[:, None, None] + d[None, None, :], k1, k2, keep[:, None, None], HALF)
         dd = tl.arange(0, D)
-        q1, q2 = _halves(part_ptr, rows, row_mask, (g * GROUP + j) * D, M_PAD, NP, DT, HALF,
-                         SPLIT)  # [R, GROUP, HALF]
-        k1, k2 = _halves(part_ptr, rows, row_mask, (NUM_HEADS + g) * D + tl.zeros([1], tl.int32), M_PAD, NP,
-                         DT, HALF, SPLIT)  # [R, 1, HALF]
-        v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
-        qw1, qw2 = _weight_halves(qn_ptr, HALF)
-        kw1, kw2 = _weight_halves(kn_ptr, HALF)
-        q1, q2 = _norm_rope_halves(q1, q2, qw1, qw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
-        k1, k2 = _norm_rope_halves(k1, k2, kw1, kw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
-        at = r64[:, None, None] * stride_q + ((g * GROUP + j) * D)[None, :, None] + d[None, None, :]
-        tl.store(q_ptr + at, q1, mask=row_mask[:, None, None])
-        tl.store(q_ptr + at + HALF, q2, mask=row_mask[:, None, None])
-        kept = keep[:, None, None]
-        tl.store(k_ptr + k_rows[:, None, None] + d[None, None, :], k1, mask=kept)
-        tl.store(k_ptr + k_rows[:, None, None] + HALF + d[None, None, :], k2, mask=kept)
         tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=keep[:, None])
     else:
         for j in tl.static_range(GROUP):
