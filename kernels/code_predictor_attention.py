@@ -110,6 +110,31 @@ def _store_halves(ptr, offs, x1, x2, mask, HALF: tl.constexpr):
 
 
 @triton.jit
+def _store_heads_in_turn(part_ptr, q_ptr, stride_q, k_ptr, k_rows, k_mask, rows, row_mask, g, qn_ptr, kn_ptr, c1,
+                         c2, s1, s2, eps, M_PAD, NP, DT: tl.constexpr, NUM_HEADS: tl.constexpr,
+                         NUM_KV: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
+    """kv group g of the GEMM result over BLOCK_M rows, head by head (`_group_heads` would spill there): its GROUP
+    q heads QK-normed and rotated to q_ptr (row stride stride_q), its k head to k_ptr + k_rows [R] where k_mask
+    [R, 1]. Returns its v head [R, D] (fp32 sums)."""
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, HALF)
+    mask = row_mask[:, None]
+    r64 = rows.to(tl.int64)[:, None]
+    for j in tl.static_range(GROUP):
+        head = g * GROUP + j
+        r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2,
+                            eps, DT, HALF, SPLIT, ROUND)
+        tl.store(q_ptr + r64 * stride_q + head * D + d[None, :], r1, mask=mask)
+        tl.store(q_ptr + r64 * stride_q + head * D + HALF + d[None, :], r2, mask=mask)
+    r1, r2 = _norm_rope(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2,
+                        s1, s2, eps, DT, HALF, SPLIT, ROUND)
+    tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=k_mask)
+    tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=k_mask)
+    return load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + tl.arange(0, D), M_PAD, NP, SPLIT)
+
+
+@triton.jit
 def _norm_rope(part_ptr, rows, row_mask, col, M_PAD, NP, nw_ptr, c1, c2, s1, s2, eps,
                DT: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
     """One head of the GEMM result (columns col..col+2*HALF): rounded, RMS-normed over the head,
@@ -207,28 +232,18 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
     k_rows = b * stride_kb + pos.to(tl.int64) * stride_kp + g * stride_kh
     v_rows = b * stride_vb + pos.to(tl.int64) * stride_vp + g * stride_vh
     dd = tl.arange(0, D)
-    if ATT_ROWS < BLOCK_M:
+    if ATT_ROWS < BLOCK_M:  # the rotated q is parked in out, where its attention output goes
         q1, q2, k1, k2, v = _group_heads(part_ptr, rows, row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD,
                                          NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
         mask = row_mask[:, None, None]
         at = (rows.to(tl.int64)[:, None, None] * stride_out
               + ((g * GROUP + tl.arange(0, GROUP)) * D)[None, :, None] + d[None, None, :])
-        _store_halves(out_ptr, at, q1, q2, mask, HALF)  # rotated q parked in out, where its attention output goes
+        _store_halves(out_ptr, at, q1, q2, mask, HALF)
         _store_halves(k_ptr, k_rows[:, None, None] + d[None, None, :], k1, k2, mask, HALF)
     else:
-        mask = row_mask[:, None]
-        r64 = rows.to(tl.int64)[:, None]
-        for j in tl.static_range(GROUP):  # rotated q parked in out, where its attention output goes
-            head = g * GROUP + j
-            r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2,
-                                eps, DT, HALF, SPLIT, ROUND)
-            tl.store(out_ptr + r64 * stride_out + head * D + d[None, :], r1, mask=mask)
-            tl.store(out_ptr + r64 * stride_out + head * D + HALF + d[None, :], r2, mask=mask)
-        r1, r2 = _norm_rope(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2,
-                            s1, s2, eps, DT, HALF, SPLIT, ROUND)
-        tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=mask)
-        tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=mask)
-        v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
+        v = _store_heads_in_turn(part_ptr, out_ptr, stride_out, k_ptr, k_rows, row_mask[:, None], rows, row_mask, g,
+                                 qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT,
+                                 ROUND)
     tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=row_mask[:, None])
     tl.debug_barrier()  # this program's k/v and q stores are read below by its other threads
     if ATT_ROWS < BLOCK_M:

@@ -9,7 +9,7 @@ dtype, QK-norm and RoPE at each row's position (cos/sin gathered from the [max_p
 rotated q to `out`, k and v to the row's cache slot (slot < 0: a padding row, nothing stored). A launch
 of at most FEW_ROWS rows (`attention_rows`: the one-row step) holds only those in its epilogue and loads
 all its heads before the first store, as the code predictor's does.
-Roundings are the eager layer's (models/layers.py), through the code predictor's `_norm_rope`:
+Roundings are the eager layer's (models/layers.py), through the code predictor's `_norm_rope_halves`:
 bf16 GEMM output, rms_norm_ref's two roundings, rotary products rounded when the tables have the
 activation dtype (kernels/rotary.py). Torch reference: talker_reference.qkv_rope_store_ref.
 """
@@ -23,29 +23,10 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import pick
-from .code_predictor_attention import (_group_heads, _norm_rope, _store_halves, attention_rows, qkv_candidates,
-                                       qkv_group_partials)
+from .code_predictor_attention import (_group_heads, _store_halves, _store_heads_in_turn, attention_rows,
+                                       qkv_candidates, qkv_group_partials)
 from .code_predictor_gemm import (BLOCK_M, GemmConfig, counters_needed, dot_precision,
-                                  interpret_config, load_sum, row_blocks)
-
-
-@triton.jit
-def _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, row_mask, keep, k_rows, v_rows, g, c1,
-                   c2, s1, s2, eps, M_PAD, NP, DT: tl.constexpr, NUM_HEADS: tl.constexpr,
-                   NUM_KV: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                   ROUND: tl.constexpr):
-    """kv head g of the GEMM result: k normed and rotated, v rounded, stored at the kept rows'
-    cache offsets k_rows / v_rows [BLOCK_M]."""
-    HALF: tl.constexpr = D // 2
-    d = tl.arange(0, HALF)
-    mask = keep[:, None]
-    r1, r2 = _norm_rope(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2,
-                        s1, s2, eps, DT, HALF, SPLIT, ROUND)
-    tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=mask)
-    tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=mask)
-    dd = tl.arange(0, D)
-    v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + dd, M_PAD, NP, SPLIT)
-    tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=mask)
+                                  interpret_config, row_blocks)
 
 
 @triton.jit
@@ -76,23 +57,17 @@ def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_
     page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE  # [R] each (junk where not kept)
     k_rows = page * stride_kp + offset * stride_ks + g * stride_kh
     v_rows = page * stride_vp + offset * stride_vs + g * stride_vh
+    dd = tl.arange(0, D)
     if EPI_ROWS < BLOCK_M:  # every load before the first store (`_group_heads`)
         q1, q2, k1, k2, v = _group_heads(part_ptr, rows, row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD,
                                          NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
         at = r64[:, None, None] * stride_q + ((g * GROUP + tl.arange(0, GROUP)) * D)[None, :, None] + d[None, None, :]
         _store_halves(q_ptr, at, q1, q2, row_mask[:, None, None], HALF)
         _store_halves(k_ptr, k_rows[:, None, None] + d[None, None, :], k1, k2, keep[:, None, None], HALF)
-        dd = tl.arange(0, D)
-        tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=keep[:, None])
     else:
-        for j in tl.static_range(GROUP):
-            head = g * GROUP + j
-            r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2,
-                                eps, DT, HALF, SPLIT, ROUND)
-            tl.store(q_ptr + r64[:, None] * stride_q + head * D + d[None, :], r1, mask=mask)
-            tl.store(q_ptr + r64[:, None] * stride_q + head * D + HALF + d[None, :], r2, mask=mask)
-        _store_kv_head(part_ptr, k_ptr, v_ptr, kn_ptr, rows, row_mask, keep, k_rows, v_rows, g, c1, c2, s1,
-                       s2, eps, M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
+        v = _store_heads_in_turn(part_ptr, q_ptr, stride_q, k_ptr, k_rows, keep[:, None], rows, row_mask, g, qn_ptr,
+                                 kn_ptr, c1, c2, s1, s2, eps, M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
+    tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=keep[:, None])
 
 
 @triton.jit(do_not_specialize=["M", "M_PAD"])

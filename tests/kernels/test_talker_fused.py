@@ -9,7 +9,7 @@ so the bound is atol = 1e-5 relative to the largest |value| (~84 float32 epsilon
 accumulation order differs); in bf16, 2x the eager bf16 error + 1e-2.
 Outputs are poisoned (NaN) before the kernels write them; every launch leaves its tickets at zero.
 Deliberate mutations these tests catch (each run by hand when written):
-  talker_qkv        k stored unrotated (cos 1, sin 0 for the k head in _store_kv_head): the cache
+  talker_qkv        k stored unrotated (cos 1, sin 0 for the k head in _store_heads_in_turn): the cache
                     check of test_qkv_rope_store_matches_its_reference fails
   talker_attention  the merge's ticket count num_splits - 1 (a merge before the last split has
                     stored its partial): test_decode_attention_matches_the_reference fails
