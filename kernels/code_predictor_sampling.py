@@ -9,7 +9,9 @@ ties as `apply_top_k_capped`) -> softmax -> inverse-CDF draw with the row's unif
 last id of non-zero probability; greedy rows take the argmax. The kept set is exactly the
 reference's; the probabilities are summed in another order, so a draw can differ from the reference
 only where u * total lands within fp32 rounding of a CDF step.
-Each program's warp count is tuned once per vocabulary and mode (`warp_candidates`).
+Each program's warp count is tuned once per vocabulary and mode (`warp_candidates`). Values that need not wait
+for each other share a reduction (each is a dependent round through shared memory): the row's argmax, maximum
+and NaN count; the CDF's total and its last id of non-zero probability.
 The finite guard is the reference's (`guard_ids`): a row whose scores (after temperature) hold a NaN
 or +inf, or are all -inf, draws id 0 and is or-ed into `faults`.
 The talker's draw (`TalkerScores`) first runs its processors on the row, as `models.sampling.sample_talker`
@@ -20,6 +22,7 @@ from suppress_start on at -inf but EOS.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -55,12 +58,45 @@ def _talker_scores(x, idx, valid, r, gen_ptr, pen_ptr, ngen_ptr, stride_gen, str
     return tl.where((idx >= suppress_start) & (idx != eos_id), float("-inf"), x)
 
 
+# NOTE: the interpreter runs a reduction with a combine function of ours lane by lane in Python (minutes a row at
+# 2048 lanes); there the same values come from its own sums and maxima, one reduction each (ints sum exactly;
+# maxima and first indices do not depend on the order)
+_ONE_REDUCTION = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
 @triton.jit
-def _not_finite(x):
-    """Whether a row [BLOCK_V] holds a NaN or +inf or is all -inf (torch: ~isfinite(amax)).
-    NOTE: tl.max drops NaNs, so they are counted apart."""
-    top = tl.max(x, 0)
-    return (tl.sum((x != x).to(tl.int32), 0) > 0) | (top == float("inf")) | (top == float("-inf"))
+def _first_max(v1, i1, n1, v2, i2, n2):
+    """`_summary`'s combine: the larger value and the first index on ties (tl.argmax's tie_break_left), and the
+    NaN count."""
+    first = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+    return tl.where(first, v1, v2), tl.where(first, i1, i2), n1 + n2
+
+
+@triton.jit
+def _summary(x, idx):
+    """In one reduction, of a row x [BLOCK_V]: the first index of its maximum (torch's argmax), the maximum, and
+    whether the row is not finite: a NaN or +inf, or all -inf (torch: ~isfinite(amax)). Where the row holds a
+    NaN only the last is meaningful."""
+    nan = (x != x).to(tl.int32)
+    if _ONE_REDUCTION:
+        top, best, nans = tl.reduce((x, idx, nan), 0, _first_max)
+    else:
+        best, top, nans = tl.argmax(x, 0, tie_break_left=True), tl.max(x, 0), tl.sum(nan, 0)
+    return best, top, (nans > 0) | (top == float("inf")) | (top == float("-inf"))
+
+
+@triton.jit
+def _maxima(a1, b1, a2, b2):
+    return tl.maximum(a1, a2), tl.maximum(b1, b2)
+
+
+@triton.jit
+def _max2(a, b):
+    """The maxima of a and b (both [BLOCK_V]) in one reduction."""
+    if _ONE_REDUCTION:
+        return tl.reduce((a, b), 0, _maxima)
+    else:
+        return tl.max(a, 0), tl.max(b, 0)
 
 
 _COUNT_BITS = tl.constexpr(21)  # a field of _kth_largest's packed counts: a row holds fewer lanes than 2**21
@@ -113,23 +149,21 @@ def _sample_kernel(
     if TALKER:
         x = _talker_scores(x, idx, valid, r, gen_ptr, pen_ptr, ngen_ptr, stride_gen, stride_pen, stride_ngen,
                            eos_id, min_new, suppress_start)
-    best = tl.argmax(x, 0, tie_break_left=True)
     if TOPK:
         greedy = tl.load(greedy_ptr + r * stride_g) != 0
         temp = tl.where(greedy, 1.0, tl.load(temp_ptr + r * stride_t).to(tl.float32))
         scaled = tl.math.div_rn(x, tl.zeros_like(x) + temp)
-        bad = _not_finite(scaled)
+        best, top, bad = _summary(scaled, idx)  # a greedy row's scaled scores are its scores
         k = tl.minimum(tl.maximum(tl.load(topk_ptr + r * stride_k), 1), tl.minimum(cap, V))
         kept = tl.where(scaled < _kth_largest(scaled, valid, k), float("-inf"), scaled)
-        e = tl.where(valid, tl.exp(kept - tl.max(kept, 0)), 0.0)
+        e = tl.where(valid, tl.exp(kept - top), 0.0)  # top: the kept maximum (k >= 1), where the row is finite
         probs = e / tl.sum(e, 0)
         cdf = tl.cumsum(probs, 0)
-        target = tl.load(u_ptr + r * stride_u).to(tl.float32) * tl.max(cdf, 0)
-        drawn = tl.sum(((cdf <= target) & valid).to(tl.int32), 0)
-        last = tl.max(tl.where((probs > 0) & valid, idx, -1), 0)
+        total, last = _max2(cdf, tl.where((probs > 0) & valid, idx, -1))
+        drawn = tl.sum(((cdf <= tl.load(u_ptr + r * stride_u).to(tl.float32) * total) & valid).to(tl.int32), 0)
         best = tl.where(greedy, best, tl.minimum(drawn, last))
     else:
-        bad = _not_finite(x)
+        best, _, bad = _summary(x, idx)
     if HAS_FAULTS:
         fault = tl.load(faults_ptr + r * stride_f) != 0
         tl.store(faults_ptr + r * stride_f, fault | bad)
@@ -196,12 +230,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
 def warp_candidates(block_v: int, topk: bool, talker: bool = False) -> list[int]:
     """The warps a draw's program may run with, the heuristic first (the CPU's; the GPU times them once per
-    vocabulary and mode, never per batch). One program is one row's chain of reductions (TOPK: 32 select
-    steps and a few more), each across the program's warps, with 2+ warps through shared memory and a
+    vocabulary and mode, never per batch). One program is one row's chain of reductions (GREEDY: one; TOPK: 16
+    select rounds and 5 more), each across the program's warps, with 2+ warps through shared memory and a
     barrier: fewer warps hold more of the row each, and one warp reduces by shuffles alone. TOPK, and the
     talker's processors (which hold its history too), offer 1 warp only up to a 2048-wide row: on sm_90 TOPK
-    holds that row in 231 registers, none spilled, and both spill from a 4096-wide one (96 and 352 bytes a
-    thread)."""
+    holds that row in 255 registers, none spilled, and both spill from a 4096-wide one (96 and 352 bytes a
+    thread when last measured)."""
     first = 8 if block_v >= 4096 else 4
     one = (1,) if not (topk or talker) or block_v <= 2048 else ()
     return [first] + [w for w in (*one, 2, 8) if w != first]

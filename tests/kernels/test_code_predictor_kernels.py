@@ -207,6 +207,40 @@ def test_sample_topk_mode_draws_what_warp_and_draw_draws():
     assert differ.sum() <= 1
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's switch: a GPU always runs the single reductions")
+@pytest.mark.parametrize("mode", [GREEDY, TOPK])
+def test_single_reductions_draw_what_the_interpreters_reductions_draw(mode, monkeypatch):
+    """The GPU's reductions of several values at once (`_ONE_REDUCTION`: a row's argmax, maximum and NaN count;
+    the CDF's total and the last id of non-zero probability), which the interpreter runs lane by lane, here at
+    a 64-wide row: the same ids and faults as its one reduction per value, over rows with the best score tied
+    (first index wins), +-0 on top, NaN / +inf / all -inf, a NaN temperature, and k from 1 to the whole row."""
+    cps = kernel_module("code_predictor_sampling")
+    inp = Inputs(DEVICE, 13, mode == TOPK)
+    vocab, n = 64, 12
+    logits = inp.randn(n, vocab, scale=3)
+    logits[0, [9, 40]] = logits[0].max() + 1  # tie on top: the first index
+    logits[1, [2, 7]] = 0.0
+    logits[1, 5] = -0.0
+    logits[1, 8:] = -1.0  # +-0 on top
+    logits[2, 3], logits[3, 5], logits[4] = float("nan"), float("inf"), float("-inf")
+    logits[5, ::2] = float("-inf")
+    rows = [SamplingParams(greedy=mode == GREEDY or g, subtalker_top_k=k, subtalker_temperature=t)
+            for k, t, g in [(1, 0.9, True), (7, 0.5, True), (50, 0.9, False), (64, 1.3, False), (7, 0.9, False),
+                            (3, 0.7, False), (64, float("nan"), False), (5, 1.0, False), (1, 0.8, False),
+                            (60, 0.6, False), (2, 2.0, False), (9, 0.9, True)]]
+    params = _sampling(rows, mode)
+    u = torch.rand(n, generator=inp.gen, device=DEVICE)
+    draws = []
+    for single in (False, True):
+        monkeypatch.setattr(cps, "_ONE_REDUCTION", tl.constexpr(single))
+        faults = torch.zeros(n, dtype=torch.bool, device=DEVICE)
+        draws.append((_draw(logits, params, u, faults), faults))
+    (got, got_faults), (want, want_faults) = draws[1], draws[0]
+    assert torch.equal(got, want) and torch.equal(got_faults, want_faults), (got, want, got_faults, want_faults)
+    assert got[0] == 9 and got_faults[2:5].all() and not got_faults[:2].any()
+    assert len(set(got.tolist())) > 4  # rows draw apart
+
+
 @pytest.mark.parametrize("mode", [GREEDY, TOPK])
 def test_sample_finite_guard_matches_the_reference(mode):
     """NaN / +inf scores, an all -inf row and (TOPK) NaN or zero temperatures draw id 0 and are
