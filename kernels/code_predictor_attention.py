@@ -9,10 +9,10 @@ contiguous cache [B, P, KVH, D], then attention of the GROUP heads over position
 registers; no paging), written over the rotated q in `out`: online softmax over CHUNK positions at a
 time, each head in turn (a dependent round trip to L2 per chunk and head: about 0.8 µs each on the
 H200, where the launch at one row took 12.8 / 15.7 / 17.4 µs at pass 2 / 8 / 15 at bf7f9f3); a
-launch of at most FEW_ROWS rows (the 1-row step's passes after the first) loads both heads' q and
-every position's k and v in one round instead (`_attend_few`), and its epilogue, on those rows only,
-loads every head's partial sums before its first store (head by head, each head's loads waited a round
-trip behind the store before them).
+launch of at most FEW_ROWS rows (`held_rows`: the 1-row step's passes after the first) loads both heads' q
+and every position's k and v in one round instead (`_attend_few`), its epilogue, on those rows only, loads
+every head's partial sums before its first store (head by head, each head's loads waited a round trip
+behind the store before them), and its norm statistics read the row in one round.
 Rows are (batch row b, token t) = (r // T, r % T) at position pos0 + t: T = 2 on the first pass
 (past hidden and c0 at positions 0, 1: a row block holds both tokens of a batch row, so position 1
 sees position 0's k/v written by the same program), T = 1 after.
@@ -28,17 +28,16 @@ import triton.language as tl
 
 from ._cast import cast
 from ._launch import device_guard, programmatic_launch
-from .autotune import batch_invariant, pick
+from .autotune import pick
 from .code_predictor_gemm import (BLOCK_M, GATHER, NORM, GemmConfig, arrive, interpret_config,
-                                  candidates, counters_needed, dot_precision, k_slice, load_sum,
-                                  mainloop, row_blocks, row_offsets, row_rstd, store_partial,
+                                  candidates, counters_needed, dot_precision, held_rows, held_rstd,
+                                  k_slice, load_sum, mainloop, row_blocks, row_offsets, store_partial,
                                   wait_for_inputs)
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": the first update has no inf - inf
 # a jit function reads globals only as constexpr (the interpreter does not check)
 _NORM, _GATHER = tl.constexpr(NORM), tl.constexpr(GATHER)
 _CHUNK = tl.constexpr(4)  # cache positions the attention reads per step
-FEW_ROWS = 1  # launches of at most this many rows attend in one round of loads (`attention_rows`)
 
 
 @triton.jit
@@ -274,11 +273,11 @@ def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, e
                        stride_ids, stride_w, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       PDL: tl.constexpr, GATHER: tl.constexpr):
+                       PDL: tl.constexpr, GATHER: tl.constexpr, ROWS: tl.constexpr):
     """This program's share of RMSNorm(X) @ W_qkv^T (grid: row blocks, column tiles, K slices),
     stored as an fp32 partial [SPLIT, M_PAD, (NH + 2 KVH) D], then a ticket on its (row block, kv
     head g) group: q heads g*GROUP.., k head g, v head g. PDL: see `wait_for_inputs`. GATHER: row m
-    of X is row ids[m] of the table at x_ptr.
+    of X is row ids[m] of the table at x_ptr. ROWS: the rows the norm statistics hold (`held_rows`).
     Returns rows, row_mask [BLOCK_M], the rows' element offsets in x [BLOCK_M], g, and whether this
     is the group's last program (which runs the group's epilogue)."""
     m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -288,9 +287,10 @@ def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, e
     wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
-    x_off = row_offsets(x_ptr, ids_ptr, rows, row_mask, 1, 0, stride_xm, stride_ids,
-                        _GATHER if GATHER else _NORM)
-    rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M)
+    ROWS_FROM: tl.constexpr = _GATHER if GATHER else _NORM
+    x_off = row_offsets(x_ptr, ids_ptr, rows, row_mask, 1, 0, stride_xm, stride_ids, ROWS_FROM)
+    rstd = held_rstd(x_ptr, ids_ptr, x_off, row_mask, m, M, K, eps, 1, 0, stride_xm, stride_ids, ROWS_FROM,
+                     BLOCK_M, ROWS)
     acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, _NORM, BLOCK_M,
                    BLOCK_N, BLOCK_K, DOT_PRECISION)
     store_partial(part_ptr, acc, split, rows, row_mask, cols, M_PAD, (NUM_HEADS + 2 * NUM_KV) * D)
@@ -320,7 +320,8 @@ def _qkv_attention_kernel(
 ):
     rows, row_mask, x_off, g, last = qkv_group_partials(
         x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_ids,
-        stride_w, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL, GATHER)
+        stride_w, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL, GATHER,
+        ATT_ROWS)
     if GATHER:  # the gathered rows are the layer's residual input: one program per row block keeps them
         if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
             _copy_rows(x_ptr, x_off, row_mask, rows_out_ptr, rows, stride_rows_out, K, BLOCK_M)
@@ -358,19 +359,10 @@ def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w
         NUM_HEADS=num_heads, NUM_KV=k_cache.shape[2], D=d, T=tokens,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
-        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, ATT_ROWS=attention_rows(rows),
+        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, ATT_ROWS=held_rows(rows),
         P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, launch_pdl=pdl,
     )
-
-
-def attention_rows(rows: int) -> int:
-    """Rows the epilogue and the attention step hold at once: a launch of at most FEW_ROWS rows (the 1-row
-    step's passes after the first; the talker's qkv launch at one row) holds them all, loading every head's
-    sums before its first store and every cached position in one round; others BLOCK_M, head by head and in
-    chunks of positions (2 rows at FEW_ROWS 2 spilled registers in one sm_90 config).
-    Under `batch_invariant()` always BLOCK_M (one arithmetic whatever the batch)."""
-    return rows if rows <= FEW_ROWS and not batch_invariant() else BLOCK_M
 
 
 def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,

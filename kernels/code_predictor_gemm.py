@@ -28,8 +28,10 @@ import triton.language as tl
 
 from ._cast import cast, dot
 from ._launch import num_sms
+from .autotune import batch_invariant
 
 BLOCK_M = 16  # rows per program of the batch-invariant configs: the smallest tl.dot M
+FEW_ROWS = 1  # a launch of at most this many rows holds only them in its prologue and epilogue (`held_rows`)
 MIN_BLOCK_N = 16
 ROW_CLASSES = (16, 32, 64, 128, 256)  # rows rounded up to a power of 2, capped; one tuning each
 PLAIN, GATHER, NORM = 0, 1, 2  # prologues: X rows / table rows by id / RMSNorm(X rows)
@@ -56,6 +58,16 @@ def interpret_config(cols: int) -> GemmConfig:
 
 def row_blocks(rows: int, block_m: int = BLOCK_M) -> int:
     return triton.cdiv(rows, block_m)
+
+
+def held_rows(rows: int, block_m: int = BLOCK_M) -> int:
+    """Rows a launch's norm statistics, qkv epilogue and attention step hold at once: a launch of at most
+    FEW_ROWS rows (the 1-row step) holds them all, so its row norm reads the row in one round of loads, its
+    epilogue loads every head's sums before its first store and its attention every cached position in one
+    round; others the program's block_m rows, chunk by chunk and head by head (2 rows at FEW_ROWS 2 spilled
+    registers in one sm_90 qkv config). Under `batch_invariant()` always block_m (one arithmetic whatever the
+    batch)."""
+    return rows if rows <= FEW_ROWS and not batch_invariant() else block_m
 
 
 def counters_needed(rows: int, units_per_block: int, block_m: int = BLOCK_M) -> int:
@@ -127,18 +139,35 @@ def row_offsets(x_ptr, ids_ptr, rows, row_mask, row_step, row_first, stride_xm, 
 
 
 @triton.jit
-def row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of each row [BLOCK_M] over all K columns, in fp32, reading
-    8192 / BLOCK_M columns per step (each step is a dependent round trip to L2: 2 for a 1024-wide
-    row of a 16-row block, where BLOCK_K-wide steps took 8)."""
-    CHUNK: tl.constexpr = 8192 // BLOCK_M
-    sq = tl.zeros([BLOCK_M], tl.float32)
+def row_rstd(x_ptr, x_off, row_mask, K, eps, ROWS: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row [ROWS] over all K columns, in fp32, reading
+    min(8192 / ROWS, 2048) columns per step (each step is a dependent round trip to L2: 2 for a 1024-wide
+    row of a 16-row block, where BLOCK_K-wide steps took 8; 1 for a lone row up to 2048 wide)."""
+    CHUNK: tl.constexpr = min(8192 // ROWS, 2048)
+    sq = tl.zeros([ROWS], tl.float32)
     for k0 in range(0, K, CHUNK):
         ks = k0 + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + x_off[:, None] + ks[None, :],
                     mask=row_mask[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
         sq += tl.sum(x * x, 1)
     return 1.0 / tl.sqrt(sq / K + eps)
+
+
+@triton.jit
+def held_rstd(x_ptr, ids_ptr, x_off, row_mask, m, M, K, eps, row_step, row_first, stride_xm, stride_ids,
+              ROWS_FROM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+    """`row_rstd` [BLOCK_M] of row block m (rows at x_off where row_mask), or, for ROWS < BLOCK_M (`held_rows`:
+    the launch's one row is the block's first), of that row alone, read again where `row_offsets` (ROWS_FROM)
+    puts it, as a scalar added to every row of the block (the others are masked). NOTE: a scalar, not a
+    tl.broadcast_to of the [1] result: in sm_90 builds the broadcast kept 25-50 more registers a thread."""
+    if ROWS < BLOCK_M:
+        tl.static_assert(ROWS == 1, "held_rstd: a lone row or the whole block")
+        rows = m * BLOCK_M + tl.arange(0, ROWS)
+        held = rows < M
+        off = row_offsets(x_ptr, ids_ptr, rows, held, row_step, row_first, stride_xm, stride_ids, ROWS_FROM)
+        return tl.zeros([BLOCK_M], tl.float32) + tl.sum(row_rstd(x_ptr, off, held, K, eps, ROWS), 0)
+    else:
+        return row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M)
 
 
 @triton.jit

@@ -25,8 +25,8 @@ from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import batch_invariant, choose, pick
 from .code_predictor_gemm import (BLOCK_M, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
-                                  interpret_config, arrive, candidates, counters_needed, dot_precision, k_slice,
-                                  load_sum, mainloop, row_blocks, row_class, row_offsets, row_rstd,
+                                  interpret_config, arrive, candidates, counters_needed, dot_precision, held_rows,
+                                  held_rstd, k_slice, load_sum, mainloop, row_blocks, row_class, row_offsets,
                                   store_partial, wait_for_inputs)
 from .swiglu import silu_times
 
@@ -67,7 +67,7 @@ def _linear_kernel(
     # meta
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
 ):
     m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if EPILOGUE == 2:  # weight tile rows: gate j, up j, gate j+1, ...
@@ -83,8 +83,9 @@ def _linear_kernel(
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, row_step, row_first, stride_xm, 0, PROLOGUE)
-    if PROLOGUE == 2:
-        rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M)
+    if PROLOGUE == 2:  # ROWS: the rows its statistics hold (`held_rows`)
+        rstd = held_rstd(x_ptr, x_ptr, x_off, row_mask, m, M, K, eps, row_step, row_first, stride_xm, 0, PROLOGUE,
+                         BLOCK_M, ROWS)
     else:
         rstd = tl.zeros([BLOCK_M], tl.float32)
     acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, PROLOGUE, BLOCK_M,
@@ -125,6 +126,7 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
         residual.stride(0) if residual is not None else 0, out.stride(0),
         PROLOGUE=prologue, EPILOGUE=epilogue, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype), PDL=pdl,
+        ROWS=held_rows(rows, cfg.block_m) if prologue == NORM else cfg.block_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
 

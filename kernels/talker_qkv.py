@@ -7,8 +7,8 @@ qkv_attention); the last program of each (row block, kv head) group (its GROUP q
 v columns, every slice) runs the epilogue for those rows: sum the partials, round to the model
 dtype, QK-norm and RoPE at each row's position (cos/sin gathered from the [max_pos, D] tables),
 rotated q to `out`, k and v to the row's cache slot (slot < 0: a padding row, nothing stored). A launch
-of at most FEW_ROWS rows (`attention_rows`: the one-row step) holds only those in its epilogue and loads
-all its heads before the first store, as the code predictor's does.
+of at most FEW_ROWS rows (`held_rows`: the one-row step) holds only those in its norm statistics and its
+epilogue, and loads all its heads before the first store, as the code predictor's does.
 Roundings are the eager layer's (models/layers.py), through the code predictor's `_norm_rope_halves`:
 bf16 GEMM output, rms_norm_ref's two roundings, rotary products rounded when the tables have the
 activation dtype (kernels/rotary.py). Torch reference: talker_reference.qkv_rope_store_ref.
@@ -23,9 +23,9 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import pick
-from .code_predictor_attention import (_group_heads, _store_halves, _store_heads_in_turn, attention_rows,
-                                       qkv_candidates, qkv_group_partials)
-from .code_predictor_gemm import (BLOCK_M, GemmConfig, counters_needed, dot_precision,
+from .code_predictor_attention import (_group_heads, _store_halves, _store_heads_in_turn, qkv_candidates,
+                                       qkv_group_partials)
+from .code_predictor_gemm import (BLOCK_M, GemmConfig, counters_needed, dot_precision, held_rows,
                                   interpret_config, row_blocks)
 
 
@@ -87,7 +87,7 @@ def _talker_qkv_kernel(
 ):
     rows, row_mask, _, g, last = qkv_group_partials(
         x_ptr, x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, 0, stride_w,
-        NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL, False)
+        NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL, False, EPI_ROWS)
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
         _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
@@ -113,7 +113,7 @@ def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, pos
         NUM_HEADS=out.shape[1] // d, NUM_KV=num_kv, D=d, PAGE_SIZE=page_size,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
-        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, EPI_ROWS=attention_rows(rows),
+        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, EPI_ROWS=held_rows(rows),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
 

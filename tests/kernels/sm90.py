@@ -6,7 +6,7 @@ test_register_spills.py (the interpreter that the other kernel tests set up must
 real shapes) with every JIT kernel's `run` replaced: each launch is bound and specialized exactly as
 on a GPU (the JIT's own binder, for a CUDA sm_90 backend), compiled by triton.compile to a cubin,
 and measured by the cuobjdump that ships with Triton (registers, spill stack), plus the shared memory it
-takes. `python tests/kernels/sm90.py [qkv | conv | sample | small | attention]` prints one spec set's (SPECS) as JSON;
+takes. `python tests/kernels/sm90.py [qkv | conv | sample | small | attention | norm_linear]` prints one spec set's (SPECS) as JSON;
 `compiled(spec_set)` runs that from a test.
 """
 
@@ -99,7 +99,7 @@ def _qkv_specs():
             if name == "cp":
                 cache = torch.zeros(4, 16, kv, d, **bf)  # 16 positions: the 1.7B's code groups
                 table, ids = torch.zeros(2048, hidden, **bf), torch.zeros(4, dtype=torch.int64)
-                # 1 row: `attention_rows` FEW_ROWS; gathered: the passes after the first, rows by id from a table
+                # 1 row: `held_rows` FEW_ROWS; gathered: the passes after the first, rows by id from a table
                 for t, rows, gather in ((1, 4, False), (2, 4, False), (1, 1, False), (1, 4, True), (1, 1, True)):
                     src = (table, ids[:rows], x[:rows]) if gather else (x[:rows], None, None)
                     yield (f"cp_qkv_attention T={t} rows={rows}{' gathered' if gather else ''} {cfg}",
@@ -109,7 +109,7 @@ def _qkv_specs():
             else:
                 cache = torch.zeros(8, 16, kv, d, **bf)
                 ids = torch.arange(4, dtype=torch.int64)
-                for rows in (4, 1):  # 1: the epilogue of `attention_rows` rows, every head loaded at once
+                for rows in (4, 1):  # 1: `held_rows` rows, every head loaded at once
                     yield f"talker_qkv rows={rows} {cfg}", lambda c=cfg, r=rows: talker_qkv._launch(
                         c, x[:r], norm_w, w, qn, kn, cos, sin, ids[:r], ids[:r], cache, cache.clone(),
                         torch.zeros(r, heads * d, **bf), cnt, 1e-6)
@@ -190,8 +190,33 @@ def _attention_specs():
                                                                   torch.zeros_like(q))
 
 
+def _norm_linear_specs():
+    """(name, launch) of each config the H200's tuner times for the row-normalising GEMMs (norm + gate_up + SiLU,
+    norm + head) at the 1.7B's code predictor and talker shapes, at one row (`held_rows`: its statistics over that
+    row alone) and 4."""
+    import torch
+
+    from q3tts.kernels import code_predictor_gemm, code_predictor_linear as cl
+
+    bf = dict(dtype=torch.bfloat16)
+    for name, hidden, inter, vocab in (("cp", 1024, 3072, 2048), ("talker", 2048, 6144, 3072)):
+        x, norm_w = torch.zeros(4, hidden, **bf), torch.ones(hidden, **bf)
+        for kernel, n, w, epilogue in (("gate_up", inter, torch.zeros(2 * inter, hidden, **bf), cl.SWIGLU),
+                                       ("head", vocab, torch.zeros(vocab, hidden, **bf), cl.ROUND)):
+            out_dtype = torch.float32 if epilogue == cl.ROUND else torch.bfloat16
+            fits = lambda bn, n=n: n // bn if n % bn == 0 else None  # noqa: E731
+            with mock.patch.object(code_predictor_gemm, "num_sms", lambda device: H200_SMS):
+                configs = code_predictor_gemm.candidates(fits, hidden, torch.device("cpu"))
+            for cfg in configs:
+                for rows in (1, 4):
+                    yield f"{name} norm {kernel} rows={rows} {cfg}", lambda c=cfg, r=rows, w=w, n=n, e=epilogue, \
+                        o=out_dtype: cl._launch(c, x=x[:r], w=w, out=torch.zeros(r, n, dtype=o), prologue=cl.NORM,
+                                                epilogue=e, rows=r, n=n, norm_w=norm_w, eps=1e-6,
+                                                counters=torch.zeros(4096, dtype=torch.int32))
+
+
 SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs, "small": _small_specs,
-         "attention": _attention_specs}
+         "attention": _attention_specs, "norm_linear": _norm_linear_specs}
 
 
 def compiled(spec_set: str) -> dict[str, list[dict]]:

@@ -154,7 +154,9 @@ def test_fused_graph_replay_equals_eager_and_nothing_compiles_after_warmup(fused
         inputs = _inputs(cp, 64, greedy=False)  # the largest batch first: buffers never grow later
         graph, out = _bench().capture_with_outputs(lambda: inputs.run(fused.generate))
         _check_replays(fused, inputs, graph, out, seeds=(1, 2))
-        for bsz in (17, 16):  # row classes 32 and 16 (code_predictor_gemm.row_class): their own tuned configs
+        # row classes 32 and 16 (code_predictor_gemm.row_class): their own tuned configs; 1 row: FEW_ROWS, its
+        # own variants (`held_rows`)
+        for bsz in (17, 16, 1):
             _inputs(cp, bsz, greedy=False).run(fused.generate)
         warm = len(compiled)
         for bsz in (1, 2, 3, 5, 24, 64):

@@ -3,8 +3,9 @@ without TRITON_INTERPRET: it compiles, it does not interpret; the alignment a re
 The fused qkv kernels: every launch config their tuner times there (4 candidates of 132-SM split counts, each
 kernel and token count; the code predictor's also at one row, which attends in one round of loads, and with its
 rows gathered by id). The talker's next input (`embed_sum`: a tuple of 15 tables) and the uniforms. The draw
-kernel: every warp count its tuner times. The decode attention: every config its tuner times. A spill puts a thread's values in local memory, whose round trips
-every program of these kernels would wait on."""
+kernel: every warp count its tuner times. The decode attention: every config its tuner times. The row-normalising
+GEMMs (norm + gate_up, norm + head): every config their tuner times, at one row and at 4. A spill puts a thread's
+values in local memory, whose round trips every program of these kernels would wait on."""
 
 import pytest
 
@@ -61,3 +62,12 @@ def test_no_decode_attention_config_spills():
                for spec, kernels in usage.items()), usage
     stack = {spec: [k["stack"] for k in kernels] for spec, kernels in usage.items() if any(k["stack"] for k in kernels)}
     assert not stack, stack
+
+
+def test_no_norm_linear_config_spills():
+    """norm + gate_up + SiLU and norm + head at the code predictor's and the talker's shapes, each config the tuner
+    times, at one row (`held_rows`: its norm statistics over that row alone, one round of loads) and at 4."""
+    usage = compiled("norm_linear")
+    assert len(usage) == 32 and all([k["kernel"] for k in kernels] == ["_linear_kernel"]
+                                    for kernels in usage.values()), usage  # 2 models x 2 kernels x 4 configs x 2
+    assert not spilled(usage), spilled(usage)
