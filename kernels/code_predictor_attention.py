@@ -9,10 +9,10 @@ contiguous cache [B, P, KVH, D], then attention of the GROUP heads over position
 registers; no paging), written over the rotated q in `out`: online softmax over CHUNK positions at a
 time, each head in turn (a dependent round trip to L2 per chunk and head: about 0.8 µs each on the
 H200, where the launch at one row took 12.8 / 15.7 / 17.4 µs at pass 2 / 8 / 15 at bf7f9f3); a
-launch of at most FEW_ROWS rows (`held_rows`: the 1-row step's passes after the first) loads both heads' q
-and every position's k and v in one round instead (`_attend_few`), its epilogue, on those rows only, loads
-every head's partial sums before its first store (head by head, each head's loads waited a round trip
-behind the store before them), and its norm statistics read the row in one round.
+launch of at most FEW_ROWS rows (`held_rows`: the 1-row step's passes after the first) holds only those rows:
+its epilogue loads every head's partial sums and the earlier positions' k and v before its first store, and
+attends from registers (`_attend_few`: nothing read back, one round of loads in all), and its norm statistics
+read the row in one round.
 Rows are (batch row b, token t) = (r // T, r % T) at position pos0 + t: T = 2 on the first pass
 (past hidden and c0 at positions 0, 1: a row block holds both tokens of a batch row, so position 1
 sees position 0's k/v written by the same program), T = 1 after.
@@ -189,31 +189,46 @@ def _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, cache_rows, pos, last_pos, he
 
 
 @triton.jit
-def _attend_few(out_ptr, k_ptr, v_ptr, m, M, g, pos0, scale, stride_out, stride_kb, stride_kp,
-                stride_kh, stride_vb, stride_vp, stride_vh, T: tl.constexpr, GROUP: tl.constexpr,
-                ROWS: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
-    """The group's GROUP heads of the row block's first ROWS rows (every row of the launch: M <= ROWS)
-    over all their cached positions at once: q of both heads, k and v of positions 0..P-1 in one
-    round of loads (`_attend` takes a dependent round trip per CHUNK positions and per head), one
-    softmax over the row's positions. Positions past a row's pos are neither read nor weighed."""
-    rows = m * BLOCK_M + tl.arange(0, ROWS)
-    row_mask = rows < M
-    pos = pos0 + rows % T  # [ROWS]
-    b = (rows // T).to(tl.int64)
-    d, j, p = tl.arange(0, D), tl.arange(0, GROUP), tl.arange(0, P)
-    valid = p[None, :] <= pos[:, None]  # [ROWS, P]
-    read = (row_mask[:, None] & valid)[:, :, None]  # rows past M weigh zeros (no 0 / 0)
-    q_offs = (rows.to(tl.int64)[:, None, None] * stride_out + (g * GROUP + j)[None, :, None] * D
-              + d[None, None, :])  # [ROWS, GROUP, D]
-    q = tl.load(out_ptr + q_offs, mask=row_mask[:, None, None], other=0.0).to(tl.float32)
+def _joined(x1, x2):
+    """Halves [R, H, HALF] of heads -> the heads [R, H, 2 * HALF] (first half, then second), fp32."""
+    x = tl.permute(tl.join(x1.to(tl.float32), x2.to(tl.float32)), (0, 1, 3, 2))  # [R, H, 2, HALF]
+    return tl.reshape(x, [x1.shape[0], x1.shape[1], 2 * x1.shape[2]])
+
+
+@triton.jit
+def _cached_kv(k_ptr, v_ptr, b, g, pos, row_mask, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+               P: tl.constexpr, D: tl.constexpr):
+    """k and v [R, P, D] of kv head g at each row's positions before pos (earlier launches wrote them; zeros
+    elsewhere), as stored."""
+    d, p = tl.arange(0, D), tl.arange(0, P)
+    read = (row_mask[:, None] & (p[None, :] < pos[:, None]))[:, :, None]  # [R, P, 1]
     at = (b * stride_kb + g * stride_kh)[:, None] + p.to(tl.int64)[None, :] * stride_kp
-    k = tl.load(k_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0)  # [ROWS, P, D]
+    k = tl.load(k_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0)
     at = (b * stride_vb + g * stride_vh)[:, None] + p.to(tl.int64)[None, :] * stride_vp
-    v = tl.load(v_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0)
-    s = tl.sum(q[:, :, None, :] * k.to(tl.float32)[:, None, :, :], 3) * scale  # [ROWS, GROUP, P]
+    return k, tl.load(v_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0)
+
+
+@triton.jit
+def _attend_few(out_ptr, q1, q2, k1, k2, v, k_old, v_old, rows, row_mask, pos, g, scale, stride_out,
+                GROUP: tl.constexpr, P: tl.constexpr, D: tl.constexpr):
+    """The group's GROUP heads of a few-rows launch's rows (all of them, one token each) over all their positions
+    at once, from registers: q and this position's k and v as the epilogue made them (halves [R, GROUP | 1,
+    D/2] in the model dtype, v [R, D] fp32 sums), the earlier positions' k and v as loaded with the partial sums
+    (`_cached_kv`); one softmax over the row's positions. Positions past a row's pos are neither read nor
+    weighed. (`_attend`, over BLOCK_M rows, reads everything back from the cache after the stores: a dependent
+    round trip per CHUNK positions and per head.)"""
+    p = tl.arange(0, P)
+    valid = p[None, :] <= pos[:, None]  # [R, P]
+    here = (p[None, :] == pos[:, None])[:, :, None]  # [R, P, 1]: this launch's position
+    q = _joined(q1, q2)  # [R, GROUP, D]
+    k = tl.where(here, _joined(k1, k2), k_old.to(tl.float32))  # [R, P, D]
+    v = tl.where(here, cast(v, k_old.dtype).to(tl.float32)[:, None, :], v_old.to(tl.float32))
+    s = tl.sum(q[:, :, None, :] * k[:, None, :, :], 3) * scale  # [R, GROUP, P]
     s = tl.where(valid[:, None, :], s, _NEG)
     w = tl.where(valid[:, None, :], tl.exp(s - tl.max(s, 2)[:, :, None]), 0.0)
-    acc = tl.sum(w[:, :, :, None] * v.to(tl.float32)[:, None, :, :], 2)  # [ROWS, GROUP, D]
+    acc = tl.sum(w[:, :, :, None] * v[:, None, :, :], 2)  # [R, GROUP, D]
+    q_offs = (rows.to(tl.int64)[:, None, None] * stride_out + ((g * GROUP + tl.arange(0, GROUP)) * D)[None, :, None]
+              + tl.arange(0, D)[None, None, :])  # [R, GROUP, D]
     tl.store(out_ptr + q_offs, cast(acc / tl.sum(w, 2)[:, :, None], out_ptr.dtype.element_ty),
              mask=row_mask[:, None, None])
 
@@ -243,25 +258,22 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
     k_rows = b * stride_kb + pos.to(tl.int64) * stride_kp + g * stride_kh
     v_rows = b * stride_vb + pos.to(tl.int64) * stride_vp + g * stride_vh
     dd = tl.arange(0, D)
-    if ATT_ROWS < BLOCK_M:  # the rotated q is parked in out, where its attention output goes
+    if ATT_ROWS < BLOCK_M:  # every load (the earlier positions' k and v too) before the first store
+        tl.static_assert(T == 1, "a few-rows launch holds one token a row")
+        k_old, v_old = _cached_kv(k_ptr, v_ptr, b, g, pos, row_mask, stride_kb, stride_kp, stride_kh, stride_vb,
+                                  stride_vp, stride_vh, P, D)
         q1, q2, k1, k2, v = _group_heads(part_ptr, rows, row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD,
                                          NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
-        mask = row_mask[:, None, None]
-        at = (rows.to(tl.int64)[:, None, None] * stride_out
-              + ((g * GROUP + tl.arange(0, GROUP)) * D)[None, :, None] + d[None, None, :])
-        _store_halves(out_ptr, at, q1, q2, mask, HALF)
-        _store_halves(k_ptr, k_rows[:, None, None] + d[None, None, :], k1, k2, mask, HALF)
-    else:
+        _store_halves(k_ptr, k_rows[:, None, None] + d[None, None, :], k1, k2, row_mask[:, None, None], HALF)
+        tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=row_mask[:, None])
+        _attend_few(out_ptr, q1, q2, k1, k2, v, k_old, v_old, rows, row_mask, pos, g, scale, stride_out, GROUP,
+                    P, D)
+    else:  # the rotated q is parked in out, where its attention output goes
         v = _store_heads_in_turn(part_ptr, out_ptr, stride_out, k_ptr, k_rows, row_mask[:, None], rows, row_mask, g,
                                  qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT,
                                  ROUND)
-    tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=row_mask[:, None])
-    tl.debug_barrier()  # this program's k/v and q stores are read below by its other threads
-    if ATT_ROWS < BLOCK_M:
-        _attend_few(out_ptr, k_ptr, v_ptr, m, M, g, pos0, scale, stride_out,
-                    stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, T, GROUP,
-                    ATT_ROWS, P, BLOCK_M, D)
-    else:
+        tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=row_mask[:, None])
+        tl.debug_barrier()  # this program's k/v and q stores are read below by its other threads
         for j in tl.static_range(GROUP):
             _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, b * stride_kb + g * stride_kh, pos,
                     pos0 + T - 1, g * GROUP + j, scale, stride_out, stride_kp, stride_vp,
