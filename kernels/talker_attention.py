@@ -50,9 +50,9 @@ def _attention_kernel(
                          HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
     b, kvh = tl.program_id(0).to(tl.int64), tl.program_id(1)
     num_kv = tl.num_programs(1)
+    used = used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N)  # read before the ticket, not after
     if arrive(cnt_ptr + b * num_kv + kvh, num_splits):
         offs_d = tl.arange(0, BLOCK_D)
-        used = used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N)
         for j in tl.static_range(GROUP):
             head = kvh * GROUP + j
             out = merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr,
