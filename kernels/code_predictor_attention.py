@@ -92,8 +92,7 @@ def _group_heads(part_ptr, rows, row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, ep
     HALF: tl.constexpr = D // 2
     j = tl.arange(0, GROUP)
     q1, q2 = _halves(part_ptr, rows, row_mask, (g * GROUP + j) * D, M_PAD, NP, DT, HALF, SPLIT)
-    k1, k2 = _halves(part_ptr, rows, row_mask, (NUM_HEADS + g) * D + tl.zeros([1], tl.int32), M_PAD, NP, DT,
-                     HALF, SPLIT)
+    k1, k2 = _head_halves(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, DT, HALF, SPLIT)
     v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + tl.arange(0, D), M_PAD, NP, SPLIT)
     qw1, qw2 = _weight_halves(qn_ptr, HALF)
     kw1, kw2 = _weight_halves(kn_ptr, HALF)
@@ -115,29 +114,26 @@ def _store_heads_in_turn(part_ptr, q_ptr, stride_q, k_ptr, k_rows, k_mask, rows,
                          NUM_KV: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
     """kv group g of the GEMM result over BLOCK_M rows, head by head (`_group_heads` would spill there): its GROUP
     q heads QK-normed and rotated to q_ptr (row stride stride_q), its k head to k_ptr + k_rows [R] where k_mask
-    [R, 1]. Returns its v head [R, D] (fp32 sums).
+    [R, 1, 1]. Returns its v head [R, D] (fp32 sums).
     Two heads deep: each head's partial sums are loaded before the store of the head before it (a load placed after
     a store is issued after it), so a head's loads wait on the store before them only every other head."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     HALF: tl.constexpr = D // 2
-    d = tl.arange(0, HALF)
-    mask = row_mask[:, None]
-    r64 = rows.to(tl.int64)[:, None]
+    d = tl.arange(0, HALF)[None, None, :]
+    q_rows = rows.to(tl.int64)[:, None, None] * stride_q
     qw1, qw2 = _weight_halves(qn_ptr, HALF)
     x1, x2 = _head_halves(part_ptr, rows, row_mask, g * GROUP * D, M_PAD, NP, DT, HALF, SPLIT)
     for j in tl.static_range(GROUP):
         head = g * GROUP + j
         nxt = (head + 1) * D if j + 1 < GROUP else (NUM_HEADS + g) * D  # the next q head, or the k head
         n1, n2 = _head_halves(part_ptr, rows, row_mask, nxt, M_PAD, NP, DT, HALF, SPLIT)
-        r1, r2 = _rows_norm_rope(x1, x2, qw1, qw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
-        tl.store(q_ptr + r64 * stride_q + head * D + d[None, :], r1, mask=mask)
-        tl.store(q_ptr + r64 * stride_q + head * D + HALF + d[None, :], r2, mask=mask)
+        r1, r2 = _norm_rope_halves(x1, x2, qw1, qw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+        _store_halves(q_ptr, q_rows + head * D + d, r1, r2, row_mask[:, None, None], HALF)
         x1, x2 = n1, n2
     v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + tl.arange(0, D), M_PAD, NP, SPLIT)
     kw1, kw2 = _weight_halves(kn_ptr, HALF)
-    r1, r2 = _rows_norm_rope(x1, x2, kw1, kw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
-    tl.store(k_ptr + k_rows[:, None] + d[None, :], r1, mask=k_mask)
-    tl.store(k_ptr + k_rows[:, None] + HALF + d[None, :], r2, mask=k_mask)
+    r1, r2 = _norm_rope_halves(x1, x2, kw1, kw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+    _store_halves(k_ptr, k_rows[:, None, None] + d, r1, r2, k_mask, HALF)
     return v
 
 
@@ -147,13 +143,6 @@ def _head_halves(part_ptr, rows, row_mask, col, M_PAD, NP, DT: tl.constexpr, HAL
     """One head of the GEMM result (columns col..col+2*HALF) summed over the K slices and rounded to DT: its
     halves [BLOCK_M, 1, HALF], fp32."""
     return _halves(part_ptr, rows, row_mask, col + tl.zeros([1], tl.int32), M_PAD, NP, DT, HALF, SPLIT)
-
-
-@triton.jit
-def _rows_norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, DT: tl.constexpr, HALF: tl.constexpr, ROUND: tl.constexpr):
-    """One head's halves [BLOCK_M, 1, HALF] (`_head_halves`) RMS-normed and rotated: [BLOCK_M, HALF] each, in DT."""
-    r1, r2 = _norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
-    return tl.reshape(r1, [x1.shape[0], HALF]), tl.reshape(r2, [x1.shape[0], HALF])
 
 
 @triton.jit
@@ -269,9 +258,9 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
         _attend_few(out_ptr, q1, q2, k1, k2, v, k_old, v_old, rows, row_mask, pos, g, scale, stride_out, GROUP,
                     P, D)
     else:  # the rotated q is parked in out, where its attention output goes
-        v = _store_heads_in_turn(part_ptr, out_ptr, stride_out, k_ptr, k_rows, row_mask[:, None], rows, row_mask, g,
-                                 qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT,
-                                 ROUND)
+        v = _store_heads_in_turn(part_ptr, out_ptr, stride_out, k_ptr, k_rows, row_mask[:, None, None], rows,
+                                 row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD, NP, DT, NUM_HEADS, NUM_KV,
+                                 D, SPLIT, ROUND)
         tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=row_mask[:, None])
         tl.debug_barrier()  # this program's k/v and q stores are read below by its other threads
         for j in tl.static_range(GROUP):
