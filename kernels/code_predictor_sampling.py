@@ -22,13 +22,13 @@ from suppress_start on at -inf but EOS.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ._cast import _INTERPRET
 from ._launch import device_guard, programmatic_launch
 from .autotune import pick
 from .code_predictor_gemm import wait_for_previous
@@ -61,7 +61,7 @@ def _talker_scores(x, idx, valid, r, gen_ptr, pen_ptr, ngen_ptr, stride_gen, str
 # NOTE: the interpreter runs a reduction with a combine function of ours lane by lane in Python (minutes a row at
 # 2048 lanes); there the same values come from its own sums and maxima, one reduction each (ints sum exactly;
 # maxima and first indices do not depend on the order)
-_ONE_REDUCTION = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+_ONE_REDUCTION = tl.constexpr(not _INTERPRET.value)
 
 
 @triton.jit
