@@ -23,10 +23,16 @@ export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
 [ -f "$SRC/.gpu/triton_cache.tgz" ] && tar -xzf "$SRC/.gpu/triton_cache.tgz" -C $TRITON_CACHE_DIR
 export Q3TTS_TUNE_CACHE=/tmp/q3tts_tuning.pkl
 [ -f "$SRC/.gpu/tuning.pkl" ] && [ ! -f $Q3TTS_TUNE_CACHE ] && cp "$SRC/.gpu/tuning.pkl" $Q3TTS_TUNE_CACHE
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
+pip_e() { python3 -m pip install -q --no-index --no-deps --no-build-isolation -e "${1:-.}"; }
+pip_e >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
 T0=$SECONDS
 run() { local name=$1; local lim=$2; shift 2; echo "=== $name (+$((SECONDS-T0))s): $*"
   timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -${TAILN:-25} "$OUT/$name.log"; echo "=== $name rc=$rc (+$((SECONDS-T0))s)"; }
+# at ARCHIVE COMMIT STEP...: one step in another commit's snapshot (a git archive carried beside the first), e.g.
+# "at .gpu/snap-b.tar.gz <sha> run bench 300 python3 perf/bench_engine.py ...": an A/B in one call on one machine.
+at() { local arc=$1 commit=$2 dir=/tmp/s-$2; shift 2; rm -rf "$dir"; mkdir -p "$dir"; tar -xzf "$SRC/$arc" -C "$dir"
+  (cd "$dir" && pip_e >"$OUT/pip-$commit.log" 2>&1 && LOADTEST_COMMIT=$commit "$@") || echo "=== at $commit: pip failed"
+  pip_e >>"$OUT/pip.log" 2>&1; }
 for step in "$@"; do eval "$step"; done
 [ -f $Q3TTS_TUNE_CACHE ] && cp $Q3TTS_TUNE_CACHE "$OUT/tuning.pkl"
 # the device tool brings back at most 8 files: past 7 (the 8th is the cache), everything else as one round.tgz

@@ -1,5 +1,6 @@
 """perf/bench_engine.py `tuning_table`, the kernel benches' --tune-cache: the block runs with the saved table's
-configs, and the table is written back with what the block tuned; no path, no file."""
+configs, and the table is written back with what the block tuned; no path, no file; perf/retag_table.py gives a table
+another tree's fingerprint."""
 
 from __future__ import annotations
 
@@ -37,3 +38,17 @@ def test_no_path_no_table(tmp_path, monkeypatch):
         with tuning_table(path, CPU) as loaded:
             assert loaded == 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_retagged_table_loads_under_other_kernel_sources(tmp_path, monkeypatch):
+    from retag_table import main as retag
+
+    monkeypatch.setattr(autotune, "_BEST", {SAVED: GemmConfig(32, 128, 2, 4, 4, 16)})
+    path, out = tmp_path / "tuning.pkl", tmp_path / "retagged.pkl"
+    autotune.save_tuned(path, CPU)
+    autotune._BEST.clear()
+    other_sources = (*autotune.fingerprint(CPU)[:3], "another commit's kernels")
+    monkeypatch.setattr(autotune, "fingerprint", lambda device: other_sources)
+    assert autotune.load_tuned(path, CPU) == 0
+    assert retag([str(path), str(out), "--device", "cpu"]) == 0
+    assert autotune.load_tuned(out, CPU) == 1 and autotune.tuned_configs() == {SAVED: GemmConfig(32, 128, 2, 4, 4, 16)}

@@ -1,0 +1,35 @@
+"""Give a saved kernel tuning table this tree's fingerprint, so that another commit's kernels run with the same
+launch configs: an A/B of kernel bodies alone, without the second side's tuning (the engine's chain tuning takes
+about 170 s a fresh table on the H200). Only for a pair whose config classes and keys agree; a key the table lacks
+is tuned as usual. `perf/gpu_round.sh`'s `at` step runs it inside the other commit's snapshot.
+
+    python3 perf/retag_table.py <table.pkl> <out.pkl> [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+
+import torch
+
+from q3tts.kernels import autotune
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("table", help="a table saved by autotune.save_tuned")
+    p.add_argument("out", help="where the retagged table goes")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    with open(args.table, "rb") as f:
+        saved = pickle.load(f)
+    saved["fingerprint"] = autotune.fingerprint(torch.device(args.device))
+    with open(args.out, "wb") as f:
+        pickle.dump(saved, f, protocol=5)
+    print(f"{len(saved['best'])} entries, fingerprint {saved['fingerprint'][:3]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
