@@ -23,7 +23,7 @@ export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
 [ -f "$SRC/.gpu/triton_cache.tgz" ] && tar -xzf "$SRC/.gpu/triton_cache.tgz" -C $TRITON_CACHE_DIR
 export Q3TTS_TUNE_CACHE=/tmp/q3tts_tuning.pkl
 [ -f "$SRC/.gpu/tuning.pkl" ] && [ ! -f $Q3TTS_TUNE_CACHE ] && cp "$SRC/.gpu/tuning.pkl" $Q3TTS_TUNE_CACHE
-pip_e() { python3 -m pip install -q --no-index --no-deps --no-build-isolation -e "${1:-.}"; }
+pip_e() { python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .; }
 pip_e >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
 T0=$SECONDS
 run() { local name=$1; local lim=$2; shift 2; echo "=== $name (+$((SECONDS-T0))s): $*"
@@ -31,7 +31,8 @@ run() { local name=$1; local lim=$2; shift 2; echo "=== $name (+$((SECONDS-T0))s
 # at ARCHIVE COMMIT STEP...: one step in another commit's snapshot (a git archive carried beside the first), e.g.
 # "at .gpu/snap-b.tar.gz <sha> run bench 300 python3 perf/bench_engine.py ...": an A/B in one call on one machine.
 at() { local arc=$1 commit=$2 dir=/tmp/s-$2; shift 2; rm -rf "$dir"; mkdir -p "$dir"; tar -xzf "$SRC/$arc" -C "$dir"
-  (cd "$dir" && pip_e >"$OUT/pip-$commit.log" 2>&1 && LOADTEST_COMMIT=$commit "$@") || echo "=== at $commit: pip failed"
+  (cd "$dir" && { pip_e >"$OUT/pip-$commit.log" 2>&1 || { echo "=== at $commit: pip failed, step skipped"; exit; }
+   LOADTEST_COMMIT=$commit "$@"; })
   pip_e >>"$OUT/pip.log" 2>&1; }
 for step in "$@"; do eval "$step"; done
 [ -f $Q3TTS_TUNE_CACHE ] && cp $Q3TTS_TUNE_CACHE "$OUT/tuning.pkl"
