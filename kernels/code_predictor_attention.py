@@ -86,8 +86,7 @@ def _group_heads(part_ptr, rows, row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, ep
     QK-normed and rotated, as halves [R, GROUP, D/2] and [R, 1, D/2] in DT, and its v head [R, D] (fp32 sums).
     Head by head between the stores, each head's loads cost a dependent round trip to L2 (a load placed after a
     store is issued after it: the compiler cannot tell the partials from the outputs apart); over BLOCK_M rows
-    the heads' loads at once would spill, so only the few-rows epilogues take this (the others go two heads deep,
-    `_store_heads_in_turn`)."""
+    the heads' loads at once would spill, so only the few-rows epilogues take this."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     HALF: tl.constexpr = D // 2
     j = tl.arange(0, GROUP)
@@ -115,26 +114,33 @@ def _store_heads_in_turn(part_ptr, q_ptr, stride_q, k_ptr, k_rows, k_mask, rows,
     """kv group g of the GEMM result over BLOCK_M rows, head by head (`_group_heads` would spill there): its GROUP
     q heads QK-normed and rotated to q_ptr (row stride stride_q), its k head to k_ptr + k_rows [R] where k_mask
     [R, 1, 1]. Returns its v head [R, D] (fp32 sums).
-    Two heads deep: each head's partial sums are loaded before the store of the head before it (a load placed after
-    a store is issued after it), so a head's loads wait on the store before them only every other head."""
+    Each head is loaded after the store of the head before it (a dependent round trip a head). Loading the next
+    head before this head's store (3985fb3) is reverted: on the H200 the 16-row step was 0.73 ms longer with it and
+    eight one-row changes than without them all, and it was the only one of them on this path
+    (perf/results/RESULTS.md, thirty-second session)."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, HALF)[None, None, :]
     q_rows = rows.to(tl.int64)[:, None, None] * stride_q
-    qw1, qw2 = _weight_halves(qn_ptr, HALF)
-    x1, x2 = _head_halves(part_ptr, rows, row_mask, g * GROUP * D, M_PAD, NP, DT, HALF, SPLIT)
     for j in tl.static_range(GROUP):
         head = g * GROUP + j
-        nxt = (head + 1) * D if j + 1 < GROUP else (NUM_HEADS + g) * D  # the next q head, or the k head
-        n1, n2 = _head_halves(part_ptr, rows, row_mask, nxt, M_PAD, NP, DT, HALF, SPLIT)
-        r1, r2 = _norm_rope_halves(x1, x2, qw1, qw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+        r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2, eps, DT, HALF,
+                            SPLIT, ROUND)
         _store_halves(q_ptr, q_rows + head * D + d, r1, r2, row_mask[:, None, None], HALF)
-        x1, x2 = n1, n2
-    v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + tl.arange(0, D), M_PAD, NP, SPLIT)
-    kw1, kw2 = _weight_halves(kn_ptr, HALF)
-    r1, r2 = _norm_rope_halves(x1, x2, kw1, kw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+    r1, r2 = _norm_rope(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2, s1, s2, eps, DT,
+                        HALF, SPLIT, ROUND)
     _store_halves(k_ptr, k_rows[:, None, None] + d, r1, r2, k_mask, HALF)
-    return v
+    return load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + tl.arange(0, D), M_PAD, NP, SPLIT)
+
+
+@triton.jit
+def _norm_rope(part_ptr, rows, row_mask, col, M_PAD, NP, nw_ptr, c1, c2, s1, s2, eps,
+               DT: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
+    """One head of the GEMM result (columns col..col+2*HALF): rounded, RMS-normed over the head with weight
+    nw_ptr, rotated. Returns the two halves [BLOCK_M, 1, HALF] in DT."""
+    x1, x2 = _head_halves(part_ptr, rows, row_mask, col, M_PAD, NP, DT, HALF, SPLIT)
+    w1, w2 = _weight_halves(nw_ptr, HALF)
+    return _norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
 
 
 @triton.jit
