@@ -1,6 +1,7 @@
 """perf/bench_engine.py `tuning_table`, the kernel benches' --tune-cache: the block runs with the saved table's
 configs, and the table is written back with what the block tuned; no path, no file; perf/retag_table.py gives a table
-another tree's fingerprint."""
+another tree's fingerprint; the H200 table kept in perf/results (a device call's cold start retags it instead of
+tuning) still loads under this tree's kernels."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from q3tts.kernels import autotune
 from q3tts.kernels.code_predictor_gemm import GemmConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+PERF = Path(__file__).resolve().parents[2] / "perf"
+sys.path.insert(0, str(PERF))
 from bench_engine import tuning_table  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -52,3 +54,15 @@ def test_a_retagged_table_loads_under_other_kernel_sources(tmp_path, monkeypatch
     assert autotune.load_tuned(path, CPU) == 0
     assert retag([str(path), str(out), "--device", "cpu"]) == 0
     assert autotune.load_tuned(out, CPU) == 1 and autotune.tuned_configs() == {SAVED: GemmConfig(32, 128, 2, 4, 4, 16)}
+
+
+def test_the_kept_h200_table_loads_under_this_tree(tmp_path, monkeypatch):
+    """Every entry of perf/results/tuning-h200-0d29c93.pkl unpickles into this tree's config classes and loads once
+    retagged (a renamed or removed config class would leave the next device session to tune from scratch)."""
+    from retag_table import main as retag
+
+    monkeypatch.setattr(autotune, "_BEST", {})
+    out = tmp_path / "retagged.pkl"
+    assert retag([str(PERF / "results" / "tuning-h200-0d29c93.pkl"), str(out), "--device", "cpu"]) == 0
+    assert autotune.load_tuned(out, CPU) == 196
+    assert any(isinstance(config, GemmConfig) for config in autotune.tuned_configs().values())
