@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import statistics
 import tempfile
@@ -30,7 +29,7 @@ import torch
 from q3tts.core import SamplingParams, UnknownSequence, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
-from q3tts.engine.timing import START_LOG
+from q3tts.engine.timing import log_start_phases
 
 TEXT = "Hello world, this is a benchmark of the streaming speech engine running many voices at once."
 
@@ -250,8 +249,7 @@ def build_engine(args, frames: int) -> Engine:
                        launch_at_frames=args.launch_at_frames, chain_tune=args.chain_tune,
                        tune_cache=bench_tune_cache())
     model = make_model(args)
-    logging.basicConfig(format="engine start: %(message)s")  # each start phase as it ends: a cold H200 start
-    START_LOG.setLevel(logging.INFO)  # takes 300 s or more, and a run cut off there says how far it got
+    log_start_phases("engine start: %(message)s")  # a cold H200 start takes minutes: a run cut off says where
     engine = Engine(model, cfg)
     print(f"engine up in {engine.startup}: {engine.config.num_pages} KV pages, graphs "
           f"{list(engine.runner.graph_buckets) or 'off (eager)'}", flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,14 @@ import torch
 from q3tts.kernels.autotune import tuning_seconds
 
 START_LOG = logging.getLogger("q3tts.engine.start")  # a line per finished start phase, as it finishes (INFO)
+
+
+def log_start_phases(fmt: str) -> None:
+    """`START_LOG`'s lines to this process's stderr in `fmt` (a %-style logging format; call once a process)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    START_LOG.addHandler(handler)
+    START_LOG.setLevel(logging.INFO)
 
 
 class PhaseClock:

@@ -34,7 +34,6 @@ new `EngineProcess`.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pickle
 import socket
@@ -286,9 +285,9 @@ def child_main(conn, checkpoint: str, engine_config: dict[str, Any]) -> None:
     """Build the engine, say hello, then answer calls until told to stop (None) or the parent goes away.
     A call whose error poisoned the device is answered with ("fault", text) and the child exits."""
     from q3tts.engine import Engine, EngineConfig
-    from q3tts.engine.timing import START_LOG
+    from q3tts.engine.timing import log_start_phases
 
-    _log_to_stderr(START_LOG, f"[q3tts] engine process {os.getpid()}: start: %(message)s")
+    log_start_phases(f"[q3tts] engine process {os.getpid()}: start: %(message)s")
     try:
         engine = Engine.from_checkpoint(checkpoint, EngineConfig.from_dict(engine_config))
     except BaseException as e:  # noqa: BLE001 - the parent raises it from wait_ready
@@ -297,14 +296,6 @@ def child_main(conn, checkpoint: str, engine_config: dict[str, Any]) -> None:
     sys.stderr.write(f"[q3tts] engine process {os.getpid()}: engine up in {engine.startup}\n")
     send(conn, ("ready", engine.default_sampling, engine.checkpoint.config))
     serve(conn, engine, engine.config.run_ahead)
-
-
-def _log_to_stderr(logger: logging.Logger, fmt: str) -> None:
-    """`logger`'s INFO lines to this process's stderr (the server's log), in `fmt`."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(fmt))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
 
 
 def serve(conn, engine, run_ahead: bool = False) -> None:
