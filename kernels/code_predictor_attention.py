@@ -63,12 +63,14 @@ def _weight_halves(nw_ptr, HALF: tl.constexpr):
 @triton.jit
 def _norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps, DT: tl.constexpr, HALF: tl.constexpr,
                       ROUND: tl.constexpr):
-    """Heads x1, x2 [BLOCK_M, H, HALF] (`_halves`) RMS-normed over each head (weight halves w1, w2 [HALF]) and
-    rotated (cos / sin halves c1, c2, s1, s2 [BLOCK_M, HALF]). Returns the two halves [BLOCK_M, H, HALF] in DT."""
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 2) + tl.sum(x2 * x2, 2)) / (2 * HALF) + eps)  # [BLOCK_M, H]
-    n1 = cast(cast(x1 * rstd[:, :, None], DT).to(tl.float32) * w1[None, None, :], DT).to(tl.float32)
-    n2 = cast(cast(x2 * rstd[:, :, None], DT).to(tl.float32) * w2[None, None, :], DT).to(tl.float32)
-    c1, c2, s1, s2 = c1[:, None, :], c2[:, None, :], s1[:, None, :], s2[:, None, :]
+    """Heads x1, x2 [R, H, HALF] (`_halves`) or [R, HALF] (one head, `_norm_rope`) RMS-normed over each head
+    (weight halves w1, w2 [HALF]) and rotated (cos / sin halves c1, c2, s1, s2 [R, 1, HALF] or [R, HALF]).
+    Returns the two halves, shaped as x1, in DT."""
+    AXIS: tl.constexpr = len(x1.shape) - 1
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, AXIS) + tl.sum(x2 * x2, AXIS)) / (2 * HALF) + eps)  # [R, H] or [R]
+    rstd = tl.expand_dims(rstd, AXIS)
+    n1 = cast(cast(x1 * rstd, DT).to(tl.float32) * w1, DT).to(tl.float32)
+    n2 = cast(cast(x2 * rstd, DT).to(tl.float32) * w2, DT).to(tl.float32)
     a1, b1, a2, b2 = n1 * c1, n2 * s1, n2 * c2, n1 * s2
     if ROUND:
         a1 = cast(a1, DT).to(tl.float32)
@@ -91,10 +93,12 @@ def _group_heads(part_ptr, rows, row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, ep
     HALF: tl.constexpr = D // 2
     j = tl.arange(0, GROUP)
     q1, q2 = _halves(part_ptr, rows, row_mask, (g * GROUP + j) * D, M_PAD, NP, DT, HALF, SPLIT)
-    k1, k2 = _head_halves(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, DT, HALF, SPLIT)
+    k1, k2 = _halves(part_ptr, rows, row_mask, (NUM_HEADS + g) * D + tl.zeros([1], tl.int32), M_PAD, NP, DT, HALF,
+                     SPLIT)
     v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + tl.arange(0, D), M_PAD, NP, SPLIT)
     qw1, qw2 = _weight_halves(qn_ptr, HALF)
     kw1, kw2 = _weight_halves(kn_ptr, HALF)
+    c1, c2, s1, s2 = c1[:, None, :], c2[:, None, :], s1[:, None, :], s2[:, None, :]
     q1, q2 = _norm_rope_halves(q1, q2, qw1, qw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
     k1, k2 = _norm_rope_halves(k1, k2, kw1, kw2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
     return q1, q2, k1, k2, v
@@ -102,7 +106,8 @@ def _group_heads(part_ptr, rows, row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, ep
 
 @triton.jit
 def _store_halves(ptr, offs, x1, x2, mask, HALF: tl.constexpr):
-    """Halves x1, x2 [R, H, HALF] to ptr + offs [R, H, HALF] (each head's first half) and offs + HALF."""
+    """Halves x1, x2 ([R, H, HALF] or [R, HALF]) to ptr + offs (each head's first half, shaped as x1) and
+    offs + HALF."""
     tl.store(ptr + offs, x1, mask=mask)
     tl.store(ptr + offs + HALF, x2, mask=mask)
 
@@ -113,23 +118,23 @@ def _store_heads_in_turn(part_ptr, q_ptr, stride_q, k_ptr, k_rows, k_mask, rows,
                          NUM_KV: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
     """kv group g of the GEMM result over BLOCK_M rows, head by head (`_group_heads` would spill there): its GROUP
     q heads QK-normed and rotated to q_ptr (row stride stride_q), its k head to k_ptr + k_rows [R] where k_mask
-    [R, 1, 1]. Returns its v head [R, D] (fp32 sums).
+    [R, 1]. Returns its v head [R, D] (fp32 sums).
     Each head is loaded after the store of the head before it (a dependent round trip a head). Loading the next
     head before this head's store (3985fb3) is reverted: on the H200 the 16-row step was 0.73 ms longer with it and
     eight one-row changes than without them all, and it was the only one of them on this path
     (perf/results/RESULTS.md, thirty-second session)."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     HALF: tl.constexpr = D // 2
-    d = tl.arange(0, HALF)[None, None, :]
-    q_rows = rows.to(tl.int64)[:, None, None] * stride_q
+    d = tl.arange(0, HALF)[None, :]
+    q_rows = rows.to(tl.int64)[:, None] * stride_q
     for j in tl.static_range(GROUP):
         head = g * GROUP + j
         r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2, eps, DT, HALF,
                             SPLIT, ROUND)
-        _store_halves(q_ptr, q_rows + head * D + d, r1, r2, row_mask[:, None, None], HALF)
+        _store_halves(q_ptr, q_rows + head * D + d, r1, r2, row_mask[:, None], HALF)
     r1, r2 = _norm_rope(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2, s1, s2, eps, DT,
                         HALF, SPLIT, ROUND)
-    _store_halves(k_ptr, k_rows[:, None, None] + d, r1, r2, k_mask, HALF)
+    _store_halves(k_ptr, k_rows[:, None] + d, r1, r2, k_mask, HALF)
     return load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + tl.arange(0, D), M_PAD, NP, SPLIT)
 
 
@@ -137,18 +142,15 @@ def _store_heads_in_turn(part_ptr, q_ptr, stride_q, k_ptr, k_rows, k_mask, rows,
 def _norm_rope(part_ptr, rows, row_mask, col, M_PAD, NP, nw_ptr, c1, c2, s1, s2, eps,
                DT: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
     """One head of the GEMM result (columns col..col+2*HALF): rounded, RMS-normed over the head with weight
-    nw_ptr, rotated. Returns the two halves [BLOCK_M, 1, HALF] in DT."""
-    x1, x2 = _head_halves(part_ptr, rows, row_mask, col, M_PAD, NP, DT, HALF, SPLIT)
+    nw_ptr, rotated (c1, c2, s1, s2 [BLOCK_M, HALF]). Returns the two halves [BLOCK_M, HALF] in DT. Two-dimensional
+    on purpose: as [BLOCK_M, 1, HALF] halves (`_halves`) the sm_90 build of the 16-row epilogue converted layouts
+    through shared memory (BAR.SYNC 3 -> 40 after the ticket, LDG 78 -> 192), and the 16-row qkv launches of
+    both models took 8-10 us more on the H200 (thirty-third session)."""
+    d = tl.arange(0, HALF)
+    x1 = cast(load_sum(part_ptr, rows, row_mask, col + d, M_PAD, NP, SPLIT), DT).to(tl.float32)
+    x2 = cast(load_sum(part_ptr, rows, row_mask, col + HALF + d, M_PAD, NP, SPLIT), DT).to(tl.float32)
     w1, w2 = _weight_halves(nw_ptr, HALF)
     return _norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
-
-
-@triton.jit
-def _head_halves(part_ptr, rows, row_mask, col, M_PAD, NP, DT: tl.constexpr, HALF: tl.constexpr,
-                 SPLIT: tl.constexpr):
-    """One head of the GEMM result (columns col..col+2*HALF) summed over the K slices and rounded to DT: its
-    halves [BLOCK_M, 1, HALF], fp32."""
-    return _halves(part_ptr, rows, row_mask, col + tl.zeros([1], tl.int32), M_PAD, NP, DT, HALF, SPLIT)
 
 
 @triton.jit
@@ -264,7 +266,7 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
         _attend_few(out_ptr, q1, q2, k1, k2, v, k_old, v_old, rows, row_mask, pos, g, scale, stride_out, GROUP,
                     P, D)
     else:  # the rotated q is parked in out, where its attention output goes
-        v = _store_heads_in_turn(part_ptr, out_ptr, stride_out, k_ptr, k_rows, row_mask[:, None, None], rows,
+        v = _store_heads_in_turn(part_ptr, out_ptr, stride_out, k_ptr, k_rows, row_mask[:, None], rows,
                                  row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD, NP, DT, NUM_HEADS, NUM_KV,
                                  D, SPLIT, ROUND)
         tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=row_mask[:, None])

@@ -65,7 +65,7 @@ def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_
         _store_halves(q_ptr, at, q1, q2, row_mask[:, None, None], HALF)
         _store_halves(k_ptr, k_rows[:, None, None] + d[None, None, :], k1, k2, keep[:, None, None], HALF)
     else:
-        v = _store_heads_in_turn(part_ptr, q_ptr, stride_q, k_ptr, k_rows, keep[:, None, None], rows, row_mask, g,
+        v = _store_heads_in_turn(part_ptr, q_ptr, stride_q, k_ptr, k_rows, keep[:, None], rows, row_mask, g,
                                  qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD, NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
     tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=keep[:, None])
 

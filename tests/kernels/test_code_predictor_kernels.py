@@ -95,8 +95,9 @@ def test_one_row_attention_is_batch_invariant_under_the_switch(invariant):
     weights = (inp.norm_weight(s.hidden, torch.float32),
                inp.weight((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, torch.float32),
                inp.norm_weight(s.head_dim, torch.float32), inp.norm_weight(s.head_dim, torch.float32))
-    rope = rope_cos_sin(torch.arange(s.positions), s.head_dim, 1e6, torch.float32)
-    caches = {b: [torch.zeros(b, s.positions, s.kv_heads, s.head_dim) for _ in range(2)] for b in (1, 3)}
+    rope = rope_cos_sin(torch.arange(s.positions, device=DEVICE), s.head_dim, 1e6, torch.float32)
+    caches = {b: [torch.zeros(b, s.positions, s.kv_heads, s.head_dim, device=DEVICE) for _ in range(2)]
+              for b in (1, 3)}
     for pos0, t in ((0, 2), (2, 1), (3, 1), (4, 1), (5, 1)):
         x = inp.randn(3 * t, s.hidden, scale=2)  # batch row 0: rows 0..t-1
         args = (pos0, t, 1e-6, s.head_dim ** -0.5)
