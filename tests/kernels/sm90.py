@@ -5,8 +5,8 @@ test_register_spills.py (the interpreter that the other kernel tests set up must
 `resources(launch)` runs `launch()` (a kernel wrapper's `_launch(cfg, ...)` on CPU tensors of the
 real shapes) with every JIT kernel's `run` replaced: each launch is bound and specialized exactly as
 on a GPU (the JIT's own binder, for a CUDA sm_90 backend), compiled by triton.compile to a cubin,
-and measured by the cuobjdump that ships with Triton (registers, spill stack), plus the shared memory it
-takes. `python tests/kernels/sm90.py [qkv | conv | sample | small | attention | norm_linear]` prints one spec set's (SPECS) as JSON;
+and measured by the cuobjdump that ships with Triton (registers, spill stack; barriers, shared-memory and global
+loads after the ticket, from the SASS), plus the shared memory it takes. `python tests/kernels/sm90.py [qkv | conv | sample | small | attention | norm_linear]` prints one spec set's (SPECS) as JSON;
 `compiled(spec_set)` runs that from a test.
 """
 
@@ -43,6 +43,20 @@ def _usage(cubin: bytes) -> dict[str, int]:
     return {"regs": int(found[1]), "stack": int(found[2])}
 
 
+def _after_ticket(cubin: bytes) -> dict[str, int]:
+    """Counts of the SASS instructions that wait on or move through shared memory (BAR: barriers, STS / LDS: shared
+    stores and loads) and of global loads (LDG) after the kernel's first global atomic (a split-K kernel's ticket:
+    what follows is the last program's epilogue), or in the whole kernel where it has none."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(_CUOBJDUMP), "-sass", f.name], check=True, capture_output=True, text=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
+    if "ATOMG" in ops:
+        ops = ops[ops.index("ATOMG") + 1:]
+    return {op: ops.count(op) for op in ("BAR", "STS", "LDS", "LDG")}
+
+
 def _compile_run(fn: JITFunction, records: list):
     backend = make_backend(TARGET)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
@@ -58,13 +72,14 @@ def _compile_run(fn: JITFunction, records: list):
         assert all(attrs.get((i,)) for i in pointers), f"{fn.__name__}: unaligned pointer args"
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
                                   options=options.__dict__)
-        records.append({"kernel": fn.__name__, **_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared})
+        records.append({"kernel": fn.__name__, **_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
+                        "after_ticket": _after_ticket(compiled.asm["cubin"])})
 
     return run
 
 
 def resources(launch) -> list[dict]:
-    """[{kernel, regs, stack, shared}] of each kernel launch that `launch()` makes, compiled for sm_90."""
+    """[{kernel, regs, stack, shared, after_ticket}] of each kernel launch that `launch()` makes, compiled for sm_90."""
     records: list[dict] = []
     with ExitStack() as stack:
         for module in [m for name, m in sys.modules.items() if name.startswith("q3tts.kernels")]:
@@ -220,7 +235,7 @@ SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs, "small
 
 
 def compiled(spec_set: str) -> dict[str, list[dict]]:
-    """{spec: [{kernel, regs, stack, shared}]} of one of SPECS, compiled by this file run in a fresh interpreter
+    """{spec: [{kernel, regs, stack, shared, after_ticket}]} of one of SPECS, compiled by this file run in a fresh interpreter
     without TRITON_INTERPRET (the tests that import this run with it on)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__, spec_set], env=env, capture_output=True, text=True,
