@@ -119,10 +119,9 @@ def _store_heads_in_turn(part_ptr, q_ptr, stride_q, k_ptr, k_rows, k_mask, rows,
     """kv group g of the GEMM result over BLOCK_M rows, head by head (`_group_heads` would spill there): its GROUP
     q heads QK-normed and rotated to q_ptr (row stride stride_q), its k head to k_ptr + k_rows [R] where k_mask
     [R, 1]. Returns its v head [R, D] (fp32 sums).
-    Each head is loaded after the store of the head before it (a dependent round trip a head). Loading the next
-    head before this head's store (3985fb3) is reverted: on the H200 the 16-row step was 0.73 ms longer with it and
-    eight one-row changes than without them all, and it was the only one of them on this path
-    (perf/results/RESULTS.md, thirty-second session)."""
+    Each head is loaded after the store of the head before it (a dependent round trip a head). 3985fb3 loaded the
+    next head before this head's store; it was reverted for a 16-row regression that was not its own (b47a5a2's,
+    perf/results/RESULTS.md, thirty-third session), so its worth alone is unmeasured."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, HALF)[None, :]
