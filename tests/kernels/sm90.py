@@ -6,8 +6,9 @@ test_register_spills.py (the interpreter that the other kernel tests set up must
 real shapes) with every JIT kernel's `run` replaced: each launch is bound and specialized exactly as
 on a GPU (the JIT's own binder, for a CUDA sm_90 backend), compiled by triton.compile to a cubin,
 and measured by the cuobjdump that ships with Triton (registers, spill stack; barriers, shared-memory and global
-loads after the ticket, from the SASS), plus the shared memory it takes. `python tests/kernels/sm90.py [qkv | conv | sample | small | attention | norm_linear]` prints one spec set's (SPECS) as JSON;
-`compiled(spec_set)` runs that from a test.
+loads after the ticket, from the SASS), plus the shared memory it takes.
+`python tests/kernels/sm90.py [qkv | conv | sample | small | attention | norm_linear]` prints one spec set's
+(SPECS) as JSON; `compiled(spec_set)` runs that from a test.
 """
 
 from __future__ import annotations
@@ -31,13 +32,17 @@ TARGET = GPUTarget("cuda", 90, 32)
 _CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def _usage(cubin: bytes) -> dict[str, int]:
-    """REG and STACK (bytes of local memory per thread: spills) of the one kernel in `cubin`."""
+def _cuobjdump(cubin: bytes, option: str) -> str:
+    """What Triton's cuobjdump prints for `cubin` with `option` (-res-usage, -sass)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(_CUOBJDUMP), "-res-usage", f.name], check=True,
-                              capture_output=True, text=True).stdout
+        return subprocess.run([str(_CUOBJDUMP), option, f.name], check=True, capture_output=True, text=True).stdout
+
+
+def _usage(cubin: bytes) -> dict[str, int]:
+    """REG and STACK (bytes of local memory per thread: spills) of the one kernel in `cubin`."""
+    text = _cuobjdump(cubin, "-res-usage")
     found = re.search(r"REG:(\d+) STACK:(\d+)", text)
     assert found, f"no resource line in cuobjdump's output:\n{text}"
     return {"regs": int(found[1]), "stack": int(found[2])}
@@ -47,11 +52,7 @@ def _after_ticket(cubin: bytes) -> dict[str, int]:
     """Counts of the SASS instructions that wait on or move through shared memory (BAR: barriers, STS / LDS: shared
     stores and loads) and of global loads (LDG) after the kernel's first global atomic (a split-K kernel's ticket:
     what follows is the last program's epilogue), or in the whole kernel where it has none."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([str(_CUOBJDUMP), "-sass", f.name], check=True, capture_output=True, text=True).stdout
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", _cuobjdump(cubin, "-sass"))
     if "ATOMG" in ops:
         ops = ops[ops.index("ATOMG") + 1:]
     return {op: ops.count(op) for op in ("BAR", "STS", "LDS", "LDG")}
@@ -79,7 +80,8 @@ def _compile_run(fn: JITFunction, records: list):
 
 
 def resources(launch) -> list[dict]:
-    """[{kernel, regs, stack, shared, after_ticket}] of each kernel launch that `launch()` makes, compiled for sm_90."""
+    """[{kernel, regs, stack, shared, after_ticket}] of each kernel launch that `launch()` makes, compiled for
+    sm_90."""
     records: list[dict] = []
     with ExitStack() as stack:
         for module in [m for name, m in sys.modules.items() if name.startswith("q3tts.kernels")]:
@@ -235,8 +237,8 @@ SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs, "small
 
 
 def compiled(spec_set: str) -> dict[str, list[dict]]:
-    """{spec: [{kernel, regs, stack, shared, after_ticket}]} of one of SPECS, compiled by this file run in a fresh interpreter
-    without TRITON_INTERPRET (the tests that import this run with it on)."""
+    """{spec: [{kernel, regs, stack, shared, after_ticket}]} of one of SPECS, compiled by this file run in a fresh
+    interpreter without TRITON_INTERPRET (the tests that import this run with it on)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__, spec_set], env=env, capture_output=True, text=True,
                           timeout=600)
