@@ -1,9 +1,9 @@
 """Give a saved kernel tuning table this tree's fingerprint, so that another commit's kernels run with the same
 launch configs: an A/B of kernel bodies alone, without the second side's tuning (on the H200 the engine's kernel
 tuning took 170 s of a 212 s start on a fresh table, chain tuning off). Only for a pair whose config classes and
-keys agree; a key the table lacks is tuned as usual. `perf/gpu_round.sh`'s `at` step runs it inside the other commit's snapshot, so it needs of
-that tree's q3tts only `autotune.fingerprint` (hence plain pickle here, not `load_tuned` / `save_tuned`, whose
-checks and arguments an older tree may not share).
+keys agree; a key the table lacks is tuned as usual. `perf/gpu_round.sh`'s `at` step runs it inside the other
+commit's snapshot, so it needs of that tree's q3tts only `autotune.fingerprint` (hence plain pickle here, not
+`load_tuned` / `save_tuned`, whose checks and arguments an older tree may not share).
 
     python3 perf/retag_table.py <table.pkl> <out.pkl> [--device cuda]
 """

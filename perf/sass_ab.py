@@ -15,6 +15,7 @@ TRITON_INTERPRET (it compiles; it does not interpret).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
@@ -65,10 +66,7 @@ def checkout(commit: str, into: Path) -> Path:
         return ROOT
     into.mkdir()
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True).stdout
-    with tempfile.TemporaryFile() as f:
-        f.write(archive)
-        f.seek(0)
-        tarfile.open(fileobj=f).extractall(into, filter="data")
+    tarfile.open(fileobj=io.BytesIO(archive)).extractall(into, filter="data")
     return into
 
 

@@ -32,27 +32,24 @@ TARGET = GPUTarget("cuda", 90, 32)
 _CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def _cuobjdump(cubin: bytes, option: str) -> str:
-    """What Triton's cuobjdump prints for `cubin` with `option` (-res-usage, -sass)."""
+def _usage(cubin: bytes) -> dict:
+    """REG and STACK (bytes of local memory per thread: spills) of the one kernel in `cubin`, and `after_ticket`:
+    counts of the SASS instructions that wait on or move through shared memory (BAR: barriers, STS / LDS: shared
+    stores and loads) and of global loads (LDG) after the kernel's first global atomic (a split-K kernel's ticket:
+    what follows is the last program's epilogue), or in the whole kernel where it has none. One cuobjdump run."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([str(_CUOBJDUMP), option, f.name], check=True, capture_output=True, text=True).stdout
-
-
-def _usage(cubin: bytes) -> dict[str, int]:
-    """REG and STACK (bytes of local memory per thread: spills) of the one kernel in `cubin`."""
-    text = _cuobjdump(cubin, "-res-usage")
+        text = subprocess.run([str(_CUOBJDUMP), "-res-usage", "-sass", f.name], check=True,
+                              capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", text)
     assert found, f"no resource line in cuobjdump's output:\n{text}"
-    return {"regs": int(found[1]), "stack": int(found[2])}
+    return {"regs": int(found[1]), "stack": int(found[2]), "after_ticket": _after_ticket(text)}
 
 
-def _after_ticket(cubin: bytes) -> dict[str, int]:
-    """Counts of the SASS instructions that wait on or move through shared memory (BAR: barriers, STS / LDS: shared
-    stores and loads) and of global loads (LDG) after the kernel's first global atomic (a split-K kernel's ticket:
-    what follows is the last program's epilogue), or in the whole kernel where it has none."""
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", _cuobjdump(cubin, "-sass"))
+def _after_ticket(sass: str) -> dict[str, int]:
+    """`_usage`'s after_ticket counts, from cuobjdump's SASS listing."""
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     if "ATOMG" in ops:
         ops = ops[ops.index("ATOMG") + 1:]
     return {op: ops.count(op) for op in ("BAR", "STS", "LDS", "LDG")}
@@ -73,8 +70,7 @@ def _compile_run(fn: JITFunction, records: list):
         assert all(attrs.get((i,)) for i in pointers), f"{fn.__name__}: unaligned pointer args"
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
                                   options=options.__dict__)
-        records.append({"kernel": fn.__name__, **_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
-                        "after_ticket": _after_ticket(compiled.asm["cubin"])})
+        records.append({"kernel": fn.__name__, **_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared})
 
     return run
 
