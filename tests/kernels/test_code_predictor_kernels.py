@@ -415,12 +415,16 @@ def test_projected_input_tables_follow_the_weights():
 def test_fused_bf16_rounds_where_the_eager_bf16_passes_round(monkeypatch):
     """bf16, the tiny 1.7B preset (input projection, every layer), 9 rows (two row blocks on pass
     0), all 15 passes teacher-forced to the same codes: the fused logits equal the eager bf16
-    logits up to fp32 accumulation order (a kernel that rounds where eager does not, or skips a
-    rounding, departs by whole bf16 steps), and are no further from the fp32 eager logits."""
+    logits (torch references) within 1 bf16 step of the row, and are no further from the fp32 eager logits.
+    A kernel that rounds where eager does not, or skips a rounding, departs by whole steps (the QK-norm's
+    rounding of x * rstd skipped: 2.4 steps; on the CPU the fused passes depart by at most 0.59 and most passes
+    are bit-equal). On a GPU the reference itself moves: the same eager passes depart from their CPU run by 1.16
+    steps on an H100 (cuBLAS's sum order, approximate exp and rsqrt), and the fused ones by 1.96, so there the
+    bound is twice that distance (the kernel tests' rule: 2x the same-dtype torch error)."""
     import copy
 
-    # the eager passes on the torch references, on the GPU too: its Triton paged attention rounds elsewhere (scores
-    # in fp32, weights rounded before they are normalised; 2.1 bf16 steps from the fused passes on an H100)
+    # the eager passes on the torch references, on the GPU too (the eager stack's Triton kernels round elsewhere:
+    # its paged attention's weights are rounded before they are normalised; 1.9 steps from the references)
     monkeypatch.setenv("Q3TTS_KERNELS", "torch")
     # cuBLAS may otherwise reduce bf16 GEMMs' split-K partials in bf16: not the fp32 accumulation this compares to
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
@@ -437,8 +441,12 @@ def test_fused_bf16_rounds_where_the_eager_bf16_passes_round(monkeypatch):
     eager = forced_logits(cp16.generate, *args)
     fused = forced_logits(FusedCodePredictor(cp16).generate, *args)
     step = torch.finfo(torch.bfloat16).eps * eager.abs().amax(-1, keepdim=True)  # a row's bf16 step
-    worst = ((fused - eager).abs() / step).amax().item()
-    assert worst <= 1, f"fused departs from eager bf16 by {worst:.1f} bf16 steps"
+    steps = lambda logits: ((logits.to(DEVICE) - eager).abs() / step).amax().item()  # noqa: E731
+    moved = 0.0 if DEVICE == "cpu" else steps(forced_logits(
+        copy.deepcopy(talker).to("cpu", torch.bfloat16).code_predictor.generate, *(a.cpu() for a in args)))
+    worst = steps(fused)
+    assert worst <= max(1.0, 2 * moved), \
+        f"fused departs from eager bf16 by {worst:.2f} bf16 steps (the eager passes on the CPU: {moved:.2f})"
     assert_as_faithful(fused, eager, ref)
 
 
