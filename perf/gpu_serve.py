@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from q3tts.serving.launcher import ServerError, TritonServer, parse_gpus, parse_pool
+from report import commit
 from q3tts.serving.runtime import RuntimeSetupError, StubEnvSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,7 +167,7 @@ def main() -> int:
         title = (f"Qwen3-TTS serve bench: tritonserver 2.51 python backend, {device} ({smi('name') or 'cpu'}), "
                  f"CustomVoice {size} {scale} random weights, {dtype}, max_slots {max_slots}{', ' + pool if pool else ''}, "
                  f"gRPC streaming, {env('REQUESTS', '2')} utterances/stream, max_frames {max_frames} "
-                 f"({max_frames * 0.08:g} s), commit {git_commit()}")
+                 f"({max_frames * 0.08:g} s), commit {commit()}")
         left = float(env("TOTAL_BUDGET_S", "470")) - (time.monotonic() - T0) - 40  # 40 s for the stop
         timeout_s = min(float(env("BENCH_TIMEOUT_S", "300")), left)
         if timeout_s < 30:
@@ -188,11 +189,6 @@ def main() -> int:
             shutil.copy(server.log_path, Path(out) / "gpu_serve_server.log")
     log(f"server stopped; table: {work / 'serve_bench.md'}")
     return 0
-
-
-def git_commit() -> str:
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return run.stdout.strip() or "?"
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from tests.reliability.served import HEALTHY, TEXT, VOICE, Row, heal, table, val
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
 LONG = {**HEALTHY, "max_frames": 1000}  # a GPU step is fast: the healthy stream must outlast the bad requests
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "perf"))  # perf/gpu_serve.py, and the report module it imports
 ROWS: list[Row] = []
 
 
@@ -40,7 +41,7 @@ def setting(name: str, default: str) -> str:
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    from perf import gpu_serve as G
+    import gpu_serve as G
 
     work = Path(setting("WORK", str(ROOT / "run" / "gpu_serve"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -52,7 +53,7 @@ def checkpoint():
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    from perf import gpu_serve as G
+    import gpu_serve as G
 
     work, ckpt = checkpoint
     G.unpack(Path(setting("TRITON_TGZ", str(ROOT / ".gpu" / "pytriton_slim.tgz"))), work / "pytriton")
