@@ -63,7 +63,7 @@ def _weight_halves(nw_ptr, HALF: tl.constexpr):
 @triton.jit
 def _norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps, DT: tl.constexpr, HALF: tl.constexpr,
                       ROUND: tl.constexpr):
-    """Heads x1, x2 [R, H, HALF] (`_halves`) or [R, HALF] (one head, `_norm_rope`) RMS-normed over each head
+    """Heads x1, x2 [R, H, HALF] (`_halves`) or [R, HALF] (one head, `_head_sums`) RMS-normed over each head
     (weight halves w1, w2 [HALF]) and rotated (cos / sin halves c1, c2, s1, s2 [R, 1, HALF] or [R, HALF]).
     Returns the two halves, shaped as x1, in DT."""
     AXIS: tl.constexpr = len(x1.shape) - 1
@@ -119,37 +119,40 @@ def _store_heads_in_turn(part_ptr, q_ptr, stride_q, k_ptr, k_rows, k_mask, rows,
     """kv group g of the GEMM result over BLOCK_M rows, head by head (`_group_heads` would spill there): its GROUP
     q heads QK-normed and rotated to q_ptr (row stride stride_q), its k head to k_ptr + k_rows [R] where k_mask
     [R, 1]. Returns its v head [R, D] (fp32 sums).
-    Each head is loaded after the store of the head before it (a dependent round trip a head). 3985fb3 loaded the
-    next head before this head's store; it was reverted for a 16-row regression that was not its own (b47a5a2's,
-    perf/results/RESULTS.md, thirty-third session), so its worth alone is unmeasured."""
+    Two heads deep: each head's sums are loaded before the store of the head before it (a load placed after a store
+    is issued after it: the compiler cannot tell the partials from the outputs apart), so the group's loads cost 2
+    dependent round trips to L2, not GROUP + 2. (3985fb3 did this over b47a5a2's 3-D halves and was reverted with
+    them, untimed: perf/results/RESULTS.md, thirty-third session.)"""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, HALF)[None, :]
     q_rows = rows.to(tl.int64)[:, None] * stride_q
+    w1, w2 = _weight_halves(qn_ptr, HALF)
+    x1, x2 = _head_sums(part_ptr, rows, row_mask, g * GROUP * D, M_PAD, NP, DT, HALF, SPLIT)
     for j in tl.static_range(GROUP):
         head = g * GROUP + j
-        r1, r2 = _norm_rope(part_ptr, rows, row_mask, head * D, M_PAD, NP, qn_ptr, c1, c2, s1, s2, eps, DT, HALF,
-                            SPLIT, ROUND)
+        nxt = (head + 1) * D if j + 1 < GROUP else (NUM_HEADS + g) * D  # the next q head, or the k head
+        n1, n2 = _head_sums(part_ptr, rows, row_mask, nxt, M_PAD, NP, DT, HALF, SPLIT)
+        r1, r2 = _norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
         _store_halves(q_ptr, q_rows + head * D + d, r1, r2, row_mask[:, None], HALF)
-    r1, r2 = _norm_rope(part_ptr, rows, row_mask, (NUM_HEADS + g) * D, M_PAD, NP, kn_ptr, c1, c2, s1, s2, eps, DT,
-                        HALF, SPLIT, ROUND)
+        x1, x2 = n1, n2
+    v = load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + tl.arange(0, D), M_PAD, NP, SPLIT)
+    w1, w2 = _weight_halves(kn_ptr, HALF)
+    r1, r2 = _norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
     _store_halves(k_ptr, k_rows[:, None] + d, r1, r2, k_mask, HALF)
-    return load_sum(part_ptr, rows, row_mask, (NUM_HEADS + NUM_KV + g) * D + tl.arange(0, D), M_PAD, NP, SPLIT)
+    return v
 
 
 @triton.jit
-def _norm_rope(part_ptr, rows, row_mask, col, M_PAD, NP, nw_ptr, c1, c2, s1, s2, eps,
-               DT: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr):
-    """One head of the GEMM result (columns col..col+2*HALF): rounded, RMS-normed over the head with weight
-    nw_ptr, rotated (c1, c2, s1, s2 [BLOCK_M, HALF]). Returns the two halves [BLOCK_M, HALF] in DT. Two-dimensional
-    on purpose: as [BLOCK_M, 1, HALF] halves (`_halves`) the sm_90 build of the 16-row epilogue converted layouts
-    through shared memory (BAR.SYNC 3 -> 40 after the ticket, LDG 78 -> 192), and the 16-row qkv launches of
-    both models took 8-10 us more on the H200 (thirty-third session)."""
+def _head_sums(part_ptr, rows, row_mask, col, M_PAD, NP, DT: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr):
+    """One head of the GEMM result (columns col..col+2*HALF), summed over the K slices and rounded to DT: its halves
+    [BLOCK_M, HALF], fp32. Two-dimensional on purpose: as [BLOCK_M, 1, HALF] halves (`_halves`) the sm_90 build of
+    the 16-row epilogue converted layouts through shared memory (BAR.SYNC 3 -> 40 after the ticket, LDG 78 -> 192),
+    and the 16-row qkv launches of both models took 8-10 us more on the H200 (thirty-third session)."""
     d = tl.arange(0, HALF)
     x1 = cast(load_sum(part_ptr, rows, row_mask, col + d, M_PAD, NP, SPLIT), DT).to(tl.float32)
     x2 = cast(load_sum(part_ptr, rows, row_mask, col + HALF + d, M_PAD, NP, SPLIT), DT).to(tl.float32)
-    w1, w2 = _weight_halves(nw_ptr, HALF)
-    return _norm_rope_halves(x1, x2, w1, w2, c1, c2, s1, s2, eps, DT, HALF, ROUND)
+    return x1, x2
 
 
 @triton.jit
