@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 
 from q3tts.serving.launcher import ServerError, TritonServer, parse_gpus, parse_pool
-from report import commit
 from q3tts.serving.runtime import RuntimeSetupError, StubEnvSpec
+from report import commit  # perf/report.py (this script's directory is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = time.monotonic()
