@@ -1,5 +1,5 @@
 """The code predictor's kernels: a frame's 15 passes in 23 launches for the first, 22 for each later one
-(4 per layer), one fewer each at one row (the head draws), and one more for the talker's next input.
+(4 per layer), and one more for the talker's next input.
 
     project          input rows @ small_to_mtp_projection + bias (the first pass: past hidden, C(c0))
     per layer (x5):
@@ -9,7 +9,7 @@
       linear_residual o_proj + residual
       norm_gate_up   RMSNorm + gate/up + SiLU * up
       linear_residual down_proj + residual
-    norm_head        final RMSNorm + lm_head[j] -> fp32 logits; at one row (`draws_in_head`) with the draw
+    norm_head        final RMSNorm + lm_head[j] -> fp32 logits
     sample           the GREEDY / TOPK draw (the FULL mode stays with models/sampling.py)
     embed_sum        C(c0) + the 15 codes' embeddings: the talker's next input
 
@@ -18,7 +18,7 @@ Every GEMM is a split-K skinny GEMM whose last program per unit runs the epilogu
 shape only under `set_batch_invariant(True)`).
 Each kernel's torch reference is in code_predictor_reference.py (sampling: models/sampling.warp_and_draw_reference).
 `counters` (int32 zeros, left zero by every launch) is the tickets' workspace: size it with
-`counters_needed(rows, units)`, units = the largest output width / MIN_BLOCK_N (+ 1: the head's draw).
+`counters_needed(rows, units)`, units = the largest output width / MIN_BLOCK_N.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from __future__ import annotations
 from .code_predictor_attention import qkv_attention
 from .code_predictor_embed import embed_sum
 from .code_predictor_gemm import MIN_BLOCK_N, GemmConfig, counters_needed
-from .code_predictor_linear import draws_in_head, linear_residual, norm_gate_up, norm_head, project
-from .code_predictor_sampling import Draw, sample
+from .code_predictor_linear import linear_residual, norm_gate_up, norm_head, project
+from .code_predictor_sampling import sample
 
-__all__ = ["Draw", "GemmConfig", "MIN_BLOCK_N", "counters_needed", "draws_in_head", "embed_sum", "linear_residual",
-           "norm_gate_up", "norm_head", "project", "qkv_attention", "sample"]
+__all__ = ["GemmConfig", "MIN_BLOCK_N", "counters_needed", "embed_sum", "linear_residual", "norm_gate_up",
+           "norm_head", "project", "qkv_attention", "sample"]

@@ -4,9 +4,7 @@
     linear_residual out = residual + X @ W^T          (o-proj + residual, down + residual)
     norm_gate_up   out = silu(g) * u, [g | u] = RMSNorm(X) @ W_gate_up^T   (one weight tile holds
                    gate row j and up row j side by side, so one dot feeds both halves)
-    norm_head      logits = (RMSNorm(X[T-1::T]) @ W^T) as fp32 (final norm + lm_head); at one row
-                   (`draws_in_head`) also the pass's draw: the launch's last program draws from the logits
-                   (code_predictor_sampling.draw_row), one launch where two were
+    norm_head      logits = (RMSNorm(X[T-1::T]) @ W^T) as fp32 (final norm + lm_head)
     linear         out = X @ W^T (+ b), any M, one K slice (F.linear for the engine's GEMMs)
 
 Roundings are the eager model's: each GEMM result rounds to the weight dtype before the residual add
@@ -26,11 +24,10 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import batch_invariant, choose, pick
-from .code_predictor_gemm import (BLOCK_M, FEW_ROWS, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
+from .code_predictor_gemm import (BLOCK_M, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
                                   interpret_config, arrive, candidates, counters_needed, dot_precision, held_rows,
                                   held_rstd, k_slice, load_sum, mainloop, row_blocks, row_class, row_offsets,
                                   store_partial, wait_for_inputs)
-from .code_predictor_sampling import Draw, draw_row
 from .swiglu import silu_times
 
 BIAS, RESIDUAL, SWIGLU, ROUND = 0, 1, 2, 3  # epilogues (ROUND: the product in the weight dtype)
@@ -59,13 +56,19 @@ def _epilogue(acc, rows, row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, st
              cast(y, out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-@triton.jit
-def _linear_program(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, row_step, row_first,
-                    eps, M_PAD, stride_xm, stride_w, stride_res, stride_out, PROLOGUE: tl.constexpr,
-                    EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr):
-    """This program's share of the launch (grid: row blocks, column tiles, K slices); returns whether it stored
-    its tile's output (one K slice, or the tile's last)."""
+@triton.jit(do_not_specialize=["M", "row_step", "row_first", "M_PAD"])
+def _linear_kernel(
+    # pointers
+    x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, cnt_ptr,
+    # sizes
+    M, N, K, row_step, row_first, eps, M_PAD,
+    # strides
+    stride_xm, stride_w, stride_res, stride_out,
+    # meta
+    PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
+):
     m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if EPILOGUE == 2:  # weight tile rows: gate j, up j, gate j+1, ...
         W_TILE: tl.constexpr = 2 * BLOCK_N
@@ -92,103 +95,40 @@ def _linear_program(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, cnt
         cols = tile * W_TILE + tl.arange(0, W_TILE)
         num_cols = tl.num_programs(1) * W_TILE
         store_partial(part_ptr, acc, split, rows, row_mask, cols, M_PAD, num_cols)
-        stored = arrive(cnt_ptr + m * tl.num_programs(1) + tile, SPLIT)
-        if stored:
+        if arrive(cnt_ptr + m * tl.num_programs(1) + tile, SPLIT):
             _epilogue(load_sum(part_ptr, rows, row_mask, cols, M_PAD, num_cols, SPLIT), rows,
                       row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, stride_out, DT, EPILOGUE,
                       BLOCK_M, BLOCK_N)
     else:
         _epilogue(acc, rows, row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, stride_out, DT,
                   EPILOGUE, BLOCK_M, BLOCK_N)
-        stored = tl.full([], 1, tl.int1)
-    return stored
-
-
-@triton.jit(do_not_specialize=["M", "row_step", "row_first", "M_PAD"])
-def _linear_kernel(
-    # pointers
-    x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, cnt_ptr,
-    # sizes
-    M, N, K, row_step, row_first, eps, M_PAD,
-    # strides
-    stride_xm, stride_w, stride_res, stride_out,
-    # meta
-    PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
-):
-    _linear_program(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, row_step, row_first,
-                    eps, M_PAD, stride_xm, stride_w, stride_res, stride_out, PROLOGUE, EPILOGUE, BLOCK_M, BLOCK_N,
-                    BLOCK_K, SPLIT, DOT_PRECISION, PDL, ROWS)
-
-
-@triton.jit(do_not_specialize=["M", "row_step", "row_first", "M_PAD"])
-def _norm_head_draw_kernel(
-    # pointers
-    x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, cnt_ptr,
-    # sizes
-    M, N, K, row_step, row_first, eps, M_PAD,
-    # strides
-    stride_xm, stride_w, stride_res, stride_out,
-    # the draw (`Draw.args`)
-    temp_ptr, topk_ptr, greedy_ptr, u_ptr, ids_ptr, faults_ptr, cap,
-    stride_t, stride_k, stride_g, stride_u, stride_i, stride_f,
-    # meta
-    PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
-    V: tl.constexpr, BLOCK_V: tl.constexpr, TOPK: tl.constexpr, HAS_FAULTS: tl.constexpr,
-):
-    """`norm_head`'s launch, whose last program of a row block, once every tile of the block's logits is stored,
-    draws the block's rows one by one from them (a second ticket per row block, after the tiles' tickets)."""
-    stored = _linear_program(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, row_step,
-                             row_first, eps, M_PAD, stride_xm, stride_w, stride_res, stride_out, PROLOGUE,
-                             EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL, ROWS)
-    if stored:
-        m, tiles = tl.program_id(0), tl.num_programs(1)
-        if arrive(cnt_ptr + tl.num_programs(0) * tiles + m, tiles):
-            idx = tl.arange(0, BLOCK_V)
-            valid = idx < V  # V = N
-            first = m.to(tl.int64) * BLOCK_M
-            for i in range(0, tl.minimum(BLOCK_M, M - m * BLOCK_M)):
-                r = first + i
-                # .cg: read at L2, where the other programs stored their tiles
-                x = tl.load(out_ptr + r * stride_out + idx, mask=valid, other=float("-inf"), cache_modifier=".cg")
-                draw_row(x, idx, valid, r, temp_ptr, topk_ptr, greedy_ptr, u_ptr, ids_ptr, faults_ptr, cap,
-                         stride_t, stride_k, stride_g, stride_u, stride_i, stride_f, V, TOPK, HAS_FAULTS)
 
 
 def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n, norm_w=None, bias=None,
-            residual=None, row_step=1, row_first=0, eps=0.0, draw: Draw | None = None) -> None:
+            residual=None, row_step=1, row_first=0, eps=0.0) -> None:
     tiles = n // cfg.block_n
-    blocks = row_blocks(rows, cfg.block_m)
-    m_pad = blocks * cfg.block_m
+    m_pad = row_blocks(rows, cfg.block_m) * cfg.block_m
     w_tile = cfg.block_n * (2 if epilogue == SWIGLU else 1)
     part = out
     if cfg.split > 1:
         part = torch.empty(cfg.split, m_pad, tiles * w_tile, dtype=torch.float32, device=x.device)
-    if cfg.split > 1 or draw is not None:
         assert counters is not None and counters.dtype == torch.int32, \
-            "counters must be int32 zeros for a split-K config or a draw"
-        # the tiles' tickets, then (a draw) one per row block
-        need = counters_needed(rows, tiles, cfg.block_m) + (blocks if draw is not None else 0)
-        assert counters.numel() >= need, f"counters too small: {counters.numel()} < {need}"
-    cnt = counters if counters is not None else out  # never read with one K slice and no draw
+            "counters must be int32 zeros for a split-K config"
+        assert counters.numel() >= counters_needed(rows, tiles, cfg.block_m), "counters too small"
+    cnt = counters if counters is not None else out  # never read with one K slice
     pdl = programmatic_launch(w, prefetched=w)
-    args = (x, norm_w if norm_w is not None else w, w, bias if bias is not None else w,
-            residual if residual is not None else out, out, part, cnt,
-            rows, n, w.shape[1], row_step, row_first, eps, m_pad,
-            x.stride(0), w.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0))
-    meta = dict(PROLOGUE=prologue, EPILOGUE=epilogue, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype), PDL=pdl,
-                ROWS=held_rows(rows, cfg.block_m) if prologue == NORM else cfg.block_m,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
-    grid = (blocks, tiles, cfg.split)
-    if draw is None:
-        _linear_kernel[grid](*args, **meta)
-    else:
-        _norm_head_draw_kernel[grid](*args, *draw.args(), V=n, BLOCK_V=triton.next_power_of_2(n), TOPK=draw.topk,
-                                     HAS_FAULTS=draw.faults is not None, **meta)
+    _linear_kernel[(row_blocks(rows, cfg.block_m), tiles, cfg.split)](
+        x, norm_w if norm_w is not None else w, w,
+        bias if bias is not None else w, residual if residual is not None else out, out, part,
+        cnt,
+        rows, n, w.shape[1], row_step, row_first, eps, m_pad,
+        x.stride(0), w.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0),
+        PROLOGUE=prologue, EPILOGUE=epilogue, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype), PDL=pdl,
+        ROWS=held_rows(rows, cfg.block_m) if prologue == NORM else cfg.block_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+    )
 
 
 def tuning_key(name: str, weight: torch.Tensor, n: int, rows: int) -> tuple:
@@ -293,35 +233,20 @@ def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: tor
     return out
 
 
-def draws_in_head(rows: int) -> bool:
-    """Whether `norm_head` of `rows` rows takes the pass's draw (the last program draws the rows one by one, so
-    only a launch of at most FEW_ROWS rows; never under `batch_invariant()`, whose draws keep one warp count,
-    the draw kernel's, at every batch)."""
-    return rows <= FEW_ROWS and not batch_invariant()
-
-
 def norm_head(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
               counters: torch.Tensor, tokens_per_row: int = 1, out: torch.Tensor | None = None,
-              config: GemmConfig | None = None, draw: Draw | None = None) -> torch.Tensor:
+              config: GemmConfig | None = None) -> torch.Tensor:
     """fp32 logits [M // T, V] of rms_norm(x[T-1::T]) @ weight [V, K]^T (rounded to weight.dtype
-    first, as the eager head), T = tokens_per_row: the last token of each batch row.
-    draw: also draws each row from its logits into draw.out in the same launch (`sample`'s arguments and
-    arithmetic; its sums run in the launch's warps, so a sampled id may differ from `sample`'s only where u * total
-    lands within fp32 rounding of a CDF step); counters then one per row block longer."""
+    first, as the eager head), T = tokens_per_row: the last token of each batch row."""
     t = tokens_per_row
     assert x.shape[0] % t == 0, f"norm_head: {x.shape[0]} rows not a multiple of {t} tokens"
     assert x.shape[1] == weight.shape[1] and norm_weight.shape == (x.shape[1],), \
         f"norm_head: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
     rows = x.shape[0] // t
     out = _out(out, rows, weight.shape[0], x, torch.float32)
-    if draw is not None:
-        draw = draw.checked(out, "norm_head")
-    # NOTE: with a draw the launch takes the plain head's key (against _run's rule), so its logits sum as the plain
-    # launch's at every batch; it runs at one row (`draws_in_head`), class 16, whose pick every bucket's eager
-    # warm-up compiles before its capture
     _run("cp_norm_head", config, x=x, w=weight, out=out, counters=counters, prologue=NORM,
          epilogue=ROUND, rows=rows, n=weight.shape[0], norm_w=norm_weight, eps=eps, row_step=t,
-         row_first=t - 1, draw=draw)
+         row_first=t - 1)
     return out
 
 

@@ -130,11 +130,25 @@ def _kth_largest(x, valid, k):
 
 
 @triton.jit
-def draw_row(x, idx, valid, r, temp_ptr, topk_ptr, greedy_ptr, u_ptr, out_ptr, faults_ptr, cap,
-             stride_t, stride_k, stride_g, stride_u, stride_o, stride_f,
-             V: tl.constexpr, TOPK: tl.constexpr, HAS_FAULTS: tl.constexpr):
-    """Row r's draw from its fp32 scores x [BLOCK_V] (lanes idx, valid: idx < V; invalid lanes -inf): stores
-    out[r] and or-s faults[r] (the module docstring's GREEDY / TOPK modes and finite guard)."""
+def _sample_kernel(
+    # pointers
+    logits_ptr, temp_ptr, topk_ptr, greedy_ptr, u_ptr, out_ptr, faults_ptr, gen_ptr, pen_ptr, ngen_ptr,
+    # sizes
+    cap, eos_id, min_new, suppress_start,
+    # strides (parameters and outputs may be strided columns of the engine's tables)
+    stride_l, stride_t, stride_k, stride_g, stride_u, stride_o, stride_f, stride_gen, stride_pen, stride_ngen,
+    # meta
+    V: tl.constexpr, BLOCK_V: tl.constexpr, TOPK: tl.constexpr, HAS_FAULTS: tl.constexpr,
+    TALKER: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_previous(PDL)  # every input may come from the kernel before
+    r = tl.program_id(0).to(tl.int64)
+    idx = tl.arange(0, BLOCK_V)
+    valid = idx < V
+    x = tl.load(logits_ptr + r * stride_l + idx, mask=valid, other=float("-inf"))
+    if TALKER:
+        x = _talker_scores(x, idx, valid, r, gen_ptr, pen_ptr, ngen_ptr, stride_gen, stride_pen, stride_ngen,
+                           eos_id, min_new, suppress_start)
     if TOPK:
         greedy = tl.load(greedy_ptr + r * stride_g) != 0
         temp = tl.where(greedy, 1.0, tl.load(temp_ptr + r * stride_t).to(tl.float32))
@@ -156,89 +170,39 @@ def draw_row(x, idx, valid, r, temp_ptr, topk_ptr, greedy_ptr, u_ptr, out_ptr, f
     tl.store(out_ptr + r * stride_o, tl.where(bad, 0, best).to(tl.int64))
 
 
-@triton.jit
-def _sample_kernel(
-    # pointers: the logits, then `Draw.args` (parameters and outputs may be strided columns of the engine's tables)
-    logits_ptr, temp_ptr, topk_ptr, greedy_ptr, u_ptr, out_ptr, faults_ptr, cap,
-    stride_t, stride_k, stride_g, stride_u, stride_o, stride_f,
-    # the talker's processors
-    gen_ptr, pen_ptr, ngen_ptr, eos_id, min_new, suppress_start,
-    # strides
-    stride_l, stride_gen, stride_pen, stride_ngen,
-    # meta
-    V: tl.constexpr, BLOCK_V: tl.constexpr, TOPK: tl.constexpr, HAS_FAULTS: tl.constexpr,
-    TALKER: tl.constexpr, PDL: tl.constexpr,
-):
-    wait_for_previous(PDL)  # every input may come from the kernel before
-    r = tl.program_id(0).to(tl.int64)
-    idx = tl.arange(0, BLOCK_V)
-    valid = idx < V
-    x = tl.load(logits_ptr + r * stride_l + idx, mask=valid, other=float("-inf"))
-    if TALKER:
-        x = _talker_scores(x, idx, valid, r, gen_ptr, pen_ptr, ngen_ptr, stride_gen, stride_pen, stride_ngen,
-                           eos_id, min_new, suppress_start)
-    draw_row(x, idx, valid, r, temp_ptr, topk_ptr, greedy_ptr, u_ptr, out_ptr, faults_ptr, cap,
-             stride_t, stride_k, stride_g, stride_u, stride_o, stride_f, V, TOPK, HAS_FAULTS)
-
-
-class Draw(NamedTuple):
-    """One draw per row, in `sample`'s order of arguments: temperature [B] f32, top_k [B] int, greedy [B] bool,
-    u [B] f32 uniforms, topk (the TOPK mode, valid when every non-greedy row has 1 <= top_k <= cap; else
-    GREEDY: argmax), cap, out [B] int64 (the ids; made by `checked` where None), faults [B] bool or None (or-ed
-    with the rows the finite guard sent to id 0). Tensors may be strided views."""
-
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    greedy: torch.Tensor
-    u: torch.Tensor
-    topk: bool
-    cap: int
-    out: torch.Tensor | None = None
-    faults: torch.Tensor | None = None
-
-    def checked(self, logits: torch.Tensor, who: str) -> Draw:
-        """This draw from fp32 logits [B, V] (last dim contiguous), `out` made where None; asserts (naming `who`)
-        every shape, dtype and device."""
-        bsz, vocab = logits.shape
-        assert logits.dtype == torch.float32 and logits.stride(-1) == 1, \
-            f"{who}: logits must be fp32 with a contiguous last dim, got {logits.dtype}"
-        assert vocab < 1 << _COUNT_BITS.value, f"{who}: {vocab} ids overflow the top-k search's packed counts"
-        for name in ("temperature", "top_k", "greedy", "u"):
-            t = getattr(self, name)
-            assert t.shape == (bsz,), f"{who}: {name} {tuple(t.shape)} != ({bsz},)"
-            assert t.device == logits.device, f"{who}: {name} on {t.device}, logits on {logits.device}"
-        assert self.greedy.dtype == torch.bool and not self.top_k.is_floating_point(), \
-            f"{who}: greedy must be bool, top_k int; got {self.greedy.dtype}, {self.top_k.dtype}"
-        out = self.out if self.out is not None else torch.empty(bsz, dtype=torch.int64, device=logits.device)
-        assert out.shape == (bsz,) and out.dtype == torch.int64, f"{who}: out must be int64 [B]"
-        assert self.faults is None or (self.faults.shape == (bsz,) and self.faults.dtype == torch.bool), \
-            f"{who}: faults must be bool [B]"
-        return self._replace(out=out)
-
-    def args(self) -> tuple:
-        """The kernels' arguments of `draw` after the row (a `checked` draw): pointers, cap, strides."""
-        faults = self.faults if self.faults is not None else self.greedy  # never written without HAS_FAULTS
-        tensors = (self.temperature, self.top_k, self.greedy, self.u, self.out, faults)
-        return (*tensors, self.cap, *(t.stride(0) for t in tensors))
-
-
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            greedy: torch.Tensor, u: torch.Tensor, topk: bool, cap: int,
            out: torch.Tensor | None = None, faults: torch.Tensor | None = None,
            talker: TalkerScores | None = None) -> torch.Tensor:
-    """ids [B] int64 (`out`) from fp32 logits [B, V] (last dim contiguous): the `Draw` of these arguments.
-    talker: the talker's processors run on the logits first (`TalkerScores`)."""
-    d = Draw(temperature, top_k, greedy, u, topk, cap, out, faults).checked(logits, "sample")
+    """ids [B] int64 from fp32 logits [B, V] (last dim contiguous).
+
+    topk False: argmax of every row (GREEDY mode). topk True (TOPK mode; valid when every
+    non-greedy row has 1 <= top_k <= cap): temperature [B] f32, top_k [B] int, greedy [B] bool,
+    u [B] f32 uniforms. faults [B] bool: or-ed with the rows the finite guard sent to id 0.
+    talker: the talker's processors run on the logits first (`TalkerScores`).
+    Parameter tensors, `out` and `faults` may be strided views."""
     bsz, vocab = logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(-1) == 1, \
+        f"sample: logits must be fp32 with a contiguous last dim, got {logits.dtype}"
+    assert vocab < 1 << _COUNT_BITS.value, f"sample: {vocab} ids overflow the top-k search's packed counts"
+    rows = (("temperature", temperature), ("top_k", top_k), ("greedy", greedy), ("u", u))
     if talker is not None:
-        for name, t in (("penalty", talker.penalty), ("num_generated", talker.num_generated)):
-            assert t.shape == (bsz,) and t.device == logits.device, \
-                f"sample: {name} {tuple(t.shape)} on {t.device}, not ({bsz},) on {logits.device}"
+        rows += (("penalty", talker.penalty), ("num_generated", talker.num_generated))
         assert talker.generated.shape == (bsz, vocab) and talker.generated.dtype == torch.bool \
             and talker.generated.stride(-1) == 1 and talker.generated.device == logits.device, \
             f"sample: generated must be bool [{bsz}, {vocab}] on {logits.device}, last dim contiguous"
+    for name, t in rows:
+        assert t.shape == (bsz,), f"sample: {name} {tuple(t.shape)} != ({bsz},)"
+        assert t.device == logits.device, f"sample: {name} on {t.device}, logits on {logits.device}"
+    assert greedy.dtype == torch.bool and not top_k.is_floating_point(), \
+        f"sample: greedy must be bool, top_k int; got {greedy.dtype}, {top_k.dtype}"
+    if out is None:
+        out = torch.empty(bsz, dtype=torch.int64, device=logits.device)
+    assert out.shape == (bsz,) and out.dtype == torch.int64, "sample: out must be int64 [B]"
+    assert faults is None or (faults.shape == (bsz,) and faults.dtype == torch.bool), \
+        "sample: faults must be bool [B]"
     if bsz == 0:
-        return d.out
+        return out
     block_v = triton.next_power_of_2(vocab)
     pdl = programmatic_launch(logits)
 
@@ -246,9 +210,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
     def launch(num_warps: int) -> None:  # idempotent: out overwritten, faults or-ed
         _sample_kernel[(bsz,)](
-            logits, *d.args(), t.generated, t.penalty, t.num_generated, t.eos_id, t.min_new_tokens,
-            t.suppress_start, logits.stride(0), t.generated.stride(0), t.penalty.stride(0),
-            t.num_generated.stride(0),
+            logits, temperature, top_k, greedy, u, out, faults if faults is not None else greedy,
+            t.generated, t.penalty, t.num_generated,
+            cap, t.eos_id, t.min_new_tokens, t.suppress_start,
+            logits.stride(0), temperature.stride(0), top_k.stride(0), greedy.stride(0),
+            u.stride(0), out.stride(0), faults.stride(0) if faults is not None else 0,
+            t.generated.stride(0), t.penalty.stride(0), t.num_generated.stride(0),
             V=vocab, BLOCK_V=block_v, TOPK=topk, HAS_FAULTS=faults is not None, TALKER=talker is not None,
             PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
         )
@@ -258,7 +225,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     key = ("sample" + ("/talker" if talker is not None else ""), block_v, topk)
     with device_guard(logits):
         launch(pick(key, warp_candidates(block_v, topk, talker is not None), launch, logits.device))
-    return d.out
+    return out
 
 
 def warp_candidates(block_v: int, topk: bool, talker: bool = False) -> list[int]:

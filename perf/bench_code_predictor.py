@@ -147,8 +147,7 @@ def pass_launches(cp: CodePredictor, bsz: int, j: int = 7) -> list[tuple[str, in
     esz = torch.empty((), dtype=dtype).element_size()
     hid, inter, nkv, d = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads, cfg.head_dim
     widest = max(inter, layer.self_attn.fused_weight().shape[0])  # gate_up's units or the qkv GEMM's columns
-    # + 1: the ticket per row block of the head's draw
-    counters = torch.zeros(cpk.counters_needed(bsz, widest // cpk.MIN_BLOCK_N + 1), dtype=torch.int32, device=dev)
+    counters = torch.zeros(cpk.counters_needed(bsz, widest // cpk.MIN_BLOCK_N), dtype=torch.int32, device=dev)
     h = torch.randn(bsz, hid, device=dev, dtype=dtype)
     k_cache, v_cache = (torch.randn(bsz, cp.num_groups, nkv, d, device=dev, dtype=dtype)
                         for _ in range(2))
@@ -164,10 +163,6 @@ def pass_launches(cp: CodePredictor, bsz: int, j: int = 7) -> list[tuple[str, in
     qkv = (layer.input_layernorm.weight, layer.self_attn.fused_weight(), layer.self_attn.q_norm.weight,
            layer.self_attn.k_norm.weight, *model.rope(dev, dtype), k_cache, v_cache, j + 1, 1, 1e-6, d ** -0.5,
            counters)
-    head = (h, model.norm.weight, cp.lm_head[j].weight, 1e-6, counters)
-    codes = torch.empty(bsz, cp.num_groups - 1, dtype=torch.int64, device=dev)
-    drawn = [("norm + head + draw (topk; the one-row pass's)", nbytes(cp.lm_head[j].weight, h, logits),
-              lambda: cpk.norm_head(*head, draw=sampler.in_kernel(j, codes[:, j])))] if cpk.draws_in_head(bsz) else []
     return [
         ("qkv_attention, rows by id (a pass's first)",
          nbytes(layer.self_attn.fused_weight(), attn, h) + 2 * bsz * table.shape[1] * esz + kv_read,
@@ -185,10 +180,10 @@ def pass_launches(cp: CodePredictor, bsz: int, j: int = 7) -> list[tuple[str, in
                                   layer.mlp.fused_weight(), 1e-6, counters)),
         ("down + residual", nbytes(layer.mlp.down_proj.weight, act, h, h),
          lambda: cpk.linear_residual(act, layer.mlp.down_proj.weight, h, counters)),
-        ("norm + head", nbytes(cp.lm_head[j].weight, h, logits), lambda: cpk.norm_head(*head)),
+        ("norm + head", nbytes(cp.lm_head[j].weight, h, logits),
+         lambda: cpk.norm_head(h, model.norm.weight, cp.lm_head[j].weight, 1e-6, counters)),
         ("sample (topk)", nbytes(logits),
          lambda: cpk.sample(logits, p.temperature, p.top_k, p.greedy, sampler.u[:, j], True, 64)),
-        *drawn,
     ]
 
 

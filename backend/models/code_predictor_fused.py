@@ -4,13 +4,12 @@ Same contract and arithmetic as `CodePredictor.generate` (models/code_predictor.
 launches: the first pass projects its two input rows, then 4 launches per layer, the final norm + head
 and the draw (23 for the 1.7B models; the 0.6B models have no projection); a later pass gathers its input
 row by the last code's id inside its first layer's first launch (22), and one launch sums the talker's next
-input. At one row the head's launch draws too (`cpk.draws_in_head`: 22 and 21). The 1.7B gathers from the codec
-embeddings through the projection, computed once per weights (`_pass_tables`: 14 tables of [2048, Hc], 59 MB at
-bf16), each row summed in float64 and rounded once (the eager projection sums in fp32 and rounds once: the two
-differ at most where an fp32 sum order would; no TF32 switch reaches float64).
+input. The 1.7B gathers from the codec embeddings through the projection, computed once per weights
+(`_pass_tables`: 14 tables of [2048, Hc], 59 MB at bf16), each row summed in float64 and rounded once (the eager
+projection sums in fp32 and rounds once: the two differ at most where an fp32 sum order would; no TF32 switch
+reaches float64).
 The K/V of a frame's 16 positions live in a small contiguous cache [layers, B, 16, KVH, D] (no pages).
-Sampling: the sampler's (`warp_and_draw`: the GREEDY and TOPK modes in the sampling kernel, or in the head's
-launch at one row).
+Sampling: the sampler's (`warp_and_draw`: the GREEDY and TOPK modes in the sampling kernel).
 Used by `CodePredictor.generate` after `use_fused(max_batch)` when the kernels serve the inputs' device
 (CUDA, or the Triton interpreter with Q3TTS_TRITON_ON_CPU=1); otherwise the eager passes run.
 Buffers grow, and the tables are projected, outside CUDA graph capture only: warm up with the largest batch first.
@@ -64,10 +63,9 @@ class FusedCodePredictor:
             shape = (cfg.num_layers, batch, self.cp.num_groups, cfg.num_kv_heads, cfg.head_dim)
             kv = self._kv = (torch.zeros(shape, dtype=ref.dtype, device=ref.device),
                              torch.zeros(shape, dtype=ref.dtype, device=ref.device))
-            # one ticket per (row block, output tile) of the widest GEMM, or per kv head, and one per row block
-            # (the head's draw)
+            # one ticket per (row block, output tile) of the widest GEMM, or per kv head
             widths = (cfg.hidden_size, cfg.intermediate_size, self.cp.lm_head[0].out_features)
-            units = max(max(widths) // cpk.MIN_BLOCK_N, cfg.num_kv_heads) + 1
+            units = max(max(widths) // cpk.MIN_BLOCK_N, cfg.num_kv_heads)
             need = cpk.counters_needed(2 * batch, units)  # pass 0 runs 2 rows per batch row
             self._counters = torch.zeros(need, dtype=torch.int32, device=ref.device)
         return kv[0], kv[1], self._counters
@@ -112,14 +110,6 @@ class FusedCodePredictor:
         act = cpk.norm_gate_up(h, norm.weight, mlp.fused_weight(), norm.eps, counters)  # [N, I]
         return cpk.linear_residual(act, mlp.down_proj.weight, h, counters)
 
-    @staticmethod
-    def _head_draw(sampler: SubtalkerSampler, group: int, out: torch.Tensor):
-        """The draw of group `group` into out [B] for the head's launch to take (`cpk.draws_in_head`), or None:
-        the sampler then draws from the head's logits."""
-        if isinstance(sampler, SubtalkerSampler) and cpk.draws_in_head(out.shape[0]):
-            return sampler.in_kernel(group, out)
-        return None
-
     def generate(self, past_hidden: torch.Tensor, c0: torch.Tensor, sampler: SubtalkerSampler
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """past_hidden [B, H], c0 [B] -> codes [B, 15] int64 (c1..c15), next_input [B, H]: the
@@ -139,10 +129,8 @@ class FusedCodePredictor:
                 gather = j > 0 and i == 0
                 h = self._layer(layer, tables[j - 1] if gather else h, k_cache[i], v_cache[i], pos0, tokens,
                                 counters, rope, ids=codes[:, j - 1] if gather else None)
-            draw = self._head_draw(sampler, j + 1, codes[:, j])
             logits = cpk.norm_head(h, model.norm.weight, self.cp.lm_head[j].weight,
-                                   model.norm.eps, counters, tokens, draw=draw)  # [B, V] fp32
-            if draw is None:
-                sampler(logits, j + 1, out=codes[:, j])
+                                   model.norm.eps, counters, tokens)  # [B, V] fp32
+            sampler(logits, j + 1, out=codes[:, j])
         next_input = cpk.embed_sum(e0, tuple(e.weight for e in model.codec_embedding), codes)  # [B, H]
         return codes, next_input

@@ -215,20 +215,13 @@ def _kernel_draws(logits: torch.Tensor, params: SamplingTensors) -> bool:
     return params.mode != FULL and kernels.use_triton(logits)
 
 
-def _kernel_params(params: SamplingTensors, u: torch.Tensor, faults: torch.Tensor | None,
-                   out: torch.Tensor | None):
-    """The sampling kernel's `Draw` (GREEDY or TOPK mode) of these rows."""
-    from q3tts.kernels.code_predictor_sampling import Draw  # imports triton
-
-    return Draw(params.temperature, params.top_k, params.greedy, u, params.mode == TOPK, TOPK_CAP, out, faults)
-
-
 def _kernel_draw(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor, faults: torch.Tensor | None,
                  out: torch.Tensor | None = None, talker=None) -> torch.Tensor:
     """The sampling kernel's draw from fp32 `logits` (talker: `TalkerScores`, its processors run first)."""
     from q3tts.kernels.code_predictor_sampling import sample  # imports triton
 
-    return sample(logits, *_kernel_params(params, u, faults, out), talker=talker)
+    return sample(logits, params.temperature, params.top_k, params.greedy, u, params.mode == TOPK, TOPK_CAP,
+                  out=out, faults=faults, talker=talker)
 
 
 def warp_and_draw_reference(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor,
@@ -288,12 +281,6 @@ class SubtalkerSampler:
     def __call__(self, logits: torch.Tensor, group: int,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         return warp_and_draw(logits.float(), self.params, self.u[:, group], faults=self.faults, out=out)
-
-    def in_kernel(self, group: int, out: torch.Tensor):
-        """The sampling kernel's `Draw` of group `group` into out [B], for a kernel that draws from logits of its
-        own (the fused code predictor's head): what `self(logits, group, out)` runs where the kernels serve the
-        logits; None for the FULL mode, which draws in torch."""
-        return None if self.params.mode == FULL else _kernel_params(self.params, self.u[:, group], self.faults, out)
 
 
 # ---------------------------------------------------------------- counter-based uniforms

@@ -17,8 +17,7 @@ from kernel_checks import assert_close_3way
 from q3tts.core import SamplingParams
 from q3tts.kernels import code_predictor_reference as R
 from q3tts.kernels.reference import rope_cos_sin
-from q3tts.models.sampling import (NUM_UNIFORMS, TOPK_CAP, SamplingTensors, SubtalkerSampler, apply_temperature,
-                                   apply_top_k_capped)
+from q3tts.models.sampling import NUM_UNIFORMS, SamplingTensors, SubtalkerSampler
 
 EPS = 1e-6
 
@@ -230,13 +229,3 @@ def assert_as_faithful(fused: torch.Tensor, eager: torch.Tensor, ref: torch.Tens
     assert fused_err <= 1.05 * eager_err and fused_agree >= eager_agree - 0.02, \
         f"vs fp32: fused error {fused_err:.4f}, argmax agreement {fused_agree:.3f}; eager " \
         f"{eager_err:.4f}, {eager_agree:.3f}"
-
-
-def at_cdf_step(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
-    """[B] bool: u * total lies within fp32 rounding of a step of the row's CDF (float64 here): where two TOPK
-    draws that sum their probabilities in other orders may part."""
-    kept = apply_top_k_capped(apply_temperature(logits, params.temperature, params.greedy),
-                              params.top_k, TOPK_CAP).double()
-    cdf = kept.softmax(-1).cumsum(-1)  # [B, V]
-    target = u.double()[:, None] * cdf[:, -1:]
-    return (cdf - target).abs().min(-1).values <= 1e-5

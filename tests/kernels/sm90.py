@@ -206,7 +206,7 @@ def _attention_specs():
 def _norm_linear_specs():
     """(name, launch) of each config the H200's tuner times for the row-normalising GEMMs (norm + gate_up + SiLU,
     norm + head) at the 1.7B's code predictor and talker shapes, at one row (`held_rows`: its statistics over that
-    row alone) and 4; the code predictor's head at one row also with its draw (GREEDY, TOPK)."""
+    row alone) and 4."""
     import torch
 
     from q3tts.kernels import code_predictor_gemm, code_predictor_linear as cl
@@ -220,29 +220,12 @@ def _norm_linear_specs():
             fits = lambda bn, n=n: n // bn if n % bn == 0 else None  # noqa: E731
             with mock.patch.object(code_predictor_gemm, "num_sms", lambda device: H200_SMS):
                 configs = code_predictor_gemm.candidates(fits, hidden, torch.device("cpu"))
-            draws = (None, False, True) if (name, kernel) == ("cp", "head") else (None,)
             for cfg in configs:
-                for rows, topk in [(r, t) for r in (1, 4) for t in draws if r == 1 or t is None]:
-                    yield f"{name} norm {kernel}{_drawn(topk)} rows={rows} {cfg}", \
-                        lambda c=cfg, r=rows, w=w, n=n, e=epilogue, o=out_dtype, t=topk: cl._launch(
-                            c, x=x[:r], w=w, out=torch.zeros(r, n, dtype=o), prologue=cl.NORM, epilogue=e, rows=r, n=n,
-                            norm_w=norm_w, eps=1e-6, counters=torch.zeros(4096, dtype=torch.int32),
-                            draw=None if t is None else _head_draw(r, t))
-
-
-def _drawn(topk: bool | None) -> str:
-    return "" if topk is None else f" draw topk={topk}"
-
-
-def _head_draw(rows: int, topk: bool):
-    """The code predictor head's draw (`norm_head`'s at one row): TOPK or GREEDY, faults or-ed."""
-    import torch
-
-    from q3tts.kernels.code_predictor_sampling import Draw
-
-    ones, flags = torch.ones(rows), torch.zeros(rows, dtype=torch.bool)
-    return Draw(ones, torch.ones(rows, dtype=torch.int64), flags, ones, topk, 50, torch.zeros(rows, dtype=torch.int64),
-                flags.clone())
+                for rows in (1, 4):
+                    yield f"{name} norm {kernel} rows={rows} {cfg}", lambda c=cfg, r=rows, w=w, n=n, e=epilogue, \
+                        o=out_dtype: cl._launch(c, x=x[:r], w=w, out=torch.zeros(r, n, dtype=o), prologue=cl.NORM,
+                                                epilogue=e, rows=r, n=n, norm_w=norm_w, eps=1e-6,
+                                                counters=torch.zeros(4096, dtype=torch.int32))
 
 
 SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs, "small": _small_specs,

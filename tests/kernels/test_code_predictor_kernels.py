@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from code_predictor_cases import (EPS, TINY, AttentionFrame, Inputs, assert_as_faithful, at_cdf_step, check_gather,
+from code_predictor_cases import (TINY, AttentionFrame, Inputs, assert_as_faithful, check_gather,
                                   check_gemms, forced_logits)
 from kernel_checks import DEVICE, kernel_module
 from q3tts.checkpoint.maker import make_checkpoint, random_main_weights
@@ -23,7 +23,7 @@ from q3tts.core import SamplingParams, VoiceSpec
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 from q3tts.models.sampling import (FULL, GREEDY, TOPK, TOPK_CAP, SamplingTensors, SubtalkerSampler, TalkerRules,
-                                   apply_repetition_penalty, block_eos,
+                                   apply_repetition_penalty, apply_temperature, apply_top_k_capped, block_eos,
                                    sample_talker, suppress_range, uniforms, warp_and_draw,
                                    warp_and_draw_reference)
 from q3tts.models.talker import Talker
@@ -138,6 +138,15 @@ def _draw(logits, params, u, faults=None) -> torch.Tensor:
     return codes[:, 3]
 
 
+def _at_cdf_step(logits: torch.Tensor, params: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
+    """[B] bool: u * total lies within fp32 rounding of a step of the row's CDF (float64 here)."""
+    kept = apply_top_k_capped(apply_temperature(logits, params.temperature, params.greedy),
+                              params.top_k, TOPK_CAP).double()
+    cdf = kept.softmax(-1).cumsum(-1)  # [B, V]
+    target = u.double()[:, None] * cdf[:, -1:]
+    return (cdf - target).abs().min(-1).values <= 1e-5
+
+
 @triton.jit
 def _kth_kernel(x_ptr, valid_ptr, k_ptr, out_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
     """out[r] = _kth_largest of row r's valid entries (the sampling kernel's threshold search alone)."""
@@ -194,7 +203,7 @@ def test_sample_topk_mode_draws_what_warp_and_draw_draws():
     u = torch.rand(len(rows), generator=inp.gen, device=DEVICE)
     got, want = _draw(logits, params, u), warp_and_draw_reference(logits, params, u)
     differ = got != want
-    assert not (differ & ~at_cdf_step(logits, params, u)).any(), \
+    assert not (differ & ~_at_cdf_step(logits, params, u)).any(), \
         f"rows {differ.nonzero().flatten().tolist()} drew {got[differ]} not {want[differ]}"
     assert differ.sum() <= 1
 
@@ -286,42 +295,11 @@ def test_sample_talker_runs_its_processors_in_the_kernel(mode, monkeypatch):
     want = warp_and_draw_reference(scores, params, u, want_faults)
     assert calls == [1]
     differ = got != want
-    near_step = at_cdf_step(scores, params, u) if mode == TOPK else torch.zeros_like(differ)
+    near_step = _at_cdf_step(scores, params, u) if mode == TOPK else torch.zeros_like(differ)
     assert not (differ & ~near_step).any(), f"rows {differ.nonzero().flatten().tolist()} differ"
     assert torch.equal(faults, want_faults) and faults[6] and got[6] == 0
     if mode == GREEDY:
         assert got[1] != 2150 and got[2] == 2150 and got[5] < 2048
-
-
-@pytest.mark.parametrize("config", [None, GemmConfig(16, 32, 2, 1, 1)], ids=["default", "split2"])
-@pytest.mark.parametrize("rows, tokens", [(1, 1), (1, 2), (3, 1)])
-@pytest.mark.parametrize("mode", [GREEDY, TOPK])
-def test_norm_head_draws_what_the_draw_kernel_draws_from_its_logits(mode, rows, tokens, config):
-    """norm_head with a draw (the one-row head's launch: `draws_in_head`; here also 3 rows, which its last program
-    draws one by one, and the last of 2 tokens a row): the plain launch's logits bit for bit, and into a strided
-    column of the codes the ids and faults the draw kernel gives from them (the other columns untouched); a row
-    of NaN scores draws id 0 and is flagged; the counters are left zero. The logits start poisoned (NaN), so a
-    draw before every tile is stored shows."""
-    inp = Inputs(DEVICE, 31, rows, tokens)
-    x = inp.randn(rows * tokens, TINY.hidden, scale=2)
-    if rows > 1:
-        x[-1, 0] = float("nan")  # the last row's scores are all NaN
-    nw, w = inp.norm_weight(TINY.hidden, torch.float32), inp.weight(VOCAB, TINY.hidden, torch.float32)
-    params = _sampling([SamplingParams(subtalker_top_k=k, subtalker_temperature=t, greedy=mode == GREEDY)
-                        for k, t in [(50, 0.9), (7, 1.3), (1, 0.8)][:rows]], mode)
-    u = torch.rand(rows, 16, generator=inp.gen, device=DEVICE)[:, 5]
-    codes = torch.full((rows, 15), -1, dtype=torch.int64, device=DEVICE)
-    faults, counters = torch.zeros(rows, dtype=torch.bool, device=DEVICE), inp.counters()
-    draw = cpk.Draw(params.temperature, params.top_k, params.greedy, u, mode == TOPK, TOPK_CAP, codes[:, 4], faults)
-    logits = cpk.norm_head(x, nw, w, EPS, counters, tokens, out=inp.poisoned(rows, VOCAB, dtype=torch.float32),
-                           config=config, draw=draw)
-    assert not counters.any()
-    want_logits = cpk.norm_head(x, nw, w, EPS, counters, tokens, config=config)
-    torch.testing.assert_close(logits, want_logits, rtol=0, atol=0, equal_nan=True)
-    want_faults = torch.zeros_like(faults)
-    assert torch.equal(codes[:, 4], _draw(want_logits, params, u, want_faults)) and torch.equal(faults, want_faults)
-    assert (codes[:, :4] == -1).all() and (codes[:, 5:] == -1).all()
-    assert faults.tolist() == [False] * (rows - 1) + [rows > 1] and (rows == 1 or codes[-1, 4] == 0)
 
 
 def test_warp_and_draw_runs_the_kernel_where_the_kernels_serve(monkeypatch):
@@ -406,32 +384,6 @@ def test_fused_code_predictor_generates_the_eager_codes(fused_calls, monkeypatch
     assert torch.equal(got_next, R.embed_sum_ref(e0, tables, got_codes))
     terms = torch.stack([e0] + [t[got_codes[:, g]] for g, t in enumerate(tables)], 1)  # [B, 16, H]
     assert ((got_next - want_next).abs() <= 16 * torch.finfo(torch.float32).eps * terms.abs().sum(1)).all()
-
-
-@pytest.mark.parametrize("row", [SamplingParams(greedy=True), SamplingParams(subtalker_top_k=50),
-                                 SamplingParams(subtalker_top_p=0.8)], ids=[GREEDY, TOPK, FULL])
-def test_one_row_passes_draw_in_their_head_launch(row, fused_calls, monkeypatch):
-    """fp32, the tiny 1.7B preset: at one row the fused passes' head launches draw (`cpk.draws_in_head`), so the
-    sampler draws nothing for a GREEDY or TOPK row (a FULL row's 15 draws stay with it: warp_and_draw in torch), and
-    the codes and next input are the eager passes' (the same uniforms)."""
-    draws: list[int] = []
-    sampler_draw = SubtalkerSampler.__call__
-    monkeypatch.setattr(SubtalkerSampler, "__call__", lambda *a, **k: draws.append(1) or sampler_draw(*a, **k))
-    cp = _tiny_talker("1.7b").code_predictor
-    inp = Inputs(DEVICE, 12)
-    past_hidden = inp.randn(1, cp.small_to_mtp_projection.in_features)
-    c0 = torch.randint(0, VOCAB, (1,), generator=inp.gen, device=DEVICE)
-    params = SamplingTensors.subtalker([row], DEVICE)
-    u = uniforms(torch.arange(1, device=DEVICE), torch.full((1,), 5, device=DEVICE))
-    with torch.no_grad():
-        monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")  # the eager passes on the torch references
-        want_codes, want_next = cp.generate(past_hidden, c0, SubtalkerSampler(params, u))
-        monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
-        cp.use_fused(1)
-        got_codes, got_next = cp.generate(past_hidden, c0, SubtalkerSampler(params, u))
-    assert fused_calls == [1] and len(draws) == 15 + (15 if row.subtalker_top_p < 1 else 0)  # eager + fused
-    assert torch.equal(got_codes, want_codes) and len(set(got_codes[0].tolist())) > 3
-    torch.testing.assert_close(got_next, want_next)
 
 
 @torch.no_grad()
