@@ -107,7 +107,7 @@ def gemm_config_table() -> list[str]:
     for key, c in sorted(tuned_configs().items(), key=str):
         if not isinstance(c, cpk.GemmConfig):
             continue
-        if key[0] == "cp_qkv_attention":  # (name, weight shape, kv heads, dtype): one config
+        if key[0].startswith("cp_qkv_attention"):  # (name, weight shape, kv heads, dtype): one config (/gather too)
             name, (n, k), rows = key[0], key[1], "all"
         elif key[0].startswith(("cp_", "linear/")):
             name, n, k, _, rows = key[:5]
