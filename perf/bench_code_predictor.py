@@ -41,7 +41,7 @@ if not torch.cuda.is_available():  # before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import add_tune_cache_argument, tuning_table  # noqa: E402
+from bench_engine import add_tune_cache_argument, chain_tuned_note, tuning_table  # noqa: E402
 from profile_step import Timer, capture  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -122,7 +122,7 @@ def config_report(loaded: int, path: str | None) -> list[str]:
     """A kernel bench's last section: where its configs came from (`tuning_table`'s count of the table at
     `path`) and `gemm_config_table`."""
     source = f"{loaded} configs from {path}" if loaded else "none from a table"
-    return ["### tuned GEMM configs", "", f"({source})", "", *gemm_config_table(), ""]
+    return ["### tuned GEMM configs", "", f"({source}; {chain_tuned_note()})", "", *gemm_config_table(), ""]
 
 
 def kernels_launched(fn: Callable[[], object]) -> int:

@@ -27,6 +27,7 @@ from report import append_csv, emit
 import torch
 
 from q3tts.core import SamplingParams, UnknownSequence, VoiceSpec
+from q3tts.engine.chain_tuning import chain_tuned_parts
 from q3tts.engine.config import EngineConfig
 from q3tts.engine.engine import Engine
 from q3tts.engine.timing import log_start_phases
@@ -213,6 +214,18 @@ def bench_tune_cache() -> str | None:
     return os.environ.get("Q3TTS_TUNE_CACHE") or None
 
 
+def chain_tuned_note() -> str:
+    """The parts chain-tuned in the process's tuning table, by this run or by an earlier process that saved to
+    the same file (`--no-chain-tune` keeps those picks: it only tunes nothing new)."""
+    return f"chain-tuned: {'; '.join(chain_tuned_parts()) or 'none'}"
+
+
+def configs_line(path: str | None) -> str:
+    """Where an engine bench's launch configs came from: the tuning table at `path`, and `chain_tuned_note`."""
+    table = f"tuning table {path}" if path else "no table (tuned in this run)"
+    return f"launch configs: {table}; {chain_tuned_note()}"
+
+
 def add_tune_cache_argument(p: argparse.ArgumentParser) -> None:
     """--tune-cache of the kernel benches (not engines): the table they start from and save to."""
     p.add_argument("--tune-cache", default=bench_tune_cache(),
@@ -287,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     codec = f", {config_name(args)}" if config_name(args) != "default" else ""
     md = (f"# Engine decode step ({args.scale} 1.7B CustomVoice, {dtype}, {dev}{codec})\n\n" + "\n".join(table)
           + "\n\nfloor: the bytes the step must read (weights once, each row's KV and codec state; perf/floor.py) "
-          f"at the H200's {H200_BYTES_PER_S / 1e12:.1f} TB/s"
+          f"at the H200's {H200_BYTES_PER_S / 1e12:.1f} TB/s\n\n{configs_line(bench_tune_cache())}"
           + f"\n\none graph replay per decode step: {one_launch}; graph == eager: {same}\n\n"
           + "First step after n arrivals on an idle engine (prefill + first frame; medians of 3; device times from"
           " the engine's CUDA events (wall clock on CPU), host = step wall − both):\n\n"

@@ -50,7 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import emit  # noqa: E402
 from graph_timeline import REPLAY_GAP_US, kernel_events, split_replays, summarize, timeline_table  # noqa: E402
-from bench_engine import add_model_arguments, build_engine, drain, fill, sync  # noqa: E402
+from bench_engine import (add_model_arguments, bench_tune_cache, build_engine, configs_line, drain, fill,  # noqa: E402
+                          sync)
 
 from q3tts.engine.audio_pipeline import green_context  # noqa: E402
 from q3tts.engine.chain_tuning import capture_graph, replay_ms  # noqa: E402
@@ -468,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     md = [f"# Decode step profile ({args.scale} 1.7B CustomVoice, {args.dtype}, {dev})", "",
           "Per component: ms per call, graph = one captured CUDA graph (replay, CUDA events, median), "
           "eager = synchronized wall clock (median). `==` graph output bit-equal to eager on the same "
-          "inputs. Components run on the live state of the last decode step of B filled sequences.", ""]
+          "inputs. Components run on the live state of the last decode step of B filled sequences.", "",
+          configs_line(bench_tune_cache()), ""]
     trace_b = args.batches if args.trace_batches is None else args.trace_batches
     ok = True
     for b in args.batches:

@@ -276,3 +276,12 @@ def tune(part: Part, batches: Sequence[int], rounds: int = 1, margin: float = 0.
 def needs_tuning(part: Part, batches: Sequence[int]) -> bool:
     """Whether the process's tuning table lacks the mark of `part`'s chain tuning at `batches`."""
     return part.mark(batches) not in autotune.tuned_configs()
+
+
+def chain_tuned_parts() -> list[str]:
+    """The parts whose marks the process's tuning table holds, as "<part> at B <batches>": a table an engine
+    chain-tuned keeps those picks for every later process that loads it, `EngineConfig.chain_tune` off or on (the
+    benches print this beside their figures)."""
+    names = {"cp_chain_tuned": CodePredictorPasses.name, "talker_chain_tuned": TalkerDecode.name}
+    return sorted(f"{names[key[0]]} at B {', '.join(map(str, key[3]))}" for key in autotune.tuned_configs()
+                  if isinstance(key, tuple) and key and key[0] in names)

@@ -207,6 +207,14 @@ def test_the_mark_holds_for_one_part_model_shape_and_dtype_only(make, monkeypatc
         assert chain_tuning.needs_tuning(other, batches)
 
 
+def test_the_table_names_the_parts_chain_tuned_in_it(monkeypatch):
+    monkeypatch.setattr(autotune, "_BEST", {("cp_linear", 1024): "a launch config", "cp_chain_tuned_x": {}})
+    assert chain_tuning.chain_tuned_parts() == []
+    autotune.set_tuned(fake_talker(1024).mark((16, 1)), {1: 1.7, 16: 2.2})
+    autotune.set_tuned(fake_cp(1024).mark((1,)), {1: 2.7})
+    assert chain_tuning.chain_tuned_parts() == ["code predictor at B 1", "talker at B 1, 16"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_engine_chain_tunes_once_and_its_table_spares_the_next(tiny_ckpt_dir, tmp_path, monkeypatch):

@@ -42,7 +42,7 @@ def test_the_run_starts_from_the_tuning_table_and_saves_it_back(tmp_path, capsys
     before = path.stat().st_mtime_ns
     bench_code_predictor.main(["--device", "cpu", "--scale", "tiny", "--batches", "1", "--tune-cache", str(path)])
     report = capsys.readouterr().out
-    assert f"(1 configs from {path})" in report
+    assert f"(1 configs from {path}; chain-tuned: none)" in report
     assert "| cp_test/plain | 7 | 9 | 16 | 16 | 32 | 128 | 2 | 4 | 4 |" in report
     assert path.stat().st_mtime_ns > before and autotune.load_tuned(path, cpu) == 1
 

@@ -15,7 +15,7 @@ from q3tts.kernels.code_predictor_gemm import GemmConfig
 
 PERF = Path(__file__).resolve().parents[2] / "perf"
 sys.path.insert(0, str(PERF))
-from bench_engine import tuning_table  # noqa: E402
+from bench_engine import configs_line, tuning_table  # noqa: E402
 
 CPU = torch.device("cpu")
 SAVED, TUNED = ("bench_test", 1), ("bench_test", 2)  # keys no kernel looks up
@@ -66,3 +66,10 @@ def test_the_kept_h200_table_loads_under_this_tree(tmp_path, monkeypatch):
     assert retag([str(PERF / "results" / "tuning-h200-0d29c93.pkl"), str(out), "--device", "cpu"]) == 0
     assert autotune.load_tuned(out, CPU) == 196
     assert any(isinstance(config, GemmConfig) for config in autotune.tuned_configs().values())
+
+
+def test_a_bench_names_its_table_and_what_was_chain_tuned_in_it(monkeypatch):
+    monkeypatch.setattr(autotune, "_BEST", {SAVED: GemmConfig(32, 128, 2, 4, 4, 16)})
+    assert configs_line(None) == "launch configs: no table (tuned in this run); chain-tuned: none"
+    autotune.set_tuned(("cp_chain_tuned", (1024, 3072, 5, 2048, 16), torch.bfloat16, (1, 16)), {1: 2.7, 16: 3.5})
+    assert configs_line("/tmp/t.pkl") == "launch configs: tuning table /tmp/t.pkl; chain-tuned: code predictor at B 1, 16"
