@@ -1,7 +1,8 @@
 """engine/chain_tuning.py: the coordinate descent on a made-up cost (the GPU chain it times has no CPU form), the
 candidates `kernels.autotune.pick` remembers for it, and when an engine chain-tunes (EngineConfig.chain_tune):
 once per tuning table and part (the fused code predictor, the fused talker), only where the part is fused, at the
-batches the config names; the talker's chain over the engine's KV cache leaves its pages as it found them."""
+batches the config names; the talker's chain over the engine's KV cache leaves its pages as it found them; the marks a table
+holds, named for the benches' reports."""
 
 from __future__ import annotations
 

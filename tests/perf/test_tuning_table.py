@@ -1,7 +1,8 @@
 """perf/bench_engine.py `tuning_table`, the kernel benches' --tune-cache: the block runs with the saved table's
 configs, and the table is written back with what the block tuned; no path, no file; perf/retag_table.py gives a table
 another tree's fingerprint; the H200 table kept in perf/results (a device call's cold start retags it instead of
-tuning) still loads under this tree's kernels."""
+tuning) still loads under this tree's kernels; the line an engine bench prints of its table and the parts chain-tuned in
+it."""
 
 from __future__ import annotations
 
