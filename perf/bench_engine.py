@@ -220,8 +220,10 @@ def chain_tuned_note() -> str:
     return f"chain-tuned: {'; '.join(chain_tuned_parts()) or 'none'}"
 
 
-def configs_line(path: str | None) -> str:
-    """Where an engine bench's launch configs came from: the tuning table at `path`, and `chain_tuned_note`."""
+def configs_line() -> str:
+    """Where an engine bench's launch configs came from: its tuning table (`bench_tune_cache`), and
+    `chain_tuned_note`."""
+    path = bench_tune_cache()
     table = f"tuning table {path}" if path else "no table (tuned in this run)"
     return f"launch configs: {table}; {chain_tuned_note()}"
 
@@ -300,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     codec = f", {config_name(args)}" if config_name(args) != "default" else ""
     md = (f"# Engine decode step ({args.scale} 1.7B CustomVoice, {dtype}, {dev}{codec})\n\n" + "\n".join(table)
           + "\n\nfloor: the bytes the step must read (weights once, each row's KV and codec state; perf/floor.py) "
-          f"at the H200's {H200_BYTES_PER_S / 1e12:.1f} TB/s\n\n{configs_line(bench_tune_cache())}"
+          f"at the H200's {H200_BYTES_PER_S / 1e12:.1f} TB/s\n\n{configs_line()}"
           + f"\n\none graph replay per decode step: {one_launch}; graph == eager: {same}\n\n"
           + "First step after n arrivals on an idle engine (prefill + first frame; medians of 3; device times from"
           " the engine's CUDA events (wall clock on CPU), host = step wall − both):\n\n"

@@ -50,8 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import emit  # noqa: E402
 from graph_timeline import REPLAY_GAP_US, kernel_events, split_replays, summarize, timeline_table  # noqa: E402
-from bench_engine import (add_model_arguments, bench_tune_cache, build_engine, configs_line, drain, fill,  # noqa: E402
-                          sync)
+from bench_engine import add_model_arguments, build_engine, configs_line, drain, fill, sync  # noqa: E402
 
 from q3tts.engine.audio_pipeline import green_context  # noqa: E402
 from q3tts.engine.chain_tuning import capture_graph, replay_ms  # noqa: E402
@@ -470,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
           "Per component: ms per call, graph = one captured CUDA graph (replay, CUDA events, median), "
           "eager = synchronized wall clock (median). `==` graph output bit-equal to eager on the same "
           "inputs. Components run on the live state of the last decode step of B filled sequences.", "",
-          configs_line(bench_tune_cache()), ""]
+          configs_line(), ""]
     trace_b = args.batches if args.trace_batches is None else args.trace_batches
     ok = True
     for b in args.batches:

@@ -173,19 +173,20 @@ class Part(Protocol):
     """A part of the decode step that chain tuning tunes (the engine's start log names it)."""
 
     name: str
+    mark_name: str  # the first field of its marks
 
     def chain(self, batches: Sequence[int], iters: int) -> Chain:
         """The part's work at each of `batches` rows."""
 
     def mark(self, batches: Sequence[int]) -> tuple:
-        """The table entry that says the part's keys were chain-tuned at `batches`: it names the part's shapes
-        and dtype (another model size has other keys)."""
+        """The table entry that says the part's keys were chain-tuned at `batches`: (mark_name, the part's shapes,
+        dtype, the sorted batches, ...) (another model size has other keys)."""
 
 
 class CodePredictorPasses:
     """A FusedCodePredictor's 15 passes of a frame (sampled draws), on random inputs."""
 
-    name = "code predictor"
+    name, mark_name = "code predictor", "cp_chain_tuned"
 
     def __init__(self, fused):
         self.fused = fused
@@ -197,7 +198,7 @@ class CodePredictorPasses:
     def mark(self, batches: Sequence[int]) -> tuple:
         cfg, head = self.fused.cp.model.cfg, self.fused.cp.lm_head[0].weight
         shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, head.shape[0], self.fused.cp.num_groups)
-        return "cp_chain_tuned", shape, head.dtype, tuple(sorted(batches))
+        return self.mark_name, shape, head.dtype, tuple(sorted(batches))
 
 
 class TalkerDecode:
@@ -206,7 +207,7 @@ class TalkerDecode:
     a page, and its block tables' width; the pages written (each row's last) are zeroed when tuning ends, as a
     fresh cache holds them."""
 
-    name = "talker"
+    name, mark_name = "talker", "talker_chain_tuned"
 
     def __init__(self, fused, cache: PagedKVCache, context: int = 300, width: int | None = None):
         self.fused, self.cache, self.context, self.width = fused, cache, context, width
@@ -225,7 +226,7 @@ class TalkerDecode:
     def mark(self, batches: Sequence[int]) -> tuple:
         cfg, w = self.fused.stack.cfg, self.fused.stack.norm.weight
         shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
-        return "talker_chain_tuned", shape, w.dtype, tuple(sorted(batches)), self.context, self.width
+        return self.mark_name, shape, w.dtype, tuple(sorted(batches)), self.context, self.width
 
 
 @dataclass
@@ -282,6 +283,6 @@ def chain_tuned_parts() -> list[str]:
     """The parts whose marks the process's tuning table holds, as "<part> at B <batches>": a table an engine
     chain-tuned keeps those picks for every later process that loads it, `EngineConfig.chain_tune` off or on (the
     benches print this beside their figures)."""
-    names = {"cp_chain_tuned": CodePredictorPasses.name, "talker_chain_tuned": TalkerDecode.name}
+    names = {part.mark_name: part.name for part in (CodePredictorPasses, TalkerDecode)}
     return sorted(f"{names[key[0]]} at B {', '.join(map(str, key[3]))}" for key in autotune.tuned_configs()
                   if isinstance(key, tuple) and key and key[0] in names)

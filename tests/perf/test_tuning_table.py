@@ -71,6 +71,8 @@ def test_the_kept_h200_table_loads_under_this_tree(tmp_path, monkeypatch):
 
 def test_a_bench_names_its_table_and_what_was_chain_tuned_in_it(monkeypatch):
     monkeypatch.setattr(autotune, "_BEST", {SAVED: GemmConfig(32, 128, 2, 4, 4, 16)})
-    assert configs_line(None) == "launch configs: no table (tuned in this run); chain-tuned: none"
+    monkeypatch.delenv("Q3TTS_TUNE_CACHE", raising=False)
+    assert configs_line() == "launch configs: no table (tuned in this run); chain-tuned: none"
     autotune.set_tuned(("cp_chain_tuned", (1024, 3072, 5, 2048, 16), torch.bfloat16, (1, 16)), {1: 2.7, 16: 3.5})
-    assert configs_line("/tmp/t.pkl") == "launch configs: tuning table /tmp/t.pkl; chain-tuned: code predictor at B 1, 16"
+    monkeypatch.setenv("Q3TTS_TUNE_CACHE", "/tmp/t.pkl")
+    assert configs_line() == "launch configs: tuning table /tmp/t.pkl; chain-tuned: code predictor at B 1, 16"
