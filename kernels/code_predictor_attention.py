@@ -30,9 +30,9 @@ from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import pick
 from .code_predictor_gemm import (BLOCK_M, GATHER, NORM, GemmConfig, arrive, interpret_config,
-                                  candidates, counters_needed, dot_precision, held_rows, held_rstd,
-                                  k_slice, load_sum, mainloop, row_blocks, row_offsets, store_partial,
-                                  wait_for_inputs)
+                                  candidates, counters_needed, dot_precision, held_columns, held_rows,
+                                  held_rstd, k_slice, load_sum, mainloop, row_blocks, row_offsets,
+                                  store_partial, weights_before_wait)
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": the first update has no inf - inf
 # a jit function reads globals only as constexpr (the interpreter does not check)
@@ -296,10 +296,10 @@ def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, e
                        stride_ids, stride_w, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       PDL: tl.constexpr, GATHER: tl.constexpr, ROWS: tl.constexpr):
+                       PDL: tl.constexpr, GATHER: tl.constexpr, ROWS: tl.constexpr, HOLD: tl.constexpr):
     """This program's share of RMSNorm(X) @ W_qkv^T (grid: row blocks, column tiles, K slices),
     stored as an fp32 partial [SPLIT, M_PAD, (NH + 2 KVH) D], then a ticket on its (row block, kv
-    head g) group: q heads g*GROUP.., k head g, v head g. PDL: see `wait_for_inputs`. GATHER: row m
+    head g) group: q heads g*GROUP.., k head g, v head g. PDL, HOLD: see `weights_before_wait`. GATHER: row m
     of X is row ids[m] of the table at x_ptr. ROWS: the rows the norm statistics hold (`held_rows`).
     Returns rows, row_mask [BLOCK_M], the rows' element offsets in x [BLOCK_M], g, and whether this
     is the group's last program (which runs the group's epilogue)."""
@@ -307,15 +307,15 @@ def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, e
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_off = cols.to(tl.int64) * stride_w
     k_lo, k_hi = k_slice(split, K, SPLIT, BLOCK_K)
-    wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL)
+    held = weights_before_wait(w_ptr, w_off, k_lo, k_hi, PDL, HOLD)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     ROWS_FROM: tl.constexpr = _GATHER if GATHER else _NORM
     x_off = row_offsets(x_ptr, ids_ptr, rows, row_mask, 1, 0, stride_xm, stride_ids, ROWS_FROM)
     rstd = held_rstd(x_ptr, ids_ptr, x_off, row_mask, m, M, K, eps, 1, 0, stride_xm, stride_ids, ROWS_FROM,
                      BLOCK_M, ROWS)
-    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, _NORM, BLOCK_M,
-                   BLOCK_N, BLOCK_K, DOT_PRECISION)
+    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, held, _NORM, BLOCK_M,
+                   BLOCK_N, BLOCK_K, DOT_PRECISION, HOLD)
     store_partial(part_ptr, acc, split, rows, row_mask, cols, M_PAD, (NUM_HEADS + 2 * NUM_KV) * D)
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     col0 = tile * BLOCK_N
@@ -339,12 +339,12 @@ def _qkv_attention_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ATT_ROWS: tl.constexpr,
-    P: tl.constexpr, GATHER: tl.constexpr,
+    P: tl.constexpr, GATHER: tl.constexpr, HOLD: tl.constexpr,
 ):
     rows, row_mask, x_off, g, last = qkv_group_partials(
         x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_ids,
         stride_w, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL, GATHER,
-        ATT_ROWS)
+        ATT_ROWS, HOLD)
     if GATHER:  # the gathered rows are the layer's residual input: one program per row block keeps them
         if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
             _copy_rows(x_ptr, x_off, row_mask, rows_out_ptr, rows, stride_rows_out, K, BLOCK_M)
@@ -371,6 +371,7 @@ def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w
     m_pad = row_blocks(rows) * BLOCK_M
     part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
     pdl = programmatic_launch(x, prefetched=qkv_w)
+    hold = held_columns(cfg.block_n, qkv_w.shape[1], cfg.split, cfg.block_k, pdl)  # one K step: nothing to pipeline
     gather = ids is not None
     _qkv_attention_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
         x, ids if gather else x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, out,
@@ -383,8 +384,9 @@ def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
         DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, ATT_ROWS=held_rows(rows),
-        P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, launch_pdl=pdl,
+        P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather,
+        HOLD=hold,
+        num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=pdl,
     )
 
 

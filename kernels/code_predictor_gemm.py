@@ -33,6 +33,7 @@ from .autotune import batch_invariant
 BLOCK_M = 16  # rows per program of the batch-invariant configs: the smallest tl.dot M
 FEW_ROWS = 1  # a launch of at most this many rows holds only them in its prologue and epilogue (`held_rows`)
 MIN_BLOCK_N = 16
+HOLD_MAX = 16384  # weight elements a program may hold in registers across a PDL wait (`held_columns`)
 ROW_CLASSES = (16, 32, 64, 128, 256)  # rows rounded up to a power of 2, capped; one tuning each
 PLAIN, GATHER, NORM = 0, 1, 2  # prologues: X rows / table rows by id / RMSNorm(X rows)
 
@@ -118,6 +119,15 @@ def candidates(n_tiles_per_block_n, k: int, device: torch.device, rows: int = BL
             out.append(out[0]._replace(split=split // 2))
     assert out or rows > BLOCK_M, "no block size fits the weight"
     return out
+
+
+def held_columns(tile_rows: int, k: int, split: int, block_k: int, pdl: bool) -> int:
+    """HOLD of a launch: with PDL, the width of its K slices (`k_slice`) rounded up to a power of 2 when a
+    program's weight tile [tile_rows, that width] fits HOLD_MAX elements; the programs then load the whole tile
+    into registers before the PDL wait (`weights_before_wait`), so the weight bytes are in flight while the
+    kernel before still runs. Else 0: the tile is prefetched into L2 and streamed after the wait."""
+    width = triton.next_power_of_2(triton.cdiv(triton.cdiv(k, split), block_k) * block_k)
+    return width if pdl and tile_rows * width <= HOLD_MAX else 0
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -207,20 +217,42 @@ def wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL: tl.constexpr):
 
 
 @triton.jit
-def mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd,
+def weights_before_wait(w_ptr, w_off, k_lo, k_hi, PDL: tl.constexpr, HOLD: tl.constexpr):
+    """The start of a program that reads an earlier kernel's output. HOLD > 0 (`held_columns`): its whole
+    weight tile [N, HOLD] (rows w_off [N], columns k_lo..k_hi, zeros past k_hi) loaded into registers, then
+    `wait_for_previous`; the tile is returned for `mainloop`. HOLD 0: `wait_for_inputs` (returns 0)."""
+    if HOLD > 0:
+        ks = k_lo + tl.arange(0, HOLD)
+        held = tl.load(w_ptr + w_off[:, None] + ks[None, :], mask=(ks < k_hi)[None, :], other=0.0)
+        wait_for_previous(PDL)
+    else:
+        wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL)
+        held = 0
+    return held
+
+
+@triton.jit
+def mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, held,
              PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HOLD: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 = X[rows, ks] @ W[w rows, ks]^T over columns k_lo..k_hi (`k_slice`).
 
     x_off [BLOCK_M], w_off [BLOCK_N]: element offsets of the rows. NORM: X is normalised on the fly
-    exactly as rms_norm_ref rounds it: cast(x * rstd) then cast(that * weight)."""
+    exactly as rms_norm_ref rounds it: cast(x * rstd) then cast(that * weight).
+    HOLD > 0: W's tile is `held` ([BLOCK_N, HOLD], `weights_before_wait`): one step of HOLD columns (none
+    for an empty slice), one dot over them: the same fp32 accumulation, k-step by k-step, as the BLOCK_K
+    steps (the dot accumulates into acc; the zero columns past k_hi add exact zeros)."""
+    STEP: tl.constexpr = HOLD if HOLD > 0 else BLOCK_K
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(k_lo, k_hi, STEP):
+        ks = k0 + tl.arange(0, STEP)
         k_mask = ks < k_hi
         x = tl.load(x_ptr + x_off[:, None] + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        w = tl.load(w_ptr + w_off[:, None] + ks[None, :], mask=k_mask[None, :], other=0.0)
+        if HOLD > 0:
+            w = held
+        else:
+            w = tl.load(w_ptr + w_off[:, None] + ks[None, :], mask=k_mask[None, :], other=0.0)
         if PROLOGUE == 2:
             nw = tl.load(nw_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             x = cast(x.to(tl.float32) * rstd[:, None], x.dtype)

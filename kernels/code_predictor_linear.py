@@ -25,9 +25,9 @@ from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import batch_invariant, choose, pick
 from .code_predictor_gemm import (BLOCK_M, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
-                                  interpret_config, arrive, candidates, counters_needed, dot_precision, held_rows,
-                                  held_rstd, k_slice, load_sum, mainloop, row_blocks, row_class, row_offsets,
-                                  store_partial, wait_for_inputs)
+                                  interpret_config, arrive, candidates, counters_needed, dot_precision, held_columns,
+                                  held_rows, held_rstd, k_slice, load_sum, mainloop, row_blocks, row_class,
+                                  row_offsets, store_partial, weights_before_wait)
 from .swiglu import silu_times
 
 BIAS, RESIDUAL, SWIGLU, ROUND = 0, 1, 2, 3  # epilogues (ROUND: the product in the weight dtype)
@@ -67,7 +67,7 @@ def _linear_kernel(
     # meta
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr, HOLD: tl.constexpr,
 ):
     m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if EPILOGUE == 2:  # weight tile rows: gate j, up j, gate j+1, ...
@@ -79,7 +79,7 @@ def _linear_kernel(
         w_rows = tile * BLOCK_N + tl.arange(0, W_TILE)
     w_off = w_rows.to(tl.int64) * stride_w
     k_lo, k_hi = k_slice(split, K, SPLIT, BLOCK_K)
-    wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL)
+    held = weights_before_wait(w_ptr, w_off, k_lo, k_hi, PDL, HOLD)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, row_step, row_first, stride_xm, 0, PROLOGUE)
@@ -88,8 +88,8 @@ def _linear_kernel(
                          BLOCK_M, ROWS)
     else:
         rstd = tl.zeros([BLOCK_M], tl.float32)
-    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, PROLOGUE, BLOCK_M,
-                   W_TILE, BLOCK_K, DOT_PRECISION)
+    acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, held, PROLOGUE, BLOCK_M,
+                   W_TILE, BLOCK_K, DOT_PRECISION, HOLD)
     DT: tl.constexpr = w_ptr.dtype.element_ty
     if SPLIT > 1:
         cols = tile * W_TILE + tl.arange(0, W_TILE)
@@ -117,6 +117,7 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
         assert counters.numel() >= counters_needed(rows, tiles, cfg.block_m), "counters too small"
     cnt = counters if counters is not None else out  # never read with one K slice
     pdl = programmatic_launch(w, prefetched=w)
+    hold = held_columns(w_tile, w.shape[1], cfg.split, cfg.block_k, pdl)  # one K step: nothing to pipeline
     _linear_kernel[(row_blocks(rows, cfg.block_m), tiles, cfg.split)](
         x, norm_w if norm_w is not None else w, w,
         bias if bias is not None else w, residual if residual is not None else out, out, part,
@@ -127,7 +128,8 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
         PROLOGUE=prologue, EPILOGUE=epilogue, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype), PDL=pdl,
         ROWS=held_rows(rows, cfg.block_m) if prologue == NORM else cfg.block_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        HOLD=hold,
+        num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=pdl,
     )
 
 

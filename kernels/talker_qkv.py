@@ -25,8 +25,8 @@ from ._launch import device_guard, programmatic_launch
 from .autotune import pick
 from .code_predictor_attention import (_group_heads, _store_halves, _store_heads_in_turn, qkv_candidates,
                                        qkv_group_partials)
-from .code_predictor_gemm import (BLOCK_M, GemmConfig, counters_needed, dot_precision, held_rows,
-                                  interpret_config, row_blocks)
+from .code_predictor_gemm import (BLOCK_M, GemmConfig, counters_needed, dot_precision, held_columns,
+                                  held_rows, interpret_config, row_blocks)
 
 
 @triton.jit
@@ -84,10 +84,11 @@ def _talker_qkv_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, EPI_ROWS: tl.constexpr,
+    HOLD: tl.constexpr,
 ):
     rows, row_mask, _, g, last = qkv_group_partials(
         x_ptr, x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, 0, stride_w,
-        NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL, False, EPI_ROWS)
+        NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL, False, EPI_ROWS, HOLD)
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
         _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
@@ -104,6 +105,7 @@ def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, pos
     m_pad = row_blocks(rows) * BLOCK_M
     part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
     pdl = programmatic_launch(x, prefetched=qkv_w)
+    hold = held_columns(cfg.block_n, qkv_w.shape[1], cfg.split, cfg.block_k, pdl)  # one K step: nothing to pipeline
     _talker_qkv_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
         x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, positions, slot_mapping, k_cache, v_cache,
         out, part, counters,
@@ -114,7 +116,8 @@ def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, pos
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
         DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, EPI_ROWS=held_rows(rows),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        HOLD=hold,
+        num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=pdl,
     )
 
 

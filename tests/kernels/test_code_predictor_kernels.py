@@ -71,6 +71,36 @@ def test_qkv_attention_gathers_its_rows_by_id(bsz, config):
     check_gather(cpk, TINY, bsz, torch.float32, Inputs(DEVICE, 41, bsz), config)
 
 
+@pytest.fixture
+def held_tiles(monkeypatch):
+    """The GEMM launches take the held-tile path (`held_columns` as with programmatic launch on, which the
+    interpreter has not): each program's whole weight tile loaded at once, one dot over it."""
+    from q3tts.kernels import code_predictor_gemm as gemm
+    as_with_pdl = lambda rows, k, split, block_k, pdl: gemm.held_columns(rows, k, split, block_k, True)  # noqa: E731
+    for name in ("code_predictor_linear", "code_predictor_attention"):
+        monkeypatch.setattr(f"q3tts.kernels.{name}.held_columns", as_with_pdl)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_held_weight_tiles_match_the_references(dtype, config, held_tiles):
+    """The held-tile path (`weights_before_wait`, `mainloop` with HOLD) of every GEMM and of the qkv +
+    attention launch, 19 rows (two row blocks; split4's last K slice is empty, so its tile is all zeros)."""
+    check_gemms(cpk, TINY, 19, dtype, Inputs(DEVICE, 7, 19, CONFIGS.index(config), dtype.itemsize), config)
+    AttentionFrame(cpk, TINY, 9, dtype, Inputs(DEVICE, 8, 9, dtype.itemsize)).run_frame(config)
+
+
+def test_held_columns_hold_the_k_slice_only_under_pdl_and_the_cap():
+    """K slices are BLOCK_K-aligned, the held width their next power of 2, at most HOLD_MAX elements a tile."""
+    from q3tts.kernels.code_predictor_gemm import HOLD_MAX, held_columns
+    assert HOLD_MAX == 16384
+    assert held_columns(32, 2048, 8, 128, True) == 256  # o_proj: 8 slices of 256
+    assert held_columns(32, 3072, 8, 128, True) == 512  # down: slices of 384, held 512 wide
+    assert held_columns(64, 1024, 4, 128, True) == 256  # gate_up's interleaved 64-row tile
+    assert held_columns(64, 2048, 2, 128, True) == 0  # 64 x 1024 > HOLD_MAX: streamed
+    assert held_columns(32, 2048, 8, 128, False) == 0  # no PDL, nothing to hide
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_embed_sum_adds_in_order_and_rounds_once(dtype):
     """C(c0) + 15 embedding rows by id -> the rows added in fp32 in torch's CUDA order, rounded once (bit-equal
