@@ -7,7 +7,7 @@ real shapes) with every JIT kernel's `run` replaced: each launch is bound and sp
 on a GPU (the JIT's own binder, for a CUDA sm_90 backend), compiled by triton.compile to a cubin,
 and measured by the cuobjdump that ships with Triton (registers, spill stack; barriers, shared-memory and global
 loads after the ticket, from the SASS), plus the shared memory it takes.
-`python tests/kernels/sm90.py [qkv | conv | sample | small | attention | norm_linear]` prints one spec set's
+`python tests/kernels/sm90.py [qkv | conv | sample | small | attention | norm_linear | held]` prints one spec set's
 (SPECS) as JSON; `compiled(spec_set)` runs that from a test.
 """
 
@@ -228,8 +228,21 @@ def _norm_linear_specs():
                                                 counters=torch.zeros(4096, dtype=torch.int32))
 
 
+def _held_specs():
+    """(name, launch) of the one-row qkv and row-normalising GEMM specs built as under programmatic launch: each
+    program loads its weight tile into registers before the wait where the tile fits (`held_columns`)."""
+    from q3tts.kernels import code_predictor_attention as cpa, code_predictor_linear as cl, talker_qkv
+
+    with ExitStack() as stack:
+        for module in (cpa, cl, talker_qkv):
+            stack.enter_context(mock.patch.object(module, "programmatic_launch", lambda *_, **__: True))
+        for name, launch in (*_qkv_specs(), *_norm_linear_specs()):
+            if "rows=1 " in name:
+                yield f"held {name}", launch
+
+
 SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs, "small": _small_specs,
-         "attention": _attention_specs, "norm_linear": _norm_linear_specs}
+         "attention": _attention_specs, "norm_linear": _norm_linear_specs, "held": _held_specs}
 
 
 def compiled(spec_set: str) -> dict[str, list[dict]]:

@@ -4,7 +4,8 @@ The fused qkv kernels: every launch config their tuner times there (4 candidates
 kernel and token count; the code predictor's also at one row, which attends in one round of loads, and with its
 rows gathered by id). The talker's next input (`embed_sum`: a tuple of 15 tables) and the uniforms. The draw
 kernel: every warp count its tuner times. The decode attention: every config its tuner times. The row-normalising
-GEMMs (norm + gate_up, norm + head): every config their tuner times, at one row and at 4. A spill puts a thread's
+GEMMs (norm + gate_up, norm + head): every config their tuner times, at one row and at 4; the one-row ones also
+built as under programmatic launch (weight tiles held in registers across the wait). A spill puts a thread's
 values in local memory, whose round trips every program of these kernels would wait on. The multi-row qkv
 epilogues, read in the SASS: no layout conversion through shared memory."""
 
@@ -84,3 +85,13 @@ def test_the_multi_row_qkv_epilogues_move_nothing_through_shared_memory(usage):
     assert len(epilogues) == 16, epilogues  # 4 configs x (code predictor T = 1, T = 2, gathered; talker)
     moved = {spec: n for spec, n in epilogues.items() if n["BAR"] > 3 or n["STS"] > 1 or n["LDS"] > 1}
     assert not moved, moved
+
+
+def test_no_held_tile_build_spills():
+    """The one-row qkv and row-normalising GEMM launches built as under programmatic launch, where each program
+    holds its whole weight tile in registers across the wait (`held_columns`, up to HOLD_MAX elements): none
+    spills (4 configs x (code predictor qkv, gathered, talker qkv; norm + gate_up and norm + head of both
+    models))."""
+    usage = compiled("held")
+    assert len(usage) == 28, usage
+    assert not spilled(usage), spilled(usage)
