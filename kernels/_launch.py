@@ -2,12 +2,14 @@
 dependent launch.
 
 Programmatic dependent launch (PDL, Hopper and later; `set_programmatic_launch(True)`, process-wide, off by
-default): a kernel launched with it may start while the kernel before it in the stream still runs. Its programs
-first prefetch their own weight slice into L2 (weights never depend on an earlier kernel), then wait at
-`griddepcontrol.wait` until the previous kernel has finished and its writes are visible, then let the next kernel
-launch (`griddepcontrol.launch_dependents`). So a chain of small launches (the code predictor's 22-23 a pass) overlaps
-each launch's start-up and weight fetch with the kernel before it, inside CUDA graphs too. A kernel without PDL
-code before or after one with it is ordered as usual: its successor only starts once it completes.
+default): a kernel launched with it may start while the kernel before it in the stream still runs. The GEMM
+launches that take it are those whose programs can hold their whole weight tile in registers
+(code_predictor_gemm.held_columns): they load it, then wait at `griddepcontrol.wait` until the previous kernel
+has finished and its writes are visible, then let the next kernel launch (`griddepcontrol.launch_dependents`). So a
+chain of small launches (the code predictor's 22-23 a pass) has each launch's start-up and weight fetch under the
+kernel before it, inside CUDA graphs too. Kernels without weights that take it (attention, the draw) wait first.
+A GEMM whose tile does not fit launches as usual (waiting with nothing in flight only holds SM slots), and a kernel
+without PDL code before or after one with it is ordered as usual: its successor only starts once it completes.
 """
 
 from __future__ import annotations
@@ -43,18 +45,7 @@ def _has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def prefetchable(weight: torch.Tensor) -> bool:
-    """Whether every row of `weight` [N, K] (and so every BLOCK_K-aligned slice of one) starts 16-byte aligned
-    and spans a multiple of 16 bytes: what the bulk L2 prefetch of a PDL launch needs (it faults otherwise)."""
-    size = weight.element_size()
-    return (weight.data_ptr() % 16 == 0 and weight.stride(-1) == 1 and (weight.stride(0) * size) % 16 == 0
-            and (weight.shape[-1] * size) % 16 == 0)
-
-
-def programmatic_launch(t: torch.Tensor, prefetched: torch.Tensor | None = None) -> bool:
-    """Whether a launch on `t`'s device uses PDL: switched on, a CUDA device of compute capability >= 9, and
-    `prefetched` (the weight whose row slices the programs prefetch, if any) `prefetchable`; a weight that is not
-    launches without PDL."""
+def programmatic_launch(t: torch.Tensor) -> bool:
+    """Whether a launch on `t`'s device may use PDL: switched on, and a CUDA device of compute capability >= 9."""
     return (_PDL[0] and t.is_cuda and _has_pdl(t.device.index if t.device.index is not None
-                                                else torch.cuda.current_device())
-            and (prefetched is None or prefetchable(prefetched)))
+                                                else torch.cuda.current_device()))

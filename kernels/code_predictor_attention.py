@@ -296,10 +296,10 @@ def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, e
                        stride_ids, stride_w, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       PDL: tl.constexpr, GATHER: tl.constexpr, ROWS: tl.constexpr, HOLD: tl.constexpr):
+                       GATHER: tl.constexpr, ROWS: tl.constexpr, HOLD: tl.constexpr):
     """This program's share of RMSNorm(X) @ W_qkv^T (grid: row blocks, column tiles, K slices),
     stored as an fp32 partial [SPLIT, M_PAD, (NH + 2 KVH) D], then a ticket on its (row block, kv
-    head g) group: q heads g*GROUP.., k head g, v head g. PDL, HOLD: see `weights_before_wait`. GATHER: row m
+    head g) group: q heads g*GROUP.., k head g, v head g. HOLD: see `weights_before_wait`. GATHER: row m
     of X is row ids[m] of the table at x_ptr. ROWS: the rows the norm statistics hold (`held_rows`).
     Returns rows, row_mask [BLOCK_M], the rows' element offsets in x [BLOCK_M], g, and whether this
     is the group's last program (which runs the group's epilogue)."""
@@ -307,7 +307,7 @@ def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, e
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_off = cols.to(tl.int64) * stride_w
     k_lo, k_hi = k_slice(split, K, SPLIT, BLOCK_K)
-    held = weights_before_wait(w_ptr, w_off, k_lo, k_hi, PDL, HOLD)
+    held = weights_before_wait(w_ptr, w_off, k_lo, k_hi, HOLD)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     ROWS_FROM: tl.constexpr = _GATHER if GATHER else _NORM
@@ -338,12 +338,12 @@ def _qkv_attention_kernel(
     # meta
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ATT_ROWS: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ATT_ROWS: tl.constexpr,
     P: tl.constexpr, GATHER: tl.constexpr, HOLD: tl.constexpr,
 ):
     rows, row_mask, x_off, g, last = qkv_group_partials(
         x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_ids,
-        stride_w, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL, GATHER,
+        stride_w, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, GATHER,
         ATT_ROWS, HOLD)
     if GATHER:  # the gathered rows are the layer's residual input: one program per row block keeps them
         if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
@@ -370,8 +370,7 @@ def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w
     rows, num_heads, d = out.shape[0], out.shape[1] // k_cache.shape[3], k_cache.shape[3]
     m_pad = row_blocks(rows) * BLOCK_M
     part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
-    pdl = programmatic_launch(x, prefetched=qkv_w)
-    hold = held_columns(cfg.block_n, qkv_w.shape[1], cfg.split, cfg.block_k, pdl)  # one K step: nothing to pipeline
+    hold = held_columns(cfg.block_n, qkv_w.shape[1], cfg.split, cfg.block_k, programmatic_launch(x))  # > 0: PDL
     gather = ids is not None
     _qkv_attention_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
         x, ids if gather else x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, out,
@@ -383,10 +382,10 @@ def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w
         NUM_HEADS=num_heads, NUM_KV=k_cache.shape[2], D=d, T=tokens,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
-        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, ATT_ROWS=held_rows(rows),
+        DOT_PRECISION=dot_precision(qkv_w.dtype), ATT_ROWS=held_rows(rows),
         P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather,
         HOLD=hold,
-        num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=hold > 0,
     )
 
 

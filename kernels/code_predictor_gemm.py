@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._cast import cast, dot
+from ._cast import _INTERPRET, cast, dot
 from ._launch import num_sms
 from .autotune import batch_invariant
 
@@ -122,10 +122,12 @@ def candidates(n_tiles_per_block_n, k: int, device: torch.device, rows: int = BL
 
 
 def held_columns(tile_rows: int, k: int, split: int, block_k: int, pdl: bool) -> int:
-    """HOLD of a launch: with PDL, the width of its K slices (`k_slice`) rounded up to a power of 2 when a
-    program's weight tile [tile_rows, that width] fits HOLD_MAX elements; the programs then load the whole tile
-    into registers before the PDL wait (`weights_before_wait`), so the weight bytes are in flight while the
-    kernel before still runs. Else 0: the tile is prefetched into L2 and streamed after the wait."""
+    """HOLD of a GEMM launch, > 0 when it launches programmatically: with PDL switched on for it (`pdl`,
+    kernels/_launch.py), the width of its K slices (`k_slice`) rounded up to a power of 2 when a program's weight
+    tile [tile_rows, that width] fits HOLD_MAX elements. Its programs then load the whole tile into registers
+    before the PDL wait (`weights_before_wait`), so the weight bytes are in flight while the kernel before still
+    runs. Else 0: an ordinary launch, the tile streamed in BLOCK_K steps (a GEMM that waits with nothing in flight
+    only holds SM slots: the L2 prefetch it once did lost on the H100)."""
     width = triton.next_power_of_2(triton.cdiv(triton.cdiv(k, split), block_k) * block_k)
     return width if pdl and tile_rows * width <= HOLD_MAX else 0
 
@@ -189,44 +191,26 @@ def k_slice(split, K, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs, nbytes):
-    """Bulk-prefetch nbytes [N] (a multiple of 16) from each 16-byte aligned address ptrs [N] into L2."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0", "=r,l,r",
-                              [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """With PDL (kernels/_launch.py): wait until the previous kernel has finished and its writes are visible,
     then let the next one launch. Without: nothing. Call it before the first read of anything an earlier kernel
-    writes."""
-    if PDL:
+    writes. The interpreter (no PDL; its programs run one by one, in launch order) has nothing to wait for."""
+    if PDL and not _INTERPRET:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
-def wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL: tl.constexpr):
-    """`wait_for_previous`, with PDL first prefetching this program's weight slice (rows w_off [N], columns
-    k_lo..k_hi) into L2 (weights never depend on an earlier kernel)."""
-    if PDL:
-        if k_hi > k_lo:
-            ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            _prefetch_l2(w_ptr + w_off + k_lo, tl.zeros_like(w_off).to(tl.int32) + (k_hi - k_lo) * ELEM)
-    wait_for_previous(PDL)
-
-
-@triton.jit
-def weights_before_wait(w_ptr, w_off, k_lo, k_hi, PDL: tl.constexpr, HOLD: tl.constexpr):
-    """The start of a program that reads an earlier kernel's output. HOLD > 0 (`held_columns`): its whole
-    weight tile [N, HOLD] (rows w_off [N], columns k_lo..k_hi, zeros past k_hi) loaded into registers, then
-    `wait_for_previous`; the tile is returned for `mainloop`. HOLD 0: `wait_for_inputs` (returns 0)."""
+def weights_before_wait(w_ptr, w_off, k_lo, k_hi, HOLD: tl.constexpr):
+    """The start of a program that reads an earlier kernel's output. HOLD > 0 (`held_columns`: the launch is a
+    programmatic one): its whole weight tile [N, HOLD] (rows w_off [N], columns k_lo..k_hi, zeros past k_hi)
+    loaded into registers, then `wait_for_previous`; the tile is returned for `mainloop`. HOLD 0: an ordinary
+    launch, nothing to wait for (returns 0)."""
     if HOLD > 0:
         ks = k_lo + tl.arange(0, HOLD)
         held = tl.load(w_ptr + w_off[:, None] + ks[None, :], mask=(ks < k_hi)[None, :], other=0.0)
-        wait_for_previous(PDL)
+        wait_for_previous(True)
     else:
-        wait_for_inputs(w_ptr, w_off, k_lo, k_hi, PDL)
         held = 0
     return held
 

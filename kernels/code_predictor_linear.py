@@ -67,7 +67,7 @@ def _linear_kernel(
     # meta
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, ROWS: tl.constexpr, HOLD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROWS: tl.constexpr, HOLD: tl.constexpr,
 ):
     m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if EPILOGUE == 2:  # weight tile rows: gate j, up j, gate j+1, ...
@@ -79,7 +79,7 @@ def _linear_kernel(
         w_rows = tile * BLOCK_N + tl.arange(0, W_TILE)
     w_off = w_rows.to(tl.int64) * stride_w
     k_lo, k_hi = k_slice(split, K, SPLIT, BLOCK_K)
-    held = weights_before_wait(w_ptr, w_off, k_lo, k_hi, PDL, HOLD)
+    held = weights_before_wait(w_ptr, w_off, k_lo, k_hi, HOLD)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, row_step, row_first, stride_xm, 0, PROLOGUE)
@@ -116,8 +116,7 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
             "counters must be int32 zeros for a split-K config"
         assert counters.numel() >= counters_needed(rows, tiles, cfg.block_m), "counters too small"
     cnt = counters if counters is not None else out  # never read with one K slice
-    pdl = programmatic_launch(w, prefetched=w)
-    hold = held_columns(w_tile, w.shape[1], cfg.split, cfg.block_k, pdl)  # one K step: nothing to pipeline
+    hold = held_columns(w_tile, w.shape[1], cfg.split, cfg.block_k, programmatic_launch(w))  # > 0: PDL
     _linear_kernel[(row_blocks(rows, cfg.block_m), tiles, cfg.split)](
         x, norm_w if norm_w is not None else w, w,
         bias if bias is not None else w, residual if residual is not None else out, out, part,
@@ -126,10 +125,10 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
         x.stride(0), w.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
         PROLOGUE=prologue, EPILOGUE=epilogue, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype), PDL=pdl,
+        BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype),
         ROWS=held_rows(rows, cfg.block_m) if prologue == NORM else cfg.block_m,
         HOLD=hold,
-        num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=hold > 0,
     )
 
 

@@ -83,12 +83,12 @@ def _talker_qkv_kernel(
     # meta
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, EPI_ROWS: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, EPI_ROWS: tl.constexpr,
     HOLD: tl.constexpr,
 ):
     rows, row_mask, _, g, last = qkv_group_partials(
         x_ptr, x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, 0, stride_w,
-        NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, PDL, False, EPI_ROWS, HOLD)
+        NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, False, EPI_ROWS, HOLD)
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
         _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
@@ -104,8 +104,7 @@ def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, pos
     rows, (_, page_size, num_kv, d) = x.shape[0], k_cache.shape
     m_pad = row_blocks(rows) * BLOCK_M
     part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
-    pdl = programmatic_launch(x, prefetched=qkv_w)
-    hold = held_columns(cfg.block_n, qkv_w.shape[1], cfg.split, cfg.block_k, pdl)  # one K step: nothing to pipeline
+    hold = held_columns(cfg.block_n, qkv_w.shape[1], cfg.split, cfg.block_k, programmatic_launch(x))  # > 0: PDL
     _talker_qkv_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
         x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, positions, slot_mapping, k_cache, v_cache,
         out, part, counters,
@@ -115,9 +114,9 @@ def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, pos
         NUM_HEADS=out.shape[1] // d, NUM_KV=num_kv, D=d, PAGE_SIZE=page_size,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
-        DOT_PRECISION=dot_precision(qkv_w.dtype), PDL=pdl, EPI_ROWS=held_rows(rows),
+        DOT_PRECISION=dot_precision(qkv_w.dtype), EPI_ROWS=held_rows(rows),
         HOLD=hold,
-        num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=hold > 0,
     )
 
 

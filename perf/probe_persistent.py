@@ -42,8 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_step import Timer, capture  # noqa: E402
 from report import emit  # noqa: E402
 
-from q3tts.kernels.code_predictor_gemm import _prefetch_l2  # noqa: E402
-
 LAYER = {"full": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)],  # (N, K) of qkv, o, gate_up, down
          "tiny": [(64, 32), (32, 32), (96, 32), (32, 64)]}
 BLOCK_K = {"full": 512, "tiny": 32}
@@ -51,6 +49,13 @@ BLOCK_N = 8  # weight rows per tile: 128-768 tiles a GEMV at full size, about on
 # programs per SM the grid barrier may count on being resident: the persistent kernel compiles for sm_90 to 40
 # registers a thread and 4 warps (tests/kernels/sm90.py's way), so 12 fit an SM's 64K registers
 MAX_PER_SM = 8
+
+
+@triton.jit
+def _prefetch_l2(ptrs, nbytes):
+    """Bulk-prefetch nbytes [N] (a multiple of 16) from each 16-byte aligned address ptrs [N] into L2."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0", "=r,l,r",
+                              [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

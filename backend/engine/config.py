@@ -118,12 +118,10 @@ class EngineConfig:
                          doubles first audio at 16 and 64 streams (the prefill's GEMMs without split-K or
                          cuBLAS tiles), over the 10 % the issue allows (perf/results/RESULTS.md)
     programmatic_launch  launch the fused kernels (code predictor, fused talker, their sampling) with programmatic
-                         dependent launch where the device has it (Hopper+): each kernel prefetches its weight
-                         slice into L2 and waits for the one before while that one still runs
+                         dependent launch where the device has it (Hopper+): a GEMM whose weight tile fits its
+                         programs' registers loads it, then waits for the kernel before while that one still runs
                          (`q3tts.kernels.set_programmatic_launch`, process-wide, left as set; kernels/_launch.py).
-                         Same bits either way. Off by default: on the H200 it made the bench step 3-6 % faster
-                         (6.92 / 8.33 / 11.58 -> 6.70 / 7.92 / 10.94 ms at batch 1 / 16 / 64) but served 16 and 64
-                         streams no better in two interleaved A/B rounds (perf/results/RESULTS.md)
+                         Same bits either way. Off by default (perf/results/RESULTS.md, thirty-seventh session)
     run_ahead            the engine process (serving/engine_process.py) runs its next step as soon as it has
                          answered one, before the serving loop asks for it, so that the device's next step does
                          not wait for the serving loop to route the last step's outputs (nor for that step's

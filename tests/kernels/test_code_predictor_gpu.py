@@ -204,7 +204,7 @@ def test_a_rows_codes_do_not_depend_on_the_batch(fused_bf16):
 @pytest.mark.parametrize("bsz", [1, 16])
 def test_programmatic_launch_gives_the_plain_launches_bits(fused_bf16, bsz):
     """kernels.set_programmatic_launch: the 15 passes captured in a graph with PDL (each kernel starts while
-    the one before runs, prefetching its weights) give the plain launches' codes and next input bit for bit,
+    the one before runs, holding its weight tile) give the plain launches' codes and next input bit for bit,
     over replays with new inputs (a kernel reading its input before the previous one finished would differ)."""
     from q3tts import kernels
 
