@@ -383,8 +383,7 @@ def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
         DOT_PRECISION=dot_precision(qkv_w.dtype), ATT_ROWS=held_rows(rows),
-        P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather,
-        HOLD=hold,
+        P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather, HOLD=hold,
         num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=hold > 0,
     )
 
