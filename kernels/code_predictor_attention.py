@@ -27,10 +27,10 @@ import triton
 import triton.language as tl
 
 from ._cast import cast
-from ._launch import device_guard, programmatic_launch
+from ._launch import device_guard
 from .autotune import pick
 from .code_predictor_gemm import (BLOCK_M, GATHER, NORM, GemmConfig, arrive, interpret_config,
-                                  candidates, counters_needed, dot_precision, held_columns, held_rows,
+                                  candidates, counters_needed, dot_precision, held_launch, held_rows,
                                   held_rstd, k_slice, load_sum, mainloop, row_blocks, row_offsets,
                                   store_partial, weights_before_wait)
 
@@ -370,7 +370,6 @@ def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w
     rows, num_heads, d = out.shape[0], out.shape[1] // k_cache.shape[3], k_cache.shape[3]
     m_pad = row_blocks(rows) * BLOCK_M
     part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
-    hold = held_columns(cfg.block_n, qkv_w.shape[1], cfg.split, cfg.block_k, programmatic_launch(x))  # > 0: PDL
     gather = ids is not None
     _qkv_attention_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
         x, ids if gather else x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, out,
@@ -383,8 +382,8 @@ def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
         DOT_PRECISION=dot_precision(qkv_w.dtype), ATT_ROWS=held_rows(rows),
-        P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather, HOLD=hold,
-        num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=hold > 0,
+        P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather,
+        **held_launch(cfg, cfg.block_n, qkv_w.shape[1], x),
     )
 
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._cast import _INTERPRET, cast, dot
-from ._launch import num_sms
+from ._launch import num_sms, programmatic_launch
 from .autotune import batch_invariant
 
 BLOCK_M = 16  # rows per program of the batch-invariant configs: the smallest tl.dot M
@@ -130,6 +130,14 @@ def held_columns(tile_rows: int, k: int, split: int, block_k: int, pdl: bool) ->
     only holds SM slots: the L2 prefetch it once did lost on the H100)."""
     width = triton.next_power_of_2(triton.cdiv(triton.cdiv(k, split), block_k) * block_k)
     return width if pdl and tile_rows * width <= HOLD_MAX else 0
+
+
+def held_launch(cfg: GemmConfig, tile_rows: int, k: int, t: torch.Tensor) -> dict:
+    """The launch keywords of a GEMM kernel that takes HOLD, for config cfg, weight tiles of tile_rows rows and
+    k columns, inputs on t's device: HOLD (`held_columns`; > 0 launches programmatically), the config's warps, its
+    stages (1 when held: one K step, nothing to pipeline) and launch_pdl."""
+    hold = held_columns(tile_rows, k, cfg.split, cfg.block_k, programmatic_launch(t))
+    return dict(HOLD=hold, num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=hold > 0)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

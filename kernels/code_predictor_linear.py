@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 
 from ._cast import cast
-from ._launch import device_guard, programmatic_launch
+from ._launch import device_guard
 from .autotune import batch_invariant, choose, pick
 from .code_predictor_gemm import (BLOCK_M, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
-                                  interpret_config, arrive, candidates, counters_needed, dot_precision, held_columns,
+                                  interpret_config, arrive, candidates, counters_needed, dot_precision, held_launch,
                                   held_rows, held_rstd, k_slice, load_sum, mainloop, row_blocks, row_class,
                                   row_offsets, store_partial, weights_before_wait)
 from .swiglu import silu_times
@@ -116,7 +116,6 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
             "counters must be int32 zeros for a split-K config"
         assert counters.numel() >= counters_needed(rows, tiles, cfg.block_m), "counters too small"
     cnt = counters if counters is not None else out  # never read with one K slice
-    hold = held_columns(w_tile, w.shape[1], cfg.split, cfg.block_k, programmatic_launch(w))  # > 0: PDL
     _linear_kernel[(row_blocks(rows, cfg.block_m), tiles, cfg.split)](
         x, norm_w if norm_w is not None else w, w,
         bias if bias is not None else w, residual if residual is not None else out, out, part,
@@ -127,8 +126,7 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
         PROLOGUE=prologue, EPILOGUE=epilogue, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype),
         ROWS=held_rows(rows, cfg.block_m) if prologue == NORM else cfg.block_m,
-        HOLD=hold,
-        num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=hold > 0,
+        **held_launch(cfg, w_tile, w.shape[1], w),
     )
 
 

@@ -21,11 +21,11 @@ import triton
 import triton.language as tl
 
 from ._cast import cast
-from ._launch import device_guard, programmatic_launch
+from ._launch import device_guard
 from .autotune import pick
 from .code_predictor_attention import (_group_heads, _store_halves, _store_heads_in_turn, qkv_candidates,
                                        qkv_group_partials)
-from .code_predictor_gemm import (BLOCK_M, GemmConfig, counters_needed, dot_precision, held_columns,
+from .code_predictor_gemm import (BLOCK_M, GemmConfig, counters_needed, dot_precision, held_launch,
                                   held_rows, interpret_config, row_blocks)
 
 
@@ -104,7 +104,6 @@ def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, pos
     rows, (_, page_size, num_kv, d) = x.shape[0], k_cache.shape
     m_pad = row_blocks(rows) * BLOCK_M
     part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
-    hold = held_columns(cfg.block_n, qkv_w.shape[1], cfg.split, cfg.block_k, programmatic_launch(x))  # > 0: PDL
     _talker_qkv_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
         x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, positions, slot_mapping, k_cache, v_cache,
         out, part, counters,
@@ -115,8 +114,7 @@ def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, pos
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
         DOT_PRECISION=dot_precision(qkv_w.dtype), EPI_ROWS=held_rows(rows),
-        HOLD=hold,
-        num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=hold > 0,
+        **held_launch(cfg, cfg.block_n, qkv_w.shape[1], x),
     )
 
 

@@ -231,11 +231,9 @@ def _norm_linear_specs():
 def _held_specs():
     """(name, launch) of the one-row qkv and row-normalising GEMM specs built as under programmatic launch: each
     program loads its weight tile into registers before the wait where the tile fits (`held_columns`)."""
-    from q3tts.kernels import code_predictor_attention as cpa, code_predictor_linear as cl, talker_qkv
+    from q3tts.kernels import code_predictor_gemm
 
-    with ExitStack() as stack:
-        for module in (cpa, cl, talker_qkv):
-            stack.enter_context(mock.patch.object(module, "programmatic_launch", lambda *_, **__: True))
+    with mock.patch.object(code_predictor_gemm, "programmatic_launch", lambda *_: True):
         for name, launch in (*_qkv_specs(), *_norm_linear_specs()):
             if "rows=1 " in name:
                 yield f"held {name}", launch

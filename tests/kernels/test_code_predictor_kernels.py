@@ -76,9 +76,8 @@ def held_tiles(monkeypatch):
     """The GEMM launches take the held-tile path (`held_columns` as with programmatic launch on, which the
     interpreter has not): each program's whole weight tile loaded at once, one dot over it."""
     from q3tts.kernels import code_predictor_gemm as gemm
-    as_with_pdl = lambda rows, k, split, block_k, pdl: gemm.held_columns(rows, k, split, block_k, True)  # noqa: E731
-    for name in ("code_predictor_linear", "code_predictor_attention"):
-        monkeypatch.setattr(f"q3tts.kernels.{name}.held_columns", as_with_pdl)
+    held_columns = gemm.held_columns
+    monkeypatch.setattr(gemm, "held_columns", lambda *args: held_columns(*args[:-1], True))  # pdl: the last
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
