@@ -33,7 +33,7 @@ from .autotune import batch_invariant
 BLOCK_M = 16  # rows per program of the batch-invariant configs: the smallest tl.dot M
 FEW_ROWS = 1  # a launch of at most this many rows holds only them in its prologue and epilogue (`held_rows`)
 MIN_BLOCK_N = 16
-HOLD_MAX = 16384  # weight elements a program may hold in registers across a PDL wait (`held_columns`)
+HOLD_MAX = 32768  # weight elements a program may hold in registers across a PDL wait (`held_columns`)
 ROW_CLASSES = (16, 32, 64, 128, 256)  # rows rounded up to a power of 2, capped; one tuning each
 PLAIN, GATHER, NORM = 0, 1, 2  # prologues: X rows / table rows by id / RMSNorm(X rows)
 

@@ -228,13 +228,34 @@ def _norm_linear_specs():
                                                 counters=torch.zeros(4096, dtype=torch.int32))
 
 
+def _residual_specs():
+    """(name, launch) of each config the H200's tuner times for the plain GEMMs with the residual epilogue (o_proj,
+    down) at the 1.7B's code predictor and talker shapes, at one row."""
+    import torch
+
+    from q3tts.kernels import code_predictor_gemm, code_predictor_linear as cl
+
+    bf = dict(dtype=torch.bfloat16)
+    for name, hidden, inter in (("cp", 1024, 3072), ("talker", 2048, 6144)):
+        for kernel, k in (("o_proj", 2048), ("down", inter)):
+            x, w, residual = torch.zeros(1, k, **bf), torch.zeros(hidden, k, **bf), torch.zeros(1, hidden, **bf)
+            fits = lambda bn, n=hidden: n // bn if n % bn == 0 else None  # noqa: E731
+            with mock.patch.object(code_predictor_gemm, "num_sms", lambda device: H200_SMS):
+                configs = code_predictor_gemm.candidates(fits, k, torch.device("cpu"))
+            for cfg in configs:
+                yield f"{name} {kernel} rows=1 {cfg}", lambda c=cfg, x=x, w=w, r=residual, n=hidden: cl._launch(
+                    c, x=x, w=w, out=torch.zeros_like(r), prologue=cl.PLAIN, epilogue=cl.RESIDUAL, rows=1, n=n,
+                    residual=r, counters=torch.zeros(4096, dtype=torch.int32))
+
+
 def _held_specs():
-    """(name, launch) of the one-row qkv and row-normalising GEMM specs built as under programmatic launch: each
-    program loads its weight tile into registers before the wait where the tile fits (`held_columns`)."""
+    """(name, launch) of the one-row qkv, row-normalising and residual GEMM specs built as under programmatic
+    launch: each program loads its weight tile into registers before the wait where the tile fits
+    (`held_columns`)."""
     from q3tts.kernels import code_predictor_gemm
 
     with mock.patch.object(code_predictor_gemm, "programmatic_launch", lambda *_: True):
-        for name, launch in (*_qkv_specs(), *_norm_linear_specs()):
+        for name, launch in (*_qkv_specs(), *_norm_linear_specs(), *_residual_specs()):
             if "rows=1 " in name:
                 yield f"held {name}", launch
 

@@ -92,10 +92,11 @@ def test_held_weight_tiles_match_the_references(dtype, config, held_tiles):
 def test_held_columns_hold_the_k_slice_only_under_pdl_and_the_cap():
     """K slices are BLOCK_K-aligned, the held width their next power of 2, at most HOLD_MAX elements a tile."""
     from q3tts.kernels.code_predictor_gemm import HOLD_MAX, held_columns
-    assert HOLD_MAX == 16384
+    assert HOLD_MAX == 32768
     assert held_columns(32, 2048, 8, 128, True) == 256  # o_proj: 8 slices of 256
     assert held_columns(32, 3072, 8, 128, True) == 512  # down: slices of 384, held 512 wide
     assert held_columns(64, 1024, 4, 128, True) == 256  # gate_up's interleaved 64-row tile
+    assert held_columns(32, 6144, 8, 128, True) == 1024  # the talker's down: slices of 768, 32 x 1024 = HOLD_MAX
     assert held_columns(64, 2048, 2, 128, True) == 0  # 64 x 1024 > HOLD_MAX: streamed
     assert held_columns(32, 2048, 8, 128, False) == 0  # no PDL, nothing to hide
 
