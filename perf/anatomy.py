@@ -8,6 +8,7 @@ the first and last parts ("gRPC -> execute", "response -> client") are meaningle
 
     parts = anatomy(result)          # a q3tts_client Result -> {part: seconds} (None without TIMING)
     table = anatomy_table(rows)      # rows with "level" and "anatomy" (medians in ms) -> markdown
+    table = anatomy_table(rows, SLOWEST)  # the same of each level's slowest stream ("anatomy_slowest")
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ PARTS = (
     ("response -> client", "response_built", "received"),
 )
 TOTAL = "TTFA"
+MEDIANS, SLOWEST = "anatomy", "anatomy_slowest"  # row keys: medians_ms, slowest_ms
 SERVING = "first frame -> client"  # issue 10's "serving overhead": first_frame -> received
 
 
@@ -54,15 +56,25 @@ def medians_ms(parts: list[dict[str, float]]) -> dict[str, float] | None:
             for name in names}
 
 
-def anatomy_table(rows: list[dict]) -> str:
-    """Markdown: one line per row ("mode", "level", "anatomy" = medians_ms), one column per part."""
-    rows = [r for r in rows if r.get("anatomy")]
+def slowest_ms(parts: list[dict[str, float]]) -> dict[str, float] | None:
+    """The parts of the stream with the largest TTFA, in ms (NaN: None): where a level's worst first audio went,
+    one slow phase or a stall that a median hides."""
+    if not parts:
+        return None
+    worst = max(parts, key=lambda p: p[TOTAL])
+    return {name: 1e3 * v if v == v else None for name, v in worst.items()}
+
+
+def anatomy_table(rows: list[dict], key: str = MEDIANS) -> str:
+    """Markdown: one line per row ("mode", "level", and `key`: MEDIANS = medians_ms, SLOWEST = slowest_ms), one
+    column per part."""
+    rows = [r for r in rows if r.get(key)]
     if not rows:
         return ""
-    names = list(rows[0]["anatomy"])
-    lines = ["TTFA anatomy, medians (ms):", "",
-             "| mode | level | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+    names = list(rows[0][key])
+    title = {MEDIANS: "TTFA anatomy, medians (ms):", SLOWEST: "TTFA anatomy of each level's slowest stream (ms):"}
+    lines = [title[key], "", "| mode | level | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
     for r in rows:
-        cells = ["-" if r["anatomy"][n] is None else f"{r['anatomy'][n]:.2f}" for n in names]
+        cells = ["-" if r[key][n] is None else f"{r[key][n]:.2f}" for n in names]
         lines.append(f"| {r['mode']} | {r['level']:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

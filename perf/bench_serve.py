@@ -32,7 +32,7 @@ import time
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from anatomy import anatomy, anatomy_table, medians_ms
+from anatomy import MEDIANS, SLOWEST, anatomy, anatomy_table, medians_ms, slowest_ms
 from loadstats import LANGUAGE, SPEAKER, TEXT, Record, summarize
 from q3tts_client import protocol as P
 from q3tts_client.metrics import breakdown, scrape
@@ -129,7 +129,13 @@ def run_level(args, n: int, mode: str, requests: int | None = None, max_frames: 
             **summarize(records, time.perf_counter() - t0),
             "eos": sum(1 for r in records if r.finish == "eos"),
             "frames_min": min(frames, default=0), "frames_max": max(frames, default=0), **_agreement(audios),
-            "anatomy": medians_ms([p for p in parts if p])}
+            **_anatomies(parts)}
+
+
+def _anatomies(parts: list[dict | None]) -> dict:
+    """A level's TTFA anatomy: the medians and the slowest stream's parts (streams with TIMING)."""
+    timed = [p for p in parts if p]
+    return {MEDIANS: medians_ms(timed), SLOWEST: slowest_ms(timed)}
 
 
 def run_rate(args, rate: float, mode: str) -> dict:
@@ -155,7 +161,7 @@ def run_rate(args, rate: float, mode: str) -> dict:
     for t in threads:
         t.join()
     return {"loop": "open", "level": rate, "mode": mode, "rate": rate,
-            **summarize(records, time.perf_counter() - t0), "anatomy": medians_ms([p for p in parts if p])}
+            **summarize(records, time.perf_counter() - t0), **_anatomies(parts)}
 
 
 METRICS_SETTLE_S = 1.0  # the model sends its counters at its housekeeping tick (0.2 s)
@@ -301,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                     append_csv(args.csv, [{**rows[-1], "mode": rows[-1]["loop"]}], gpu=args.gpu)
     text = "\n\n".join(table([r for r in rows if r["loop"] == loop]) for loop, table
                        in (("closed", closed_table), ("open", open_table)) if any(r["loop"] == loop for r in rows))
-    text += "\n\n" + anatomy_table(rows) if any(r["anatomy"] for r in rows) else ""
+    text += "".join("\n\n" + anatomy_table(rows, key) for key in (MEDIANS, SLOWEST) if any(r[key] for r in rows))
     if args.metrics_url:
         text += "\n\n" + server_memory(scrape(args.metrics_url))
     print(text)

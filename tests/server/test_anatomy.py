@@ -51,10 +51,15 @@ def test_bench_serve_prints_the_anatomy_table(server):
                           "--requests", "1", "--max-frames", "3", "--check"], capture_output=True, text=True,
                          timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stdout + out.stderr
-    table = out.stdout[out.stdout.index("TTFA anatomy"):].splitlines()
-    header = table[2]
-    assert all(name in header for name, _, _ in PARTS) and SERVING in header
-    assert [line.split("|")[2].strip() for line in table[4:6]] == ["1", "2"]
+    medians, slowest = (out.stdout[out.stdout.index(title):].splitlines()
+                        for title in ("TTFA anatomy, medians", "TTFA anatomy of each level's slowest stream"))
+    for table in (medians, slowest):
+        header = table[2]
+        assert all(name in header for name, _, _ in PARTS) and SERVING in header
+        assert [line.split("|")[2].strip() for line in table[4:6]] == ["1", "2"]
+    ttfa = lambda line: float(line.split("|")[-2])  # noqa: E731 - the last column
+    assert ttfa(slowest[4]) == ttfa(medians[4])  # one stream at level 1: its median is itself
+    assert ttfa(slowest[5]) >= ttfa(medians[5])  # level 2: the larger of two TTFAs >= their mean
 
 
 def test_without_max_frames_the_text_caps_the_frames(server):
