@@ -41,6 +41,7 @@ def test_calls_round_trip_and_request_errors_come_back_as_themselves(proc, tiny_
     generation = json.loads((tiny_checkpoint / "generation_config.json").read_text())
     assert proc.default_sampling == SamplingParams.from_generation_config(generation)
     assert proc.checkpoint.config.variant == "custom_voice" and not proc.has_work()
+    assert proc.frozen_objects > 50_000  # the child's start (imports, model, engine) out of its full collections
     with pytest.raises(InvalidRequest, match="unknown speaker 'nobody'"):
         proc.add(1, VoiceSpec(speaker="nobody"), None, text="hi", text_done=True)
     speaker = sorted(proc.checkpoint.config.talker.speaker_ids)[0]
