@@ -121,7 +121,8 @@ class EngineConfig:
                          dependent launch where the device has it (Hopper+): a GEMM whose weight tile fits its
                          programs' registers loads it, then waits for the kernel before while that one still runs
                          (`q3tts.kernels.set_programmatic_launch`, process-wide, left as set; kernels/_launch.py).
-                         Same bits either way. Off by default (perf/results/RESULTS.md, thirty-seventh session)
+                         Same bits either way. Off by default until a host stall seen in served runs with it on
+                         is explained (perf/results/RESULTS.md, thirty-eighth session)
     run_ahead            the engine process (serving/engine_process.py) runs its next step as soon as it has
                          answered one, before the serving loop asks for it, so that the device's next step does
                          not wait for the serving loop to route the last step's outputs (nor for that step's
