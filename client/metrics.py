@@ -48,7 +48,8 @@ def _series(url: str, timeout_s: float):
 def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
     """Means over the work between two scrapes (None where nothing of that kind happened):
     queue_wait_ms per started sequence, prefill_ms per prefill forward, seqs_per_prefill, decode_ms per step,
-    gap_ms per gap between consecutive steps (the device idle while the host handles a step's outputs)."""
+    gap_ms per gap between consecutive steps (the device idle while the host handles a step's outputs),
+    gc_full_ms per full garbage-collection pass of the engine process (a host pause in which no step launches)."""
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
@@ -61,4 +62,6 @@ def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
             "prefill_ms": ratio(delta("q3tts_prefill_seconds_total"), prefills, 1e3),
             "seqs_per_prefill": ratio(started, prefills),
             "decode_ms": ratio(delta("q3tts_decode_seconds_total"), decodes, 1e3),
-            "gap_ms": ratio(delta("q3tts_step_gap_seconds_total"), delta("q3tts_step_gaps_total"), 1e3)}
+            "gap_ms": ratio(delta("q3tts_step_gap_seconds_total"), delta("q3tts_step_gaps_total"), 1e3),
+            "gc_full_ms": ratio(delta("q3tts_engine_gc_full_pass_seconds_total"),
+                                delta("q3tts_engine_gc_full_passes_total"), 1e3)}

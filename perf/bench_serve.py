@@ -200,7 +200,7 @@ def _snr_db(ref: np.ndarray, other: np.ndarray) -> float:
 def closed_table(rows) -> str:
     server = any(r.get("server") for r in rows)
     lines = ["| mode | streams | requests | errors | bad | greedy: same as first / max diff / min SNR dB | eos / frames min-max | TTFA p50 / p90 / p99 (ms) "
-             "| RTF p50 | audio-s/s | underrun streams | wall (s) |" + (" server: queue wait / prefill (seqs) / decode step / gap ms |" if server else ""),
+             "| RTF p50 | audio-s/s | underrun streams | wall (s) |" + (" server: queue wait / prefill (seqs) / decode step / gap / full GC pass ms |" if server else ""),
              "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|" + ("---|" if server else "")]
     for r in rows:
         agree = "-" if r["same"] is None else f"{r['same']} / {_num(r['max_diff'], '.2g')} / {_num(r['min_snr_db'], '.1f')}"
@@ -215,7 +215,7 @@ def open_table(rows) -> str:
     server = any(r.get("server") for r in rows)
     lines = ["| mode | requests/s | requests | errors | bad | TTFA p50 / p95 / p99 (ms) | end-to-end p50 / p95 (ms) "
              "| RTF p50 | audio-s/s | peak in-flight | underrun streams | wall (s) |"
-             + (" server: queue wait / prefill (seqs) / decode step / gap ms |" if server else ""),
+             + (" server: queue wait / prefill (seqs) / decode step / gap / full GC pass ms |" if server else ""),
              "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|" + ("---|" if server else "")]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['rate']:g} | {r['streams']} | {r['errors']} | {r['bad']} | "
@@ -229,7 +229,8 @@ def _server_cells(r: dict, server: bool) -> str:
     if not server:
         return ""
     return (f" {_num(r['queue_wait_ms'], '.1f')} / {_num(r['prefill_ms'], '.1f')} "
-            f"({_num(r['seqs_per_prefill'], '.1f')}) / {_num(r['decode_ms'], '.1f')} / {_num(r['gap_ms'], '.2f')} |")
+            f"({_num(r['seqs_per_prefill'], '.1f')}) / {_num(r['decode_ms'], '.1f')} / {_num(r['gap_ms'], '.2f')} / "
+            f"{_num(r['gc_full_ms'], '.1f')} |")
 
 
 def _num(v: float | None, fmt: str) -> str:

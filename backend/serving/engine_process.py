@@ -295,11 +295,12 @@ def child_main(conn, checkpoint: str, engine_config: dict[str, Any]) -> None:
     except BaseException as e:  # noqa: BLE001 - the parent raises it from wait_ready
         send(conn, ("start_error", f"{type(e).__name__}: {e}"))
         return
+    full_passes = FullCollections()
     frozen = freeze_heap()
     sys.stderr.write(f"[q3tts] engine process {os.getpid()}: engine up in {engine.startup}; "
                      f"{frozen} objects of the start frozen\n")
     send(conn, ("ready", engine.default_sampling, engine.checkpoint.config, frozen))
-    serve(conn, engine, engine.config.run_ahead)
+    serve(conn, engine, engine.config.run_ahead, full_passes)
 
 
 def freeze_heap() -> int:
@@ -315,15 +316,37 @@ def freeze_heap() -> int:
     return gc.get_freeze_count()
 
 
-def serve(conn, engine, run_ahead: bool = False) -> None:
+class FullCollections:
+    """The garbage collector's full (generation 2) passes in this process, counted and timed from now on
+    (`gc.callbacks`): `stats()` -> gc_full_passes, gc_full_pass_seconds, which the engine process adds to the
+    engine's stats (metrics q3tts_engine_gc_full_passes_total, q3tts_engine_gc_full_pass_seconds_total). A full
+    pass is a host pause in which no step launches."""
+
+    def __init__(self) -> None:
+        self.passes, self.seconds, self._start = 0, 0.0, None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.passes, self.seconds = self.passes + 1, self.seconds + time.perf_counter() - self._start
+
+    def stats(self) -> dict[str, float]:
+        return {"gc_full_passes": self.passes, "gc_full_pass_seconds": self.seconds}
+
+
+def serve(conn, engine, run_ahead: bool = False, full_passes: FullCollections | None = None) -> None:
     """Answer the messages (id, calls) in order, each with (id, kind, value, has_work) (`_Child.answer_all`),
     until told to stop (None) or the parent goes away. While a step waits for the device, a message that came
     meanwhile is answered at once when all its calls are MID_STEP; else it, and every message after it, is
     held until the step is answered. `run_ahead`: when no message waits and the engine has work, the next step
     runs before it is asked for; its answer goes to the next message that asks for a step alone (a fault in
-    it: to the next message)."""
+    it: to the next message). `full_passes`: the process's `FullCollections`, which stats answers carry."""
     held: deque = deque()
-    child = _Child(engine)
+    child = _Child(engine, full_passes)
 
     def while_waiting(timeout_s: float) -> None:
         if held:  # the rest waits for the step
@@ -365,8 +388,8 @@ class _Child:
     """The child's engine as its messages reach it: calls in order, a step's `while_waiting` passed on, the
     answer of a step run ahead, and the sequences that ended lately (`ENDED_QUIET`)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, full_passes: FullCollections | None = None):
+        self.engine, self.full_passes = engine, full_passes  # stats answers carry the process's full passes
         self.ahead: tuple | None = None  # the answer of the step run ahead, until a message asks for it
         self.ended: OrderedDict = OrderedDict()  # the last ENDED_KEPT sequence ids that ended, oldest first
 
@@ -386,6 +409,8 @@ class _Child:
         if method in ENDED_QUIET and args and args[0] in self.ended:
             return True, None
         ok, value = _answer(self.engine, method, args, kwargs, while_waiting)
+        if ok and method == "stats" and self.full_passes is not None:
+            value = {**value, **self.full_passes.stats()}
         if ok and method == "step":
             self.ended.update((seq_id, None) for seq_id, _, _, finished, *_ in value[0] if finished)
             while len(self.ended) > ENDED_KEPT:

@@ -47,6 +47,11 @@ COUNTERS = {  # name -> (cumulative Engine.stats() key, sent to Triton as increm
     "q3tts_step_gap_seconds_total": ("step_gap_seconds", "Seconds the device idled between consecutive steps "
                                      "while the engine had work (the host's turn: outputs, scheduling)."),
     "q3tts_step_gaps_total": ("step_gaps", "Gaps between consecutive steps counted in q3tts_step_gap_seconds_total."),
+    "q3tts_engine_gc_full_passes_total": ("gc_full_passes", "Full (generation 2) passes of Python's garbage "
+                                          "collector in the engine process: host pauses in which no step "
+                                          "launches (its start's objects are frozen out of them)."),
+    "q3tts_engine_gc_full_pass_seconds_total": ("gc_full_pass_seconds", "Seconds the engine process spent in the "
+                                                "passes counted in q3tts_engine_gc_full_passes_total."),
     "q3tts_queue_wait_seconds_total": ("queue_wait_seconds", "Seconds from a complete prompt to its start, "
                                        "summed over started sequences."),
     "q3tts_voice_cache_hits_total": ("voice_cache_hits", "Base sequences whose voice the cache kept (no "

@@ -49,14 +49,16 @@ def test_scrape_sums_over_labels_and_scrape_by_keeps_each_instance_apart(metrics
 def test_breakdown_is_per_event_means_of_the_deltas():
     before = {"q3tts_prefilled_sequences_total": 4, "q3tts_prefill_steps_total": 2, "q3tts_prefill_seconds_total": 0.1,
               "q3tts_queue_wait_seconds_total": 1.0, "q3tts_decode_steps_total": 10, "q3tts_decode_seconds_total": 0.2,
-              "q3tts_step_gaps_total": 9, "q3tts_step_gap_seconds_total": 0.01}
+              "q3tts_step_gaps_total": 9, "q3tts_step_gap_seconds_total": 0.01,
+              "q3tts_engine_gc_full_passes_total": 1, "q3tts_engine_gc_full_pass_seconds_total": 0.1}
     after = {"q3tts_prefilled_sequences_total": 12, "q3tts_prefill_steps_total": 4, "q3tts_prefill_seconds_total": 0.14,
              "q3tts_queue_wait_seconds_total": 1.4, "q3tts_decode_steps_total": 30, "q3tts_decode_seconds_total": 0.5,
-             "q3tts_step_gaps_total": 27, "q3tts_step_gap_seconds_total": 0.037}
+             "q3tts_step_gaps_total": 27, "q3tts_step_gap_seconds_total": 0.037,
+             "q3tts_engine_gc_full_passes_total": 3, "q3tts_engine_gc_full_pass_seconds_total": 0.104}
     b = breakdown(before, after)
     assert b["queue_wait_ms"] == pytest.approx(50.0) and b["prefill_ms"] == pytest.approx(20.0)
     assert b["seqs_per_prefill"] == pytest.approx(4.0) and b["decode_ms"] == pytest.approx(15.0)
-    assert b["gap_ms"] == pytest.approx(1.5)
+    assert b["gap_ms"] == pytest.approx(1.5) and b["gc_full_ms"] == pytest.approx(2.0)
 
 
 def test_breakdown_without_events_is_none():
