@@ -197,10 +197,13 @@ def _snr_db(ref: np.ndarray, other: np.ndarray) -> float:
     return float("inf") if noise == 0.0 else 10.0 * np.log10(float(np.sum(ref.astype(np.float64) ** 2)) / noise)
 
 
+SERVER_COLUMN = " server: queue wait / prefill (seqs) / decode step / gap / full GC pass ms |"  # `_server_cells`
+
+
 def closed_table(rows) -> str:
     server = any(r.get("server") for r in rows)
     lines = ["| mode | streams | requests | errors | bad | greedy: same as first / max diff / min SNR dB | eos / frames min-max | TTFA p50 / p90 / p99 (ms) "
-             "| RTF p50 | audio-s/s | underrun streams | wall (s) |" + (" server: queue wait / prefill (seqs) / decode step / gap / full GC pass ms |" if server else ""),
+             "| RTF p50 | audio-s/s | underrun streams | wall (s) |" + (SERVER_COLUMN if server else ""),
              "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|" + ("---|" if server else "")]
     for r in rows:
         agree = "-" if r["same"] is None else f"{r['same']} / {_num(r['max_diff'], '.2g')} / {_num(r['min_snr_db'], '.1f')}"
@@ -215,7 +218,7 @@ def open_table(rows) -> str:
     server = any(r.get("server") for r in rows)
     lines = ["| mode | requests/s | requests | errors | bad | TTFA p50 / p95 / p99 (ms) | end-to-end p50 / p95 (ms) "
              "| RTF p50 | audio-s/s | peak in-flight | underrun streams | wall (s) |"
-             + (" server: queue wait / prefill (seqs) / decode step / gap / full GC pass ms |" if server else ""),
+             + (SERVER_COLUMN if server else ""),
              "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|" + ("---|" if server else "")]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['rate']:g} | {r['streams']} | {r['errors']} | {r['bad']} | "

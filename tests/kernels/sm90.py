@@ -203,13 +203,24 @@ def _attention_specs():
                                                                   torch.zeros_like(q))
 
 
+def _gemm_candidates(n: int, k: int):
+    """The configs the H200's tuner times for a fused GEMM of n output columns over k (`candidates`)."""
+    import torch
+
+    from q3tts.kernels import code_predictor_gemm
+
+    fits = lambda bn: n // bn if n % bn == 0 else None  # noqa: E731
+    with mock.patch.object(code_predictor_gemm, "num_sms", lambda device: H200_SMS):
+        return code_predictor_gemm.candidates(fits, k, torch.device("cpu"))
+
+
 def _norm_linear_specs():
     """(name, launch) of each config the H200's tuner times for the row-normalising GEMMs (norm + gate_up + SiLU,
     norm + head) at the 1.7B's code predictor and talker shapes, at one row (`held_rows`: its statistics over that
     row alone) and 4."""
     import torch
 
-    from q3tts.kernels import code_predictor_gemm, code_predictor_linear as cl
+    from q3tts.kernels import code_predictor_linear as cl
 
     bf = dict(dtype=torch.bfloat16)
     for name, hidden, inter, vocab in (("cp", 1024, 3072, 2048), ("talker", 2048, 6144, 3072)):
@@ -217,10 +228,7 @@ def _norm_linear_specs():
         for kernel, n, w, epilogue in (("gate_up", inter, torch.zeros(2 * inter, hidden, **bf), cl.SWIGLU),
                                        ("head", vocab, torch.zeros(vocab, hidden, **bf), cl.ROUND)):
             out_dtype = torch.float32 if epilogue == cl.ROUND else torch.bfloat16
-            fits = lambda bn, n=n: n // bn if n % bn == 0 else None  # noqa: E731
-            with mock.patch.object(code_predictor_gemm, "num_sms", lambda device: H200_SMS):
-                configs = code_predictor_gemm.candidates(fits, hidden, torch.device("cpu"))
-            for cfg in configs:
+            for cfg in _gemm_candidates(n, hidden):
                 for rows in (1, 4):
                     yield f"{name} norm {kernel} rows={rows} {cfg}", lambda c=cfg, r=rows, w=w, n=n, e=epilogue, \
                         o=out_dtype: cl._launch(c, x=x[:r], w=w, out=torch.zeros(r, n, dtype=o), prologue=cl.NORM,
@@ -233,16 +241,13 @@ def _residual_specs():
     down) at the 1.7B's code predictor and talker shapes, at one row."""
     import torch
 
-    from q3tts.kernels import code_predictor_gemm, code_predictor_linear as cl
+    from q3tts.kernels import code_predictor_linear as cl
 
     bf = dict(dtype=torch.bfloat16)
     for name, hidden, inter in (("cp", 1024, 3072), ("talker", 2048, 6144)):
         for kernel, k in (("o_proj", 2048), ("down", inter)):
             x, w, residual = torch.zeros(1, k, **bf), torch.zeros(hidden, k, **bf), torch.zeros(1, hidden, **bf)
-            fits = lambda bn, n=hidden: n // bn if n % bn == 0 else None  # noqa: E731
-            with mock.patch.object(code_predictor_gemm, "num_sms", lambda device: H200_SMS):
-                configs = code_predictor_gemm.candidates(fits, k, torch.device("cpu"))
-            for cfg in configs:
+            for cfg in _gemm_candidates(hidden, k):
                 yield f"{name} {kernel} rows=1 {cfg}", lambda c=cfg, x=x, w=w, r=residual, n=hidden: cl._launch(
                     c, x=x, w=w, out=torch.zeros_like(r), prologue=cl.PLAIN, epilogue=cl.RESIDUAL, rows=1, n=n,
                     residual=r, counters=torch.zeros(4096, dtype=torch.int32))
