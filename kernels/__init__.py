@@ -23,8 +23,9 @@ depends neither on how many rows share a launch nor on what they hold. Per kerne
                    set by channels and length, one batch row per program), never cuDNN or the flat
                    tiling (its tiles span batch rows)
 
-Programmatic dependent launch (`set_programmatic_launch(True)`, process-wide; off by default): the code
-predictor's and the fused talker's kernels start while the kernel before them runs (kernels/_launch.py).
+Programmatic dependent launch (`set_programmatic_launch(True)`, process-wide; off until set, which an engine does
+from `EngineConfig.programmatic_launch`): the code predictor's and the fused talker's kernels start while the
+kernel before them runs (kernels/_launch.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
-from ._launch import set_programmatic_launch
+from ._launch import programmatic_launch, set_programmatic_launch
 from .autotune import batch_invariant, set_batch_invariant
 from .reference import PagedPrefix, QKNorm
 
@@ -60,7 +61,7 @@ except ImportError:  # CPU-only install without triton: the references serve eve
     HAS_TRITON = False
 
 __all__ = ["HAS_TRITON", "PagedPrefix", "QKNorm", "apply_rotary", "batch_invariant", "causal_conv1d",
-           "linear", "paged_decode_attention", "prefill_attention", "ring_attention", "rms_norm",
+           "linear", "paged_decode_attention", "prefill_attention", "programmatic_launch", "ring_attention", "rms_norm",
            "conv_kernel_weight",
            "set_batch_invariant", "set_programmatic_launch", "silu_mul", "snake_beta", "store_kv", "tuning",
            "uniforms", "use_triton", "warmup"]

@@ -1,8 +1,8 @@
 """Launch utilities every kernel wrapper shares: the device a launch goes to, the SM count, and programmatic
 dependent launch.
 
-Programmatic dependent launch (PDL, Hopper and later; `set_programmatic_launch(True)`, process-wide, off by
-default): a kernel launched with it may start while the kernel before it in the stream still runs. The GEMM
+Programmatic dependent launch (PDL, Hopper and later; `set_programmatic_launch(True)`, process-wide, off until
+set: an engine sets it from `EngineConfig.programmatic_launch`, on by default): a kernel launched with it may start while the kernel before it in the stream still runs. The GEMM
 launches that take it are those whose programs can hold their whole weight tile in registers
 (code_predictor_gemm.held_columns): they load it, then wait at `griddepcontrol.wait` until the previous kernel
 has finished and its writes are visible, then let the next kernel launch (`griddepcontrol.launch_dependents`). So a

@@ -111,6 +111,11 @@ def set_tuned(key: tuple, config: Any) -> None:
     _BEST[key] = config
 
 
+def forget(key: tuple) -> None:
+    """Drop `key`'s tuned choice (a chain tuner's mark that a newer tuning replaced); absent, nothing."""
+    _BEST.pop(key, None)
+
+
 def tuning_seconds() -> float:
     """Seconds this process spent timing launch configs so far (their compiles included)."""
     return _TUNED_S[0]

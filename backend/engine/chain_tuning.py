@@ -15,7 +15,9 @@ incumbent only when the chain is faster by more than a margin; rounds until one 
 
 The engine runs it once per tuning table and part (`EngineConfig.chain_tune`, before its decode graphs are
 captured): the table then holds the part's mark (`Part.mark`) and an engine that loads it
-(`EngineConfig.tune_cache`) times nothing again. perf/tune_chain.py runs it on random weights and prints what
+(`EngineConfig.tune_cache`) times nothing again. The mark names the launch mode it was tuned under (programmatic
+dependent launch or not: `EngineConfig.programmatic_launch` picks other configs), and a tuning under one mode drops
+the part's mark of the other, whose picks it replaced. perf/tune_chain.py runs it on random weights and prints what
 changed. CUDA only.
 """
 
@@ -28,6 +30,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from q3tts.core import SamplingParams
+from q3tts import kernels
 from q3tts.kernels import autotune
 from q3tts.models.attention import DecodeContext, PagedKVCache
 from q3tts.models.sampling import SamplingTensors, SubtalkerSampler, uniforms
@@ -180,7 +183,7 @@ class Part(Protocol):
 
     def mark(self, batches: Sequence[int]) -> tuple:
         """The table entry that says the part's keys were chain-tuned at `batches`: (mark_name, the part's shapes,
-        dtype, the sorted batches, ...) (another model size has other keys)."""
+        dtype, the sorted batches, ..., whether its kernels launch with PDL) (another model size has other keys)."""
 
 
 class CodePredictorPasses:
@@ -198,7 +201,7 @@ class CodePredictorPasses:
     def mark(self, batches: Sequence[int]) -> tuple:
         cfg, head = self.fused.cp.model.cfg, self.fused.cp.lm_head[0].weight
         shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, head.shape[0], self.fused.cp.num_groups)
-        return self.mark_name, shape, head.dtype, tuple(sorted(batches))
+        return self.mark_name, shape, head.dtype, tuple(sorted(batches)), kernels.programmatic_launch(head)
 
 
 class TalkerDecode:
@@ -226,7 +229,8 @@ class TalkerDecode:
     def mark(self, batches: Sequence[int]) -> tuple:
         cfg, w = self.fused.stack.cfg, self.fused.stack.norm.weight
         shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
-        return self.mark_name, shape, w.dtype, tuple(sorted(batches)), self.context, self.width
+        return (self.mark_name, shape, w.dtype, tuple(sorted(batches)), self.context, self.width,
+                kernels.programmatic_launch(w))
 
 
 @dataclass
@@ -268,9 +272,13 @@ def tune_on(chain: Chain, rounds: int = 1, margin: float = 0.01,
 def tune(part: Part, batches: Sequence[int], rounds: int = 1, margin: float = 0.01, iters: int = 10,
          progress: Progress = lambda line: None) -> ChainResult:
     """`tune_on` the chain of `part` (its fused kernels on CUDA) at `batches`, then mark the table
-    (`part.mark(batches)`)."""
+    (`part.mark(batches)`), in place of a mark of the other launch mode."""
     result = tune_on(part.chain(batches, iters), rounds, margin, progress)
-    autotune.set_tuned(part.mark(batches), {b: round(ms, 4) for b, ms in result.after.items()})
+    mark = part.mark(batches)
+    for key in autotune.tuned_configs():
+        if isinstance(key, tuple) and key[:-1] == mark[:-1] and key != mark:
+            autotune.forget(key)
+    autotune.set_tuned(mark, {b: round(ms, 4) for b, ms in result.after.items()})
     return result
 
 
@@ -284,5 +292,5 @@ def chain_tuned_parts() -> list[str]:
     chain-tuned keeps those picks for every later process that loads it, `EngineConfig.chain_tune` off or on (the
     benches print this beside their figures)."""
     names = {part.mark_name: part.name for part in (CodePredictorPasses, TalkerDecode)}
-    return sorted(f"{names[key[0]]} at B {', '.join(map(str, key[3]))}" for key in autotune.tuned_configs()
-                  if isinstance(key, tuple) and key and key[0] in names)
+    return sorted(f"{names[key[0]]} at B {', '.join(map(str, key[3]))}{' (PDL)' if key[-1] is True else ''}"
+                  for key in autotune.tuned_configs() if isinstance(key, tuple) and key and key[0] in names)

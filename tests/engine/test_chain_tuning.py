@@ -1,8 +1,8 @@
 """engine/chain_tuning.py: the coordinate descent on a made-up cost (the GPU chain it times has no CPU form), the
 candidates `kernels.autotune.pick` remembers for it, and when an engine chain-tunes (EngineConfig.chain_tune):
 once per tuning table and part (the fused code predictor, the fused talker), only where the part is fused, at the
-batches the config names; the talker's chain over the engine's KV cache leaves its pages as it found them; the marks a table
-holds, named for the benches' reports."""
+batches the config names and launch mode; the talker's chain over the engine's KV cache leaves its pages as it found
+them; the marks a table holds, named for the benches' reports."""
 
 from __future__ import annotations
 
@@ -206,14 +206,17 @@ def test_the_mark_holds_for_one_part_model_shape_and_dtype_only(make, monkeypatc
         others += [(fake_talker(1024, context=600), (1, 16)), (fake_talker(1024, width=320), (1, 16))]
     for other, batches in others:
         assert chain_tuning.needs_tuning(other, batches)
+    monkeypatch.setattr(chain_tuning.kernels, "programmatic_launch", lambda t: True)  # the other launch mode
+    assert chain_tuning.needs_tuning(make(1024), (1, 16))
 
 
 def test_the_table_names_the_parts_chain_tuned_in_it(monkeypatch):
     monkeypatch.setattr(autotune, "_BEST", {("cp_linear", 1024): "a launch config", "cp_chain_tuned_x": {}})
     assert chain_tuning.chain_tuned_parts() == []
     autotune.set_tuned(fake_talker(1024).mark((16, 1)), {1: 1.7, 16: 2.2})
+    monkeypatch.setattr(chain_tuning.kernels, "programmatic_launch", lambda t: True)
     autotune.set_tuned(fake_cp(1024).mark((1,)), {1: 2.7})
-    assert chain_tuning.chain_tuned_parts() == ["code predictor at B 1", "talker at B 1, 16"]
+    assert chain_tuning.chain_tuned_parts() == ["code predictor at B 1 (PDL)", "talker at B 1, 16"]
 
 
 @pytest.mark.gpu
@@ -282,6 +285,12 @@ def test_tune_runs_the_passes_largest_batch_first_and_marks_the_table(tiny_ckpt,
     assert runs == [2, 1, 2, 1, 2, 1]  # warm-up, the times before, the times after
     assert result.before == result.after == {2: 2.0, 1: 1.0} and result.changes == []
     assert autotune.tuned_configs()[CodePredictorPasses(fused).mark((1, 2))] == {2: 2.0, 1: 1.0}
+    # tuned again under the other launch mode: that mode's mark replaces this one (its picks are gone)
+    plain = CodePredictorPasses(fused).mark((1, 2))
+    monkeypatch.setattr(chain_tuning.kernels, "programmatic_launch", lambda t: True)
+    chain_tuning.tune(CodePredictorPasses(fused), (1, 2))
+    marks = [k for k in autotune.tuned_configs() if k[0] == "cp_chain_tuned"]
+    assert marks == [CodePredictorPasses(fused).mark((1, 2))] and marks != [plain]
 
 
 def test_tune_runs_the_talker_on_its_own_pages_of_the_cache_and_zeroes_what_it_wrote(tiny_ckpt, counted_graphs,
