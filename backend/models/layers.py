@@ -59,7 +59,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `kernels.batch_invariant()` (rows independent of the row count), else F.linear."""
     if not kernels.batch_invariant():
         return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]; a transposed view (the codec's) as a copy
     return kernels.linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 

@@ -67,6 +67,21 @@ def _count_linear(monkeypatch) -> dict[str, int]:
     return calls
 
 
+def test_the_dispatch_point_takes_a_transposed_view(monkeypatch, switch):
+    """The codec transformer's input is [B, T, C] as a transposed view of [B, C, T]: for one row its [M, K]
+    reshape is a view whose last dim is not contiguous, which the GEMM kernel refuses (the GPU run of
+    test_engine_graph_prefill_base_icl, a Base voice primed after an engine left the switch on)."""
+    from q3tts.models.layers import linear
+
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")  # the kernel through the interpreter off CUDA
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 32, 3, generator=g).to(dev).transpose(1, 2)  # [1, T=3, K=32], stride(-1) == 3
+    w, b = torch.randn(16, 32, generator=g).to(dev), torch.randn(16, generator=g).to(dev)
+    switch(True)
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
 def _codec(ckpt) -> CodecDecoder:
     return CodecDecoder.from_weights(ckpt.codec_config, ckpt.codec_weights)
 

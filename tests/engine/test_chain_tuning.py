@@ -235,7 +235,8 @@ def test_a_cuda_engine_chain_tunes_once_and_its_table_spares_the_next(tiny_ckpt_
                        max_prompt_tokens=256, max_text_tokens=128, graph_batch_sizes=(1, 2, 4), tune_cache=str(path))
     first = Engine(str(tiny_ckpt_dir), cfg)
     runner = first.runner
-    parts = (CodePredictorPasses(runner.talker.code_predictor.fused), TalkerDecode(runner.talker.fused, runner.kv))
+    parts = (CodePredictorPasses(runner.talker.code_predictor.fused),
+             TalkerDecode(runner.talker.fused, runner.kv, width=runner.meta.max_pages))  # the engine's table width
     assert "chain tuning" in first.startup.phases
     assert not any(chain_tuning.needs_tuning(part, (1, 4)) for part in parts)
     # the talker's chain left the sequences' pages as it found them (the graphs' padding rows write the dummy page)
