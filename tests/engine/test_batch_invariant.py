@@ -27,14 +27,6 @@ CPU = EngineConfig(device="cpu", dtype="float32", num_pages=96, max_slots=4, max
                    max_text_tokens=64, graph_batch_sizes=(1, 2, 4), use_cuda_graphs=False, batch_invariant=True)
 
 
-@pytest.fixture
-def switch():
-    """kernels.set_batch_invariant as the test leaves it: restored afterwards (it is process-wide)."""
-    before = kernels.batch_invariant()
-    yield kernels.set_batch_invariant
-    kernels.set_batch_invariant(before)
-
-
 # --- the config field ---------------------------------------------------------------------------
 
 def test_config_field():

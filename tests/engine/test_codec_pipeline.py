@@ -302,6 +302,7 @@ def test_codec_pipeline_setting():
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("switch")  # the batch-invariance switch off at the start, restored after
 @pytest.mark.parametrize("invariant", [True, False], ids=["batch_invariant", "default"])
 def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_dir, speaker, invariant):
     """CUDA graphs, bf16: the codec graphs one step behind (one or two steps in flight, the latter launched at
@@ -333,6 +334,7 @@ def test_pipelined_graphs_make_the_synchronous_graphs_codes_and_audio(tiny_ckpt_
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("switch")  # the batch-invariance switch off at the start, restored after
 def test_rows_ending_at_the_real_eos_with_two_steps_in_flight_keep_the_device_up(tiny_ckpt_dir, tiny_ckpt, speaker,
                                                                                  monkeypatch):
     """CUDA graphs captured with the talker drawing its real EOS as c0 of frame 5: the row that ends runs once more
@@ -405,6 +407,7 @@ def test_pushing_text_does_not_wait_for_the_step_in_flight(tiny_ckpt_dir, speake
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("switch")  # the batch-invariance switch off at the start, restored after
 def test_codec_on_a_green_context_makes_the_same_codes_and_audio(tiny_ckpt_dir, speaker):
     """EngineConfig.codec_sms: the pipelined codec's graphs captured on a stream of a green context of 16
     SMs order against the step's graphs as on a plain stream: bit for bit the codes and audio of
