@@ -61,8 +61,8 @@ except ImportError:  # CPU-only install without triton: the references serve eve
     HAS_TRITON = False
 
 __all__ = ["HAS_TRITON", "PagedPrefix", "QKNorm", "apply_rotary", "batch_invariant", "causal_conv1d",
-           "linear", "paged_decode_attention", "prefill_attention", "programmatic_launch", "ring_attention", "rms_norm",
-           "conv_kernel_weight",
+           "linear", "paged_decode_attention", "prefill_attention", "programmatic_launch", "ring_attention",
+           "rms_norm", "conv_kernel_weight",
            "set_batch_invariant", "set_programmatic_launch", "silu_mul", "snake_beta", "store_kv", "tuning",
            "uniforms", "use_triton", "warmup"]
 
