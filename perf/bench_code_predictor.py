@@ -41,7 +41,8 @@ if not torch.cuda.is_available():  # before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import add_tune_cache_argument, chain_tuned_note, tuning_table  # noqa: E402
+from bench_engine import (add_programmatic_launch_argument, add_tune_cache_argument, chain_tuned_note,  # noqa: E402
+                          tuning_table)
 from profile_step import Timer, capture  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -49,7 +50,6 @@ from q3tts.checkpoint.maker import _init_tensor  # noqa: E402
 from q3tts.checkpoint.presets import model_config_dict  # noqa: E402
 from q3tts.config import TalkerConfig  # noqa: E402
 from q3tts import kernels  # noqa: E402
-from q3tts.engine import EngineConfig  # noqa: E402
 from q3tts.engine.chain_tuning import FrameInputs  # noqa: E402
 from q3tts.kernels import code_predictor as cpk  # noqa: E402
 from q3tts.kernels.autotune import tuned_configs  # noqa: E402
@@ -250,9 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                    metavar="J", help="passes j (1..14) whose qkv_attention launch is also timed alone")
     p.add_argument("--batch-invariant", action="store_true",
                    help="kernels.set_batch_invariant(True): one GEMM config per weight shape")
-    p.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.programmatic_launch,
-                   help="kernels.set_programmatic_launch: the fused kernels launch with PDL (as the engine's default)")
+    add_programmatic_launch_argument(p)
     add_tune_cache_argument(p)
     args = p.parse_args(argv)
     device = torch.device(args.device)

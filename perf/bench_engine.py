@@ -200,11 +200,17 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.batch_invariant,
                    help="EngineConfig.batch_invariant (a row's bits independent of the batch)")
+    add_programmatic_launch_argument(p)
+    p.add_argument("--chain-tune", action=argparse.BooleanOptionalAction, default=EngineConfig.chain_tune,
+                   help="EngineConfig.chain_tune (the code predictor's configs tuned on its passes' graph time)")
+
+
+def add_programmatic_launch_argument(p: argparse.ArgumentParser) -> None:
+    """--[no-]programmatic-launch, default an engine's (EngineConfig.programmatic_launch: the fused kernels start
+    while the one before runs); the kernel benches pass it to kernels.set_programmatic_launch."""
     p.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.programmatic_launch,
                    help="EngineConfig.programmatic_launch (the fused kernels start while the one before runs)")
-    p.add_argument("--chain-tune", action=argparse.BooleanOptionalAction, default=EngineConfig.chain_tune,
-                   help="EngineConfig.chain_tune (the code predictor's configs tuned on its passes' graph time)")
 
 
 def bench_tune_cache() -> str | None:

@@ -41,7 +41,7 @@ if not torch.cuda.is_available():  # before triton is imported
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_code_predictor import (TEXT_IDS, capture_with_outputs, config_report,  # noqa: E402
                                   fused_kernels_on, kernels_launched, tuned_capture)
-from bench_engine import add_tune_cache_argument, tuning_table  # noqa: E402
+from bench_engine import add_programmatic_launch_argument, add_tune_cache_argument, tuning_table  # noqa: E402
 from profile_step import Timer, capture  # noqa: E402
 from report import emit  # noqa: E402
 
@@ -206,17 +206,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--batch-invariant", action="store_true",
                    help="kernels.set_batch_invariant(True): one GEMM config per weight shape")
+    add_programmatic_launch_argument(p)
     add_tune_cache_argument(p)
     args = p.parse_args(argv)
     fused_kernels_on(torch.device(args.device))
     kernels.set_batch_invariant(args.batch_invariant)
+    kernels.set_programmatic_launch(args.programmatic_launch)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     stack = random_stack(args.scale, args.layers, dtype, args.device)
     cuda = torch.cuda.is_available()
     hbm = hbm_gbps(Timer(torch.device("cuda"), args.iters, eager_iters=1)) if cuda else None
     head = [f"# talker decode: fused kernels vs eager ({args.scale}, {stack.cfg.num_layers} layers,"
             f" {dtype}, {torch.cuda.get_device_name() if cuda else 'cpu'}"
-            f"{', batch-invariant' if args.batch_invariant else ''})", ""]
+            f"{', batch-invariant' if args.batch_invariant else ''}"
+            f"{', programmatic launch' if args.programmatic_launch else ''})", ""]
     with tuning_table(args.tune_cache, torch.device(args.device)) as loaded:
         lines = head + [line for bsz in args.batches for line in bench_batch(stack, bsz, args, hbm)]
     lines += config_report(loaded, args.tune_cache)

@@ -7,7 +7,8 @@ H200: python3 perf/tune_chain.py [--part code_predictor|talker] --batches 1 16 -
     layers, every row at --context keys on its own pages, in block tables --table-pages wide: the engine's, whose
     width sets the attention's split count; models/talker_fused.py). The engine does each once per tuning table
     (EngineConfig.chain_tune): the table gets the part's chain-tuned mark (the talker's names --context and
-    --table-pages; the engine's, 300 and its own), so an engine that loads it does not chain-tune that part again.
+    --table-pages; the engine's, 300 and its own; both name the launch mode, --[no-]programmatic-launch, default
+    the engine's), so an engine that loads it does not chain-tune that part again.
     --start: begin from a saved table (an engine's), else from `pick`'s own choices made in the warm-up.
     Prints each key tried, each change and the chain's time per batch before and after; writes
     $OUT/tune_chain.md when OUT is set. The table goes to --out in the engine's format (`save_tuned`:
@@ -25,8 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_code_predictor import random_code_predictor  # noqa: E402
+from bench_engine import add_programmatic_launch_argument  # noqa: E402
 from report import emit  # noqa: E402
 
+from q3tts import kernels  # noqa: E402
 from q3tts.engine import EngineConfig, chain_tuning  # noqa: E402
 from q3tts.kernels import autotune  # noqa: E402
 from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402
@@ -58,9 +61,11 @@ def main(argv: list[str] | None = None) -> int:
                    "captures and their timed replays at --batches 1 16)")
     p.add_argument("--margin", type=float, default=0.01, help="the least fraction a change must win by")
     p.add_argument("--iters", type=int, default=10, help="replays timed per graph (their median)")
+    add_programmatic_launch_argument(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("tune_chain times CUDA graphs: it needs a GPU")
+    kernels.set_programmatic_launch(args.programmatic_launch)  # the mark names the mode it was tuned under
     device = torch.device("cuda")
     loaded = autotune.load_tuned(args.start, device) if args.start else 0
     progress = lambda line: print(line, flush=True)  # noqa: E731
@@ -72,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     what = (f"the fused talker's decode forward, context {args.context}, tables {args.table_pages} pages wide"
             if args.part == "talker"
             else "the fused code predictor's 15 passes")
-    lines = [f"# Chain tuning of {what} ({args.scale}, bf16, {torch.cuda.get_device_name()})",
+    lines = [f"# Chain tuning of {what} ({args.scale}, bf16, {torch.cuda.get_device_name()}"
+             f"{', programmatic launch' if args.programmatic_launch else ''})",
              "", f"{res.keys} keys, {res.candidates} candidates; start: "
              f"{f'{loaded} configs from {args.start}' if loaded else 'pick in the warm-up'}; "
              f"table written to {args.out}", "", "| batch | chain before (ms) | after (ms) |",
