@@ -1,15 +1,16 @@
 """Launch utilities every kernel wrapper shares: the device a launch goes to, the SM count, and programmatic
 dependent launch.
 
-Programmatic dependent launch (PDL, Hopper and later; `set_programmatic_launch(True)`, process-wide, off until
-set: an engine sets it from `EngineConfig.programmatic_launch`, on by default): a kernel launched with it may start while the kernel before it in the stream still runs. The GEMM
-launches that take it are those whose programs can hold their whole weight tile in registers
-(code_predictor_gemm.held_columns): they load it, then wait at `griddepcontrol.wait` until the previous kernel
-has finished and its writes are visible, then let the next kernel launch (`griddepcontrol.launch_dependents`). So a
-chain of small launches (the code predictor's 22-23 a pass) has each launch's start-up and weight fetch under the
-kernel before it, inside CUDA graphs too. Kernels without weights that take it (attention, the draw) wait first.
-A GEMM whose tile does not fit launches as usual (waiting with nothing in flight only holds SM slots), and a kernel
-without PDL code before or after one with it is ordered as usual: its successor only starts once it completes.
+Programmatic dependent launch (PDL, Hopper and later; `set_programmatic_launch(True)`, process-wide, off until set:
+an engine sets it from `EngineConfig.programmatic_launch`, on by default): a kernel launched with it may start while
+the kernel before it in the stream still runs. The GEMM launches that take it are those whose programs can hold
+their whole weight tile in registers (code_predictor_gemm.held_columns): they load it, then wait at
+`griddepcontrol.wait` until the previous kernel has finished and its writes are visible, then let the next kernel
+launch (`griddepcontrol.launch_dependents`). So a chain of small launches (the code predictor's 22-23 a pass) has
+each launch's start-up and weight fetch under the kernel before it, inside CUDA graphs too. Kernels without weights
+that take it (attention, the draw) wait first. A GEMM whose tile does not fit launches as usual (waiting with
+nothing in flight only holds SM slots), and a kernel without PDL code before or after one with it is ordered as
+usual: its successor only starts once it completes.
 """
 
 from __future__ import annotations

@@ -259,24 +259,20 @@ def test_reset_zeroes_exactly_the_given_slots(codec):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-def test_a_chunk_of_one_stream_through_the_batch_invariant_kernels(codec, codes, monkeypatch):
+def test_a_chunk_of_one_stream_through_the_batch_invariant_kernels(codec, codes, monkeypatch, switch):
     """Under the batch-invariance switch every codec layer runs a kernel or a row-independent path: a chunk of
     two frames of one stream (a Base voice's reference codes primed, `prime_state`) through them, the kernels in
     the interpreter, gives the plain decoder's pcm to fp32 rounding. The one-row [1, T, C] views the transformer
     hands its linears are not contiguous: the GEMM kernel refused them (5f1b9d0)."""
-    from q3tts import kernels
-
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
     decoder, chunk = codec.decoder, codes[1:2, :, :2]  # [1, 16, 2]
     with torch.no_grad():
         want = decoder.forward_chunk(chunk, decoder.zero_states(1))
-        before = kernels.batch_invariant()
-        kernels.set_batch_invariant(True)
+        switch(True)
         decoder.use_kernels(True)
         try:
             got = decoder.forward_chunk(chunk, decoder.zero_states(1))
         finally:
             decoder.use_kernels(False)  # the session's codec fixture is shared
-            kernels.set_batch_invariant(before)
     assert got.shape == want.shape == (1, 2 * SPF)
     assert _max_err(got, want) <= TOL

@@ -1,5 +1,4 @@
-"""Fixtures for engine tests: one tiny random CustomVoice checkpoint, loaded once; the kernels' batch-invariance
-switch off for a test and restored after it."""
+"""Session fixtures for engine tests: one tiny random CustomVoice checkpoint, loaded once."""
 
 from __future__ import annotations
 
@@ -25,16 +24,3 @@ def tiny_ckpt(tiny_ckpt_dir):
 @pytest.fixture(scope="session")
 def speaker(tiny_ckpt):
     return sorted(tiny_ckpt.config.talker.speaker_ids)[0]
-
-
-@pytest.fixture
-def switch():
-    """kernels.set_batch_invariant, off when the test starts and as it was when it ends: an engine with
-    EngineConfig.batch_invariant turns the process-wide switch on and leaves it on, so a later engine without it
-    would run the invariant paths."""
-    from q3tts import kernels
-
-    before = kernels.batch_invariant()
-    kernels.set_batch_invariant(False)
-    yield kernels.set_batch_invariant
-    kernels.set_batch_invariant(before)

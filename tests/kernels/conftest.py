@@ -15,11 +15,6 @@ def device() -> str:
 
 
 @pytest.fixture
-def invariant():
-    """kernels.set_batch_invariant(True) for one test (process-wide), then as it was before."""
-    from q3tts.kernels import autotune
-
-    before = autotune.batch_invariant()
-    autotune.set_batch_invariant(True)
-    yield
-    autotune.set_batch_invariant(before)
+def invariant(switch):
+    """kernels.set_batch_invariant(True) for one test (process-wide), then as it was before (`switch`)."""
+    switch(True)
