@@ -156,42 +156,35 @@ def _head_sums(part_ptr, rows, row_mask, col, M_PAD, NP, DT: tl.constexpr, HALF:
 
 
 @triton.jit
-def _attend(out_ptr, k_ptr, v_ptr, m, M, g, pos0, scale, stride_out, stride_kb, stride_kp, stride_kh, stride_vb,
-            stride_vp, stride_vh, T: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
-    """The GROUP heads of kv group g of row block m's rows over cache positions 0..pos (q read from, result
-    written to out), CHUNK positions per step. A program row is a (row, head) pair, BLOCK_M * GROUP of them: the
-    group's heads load each chunk's k and v together (one dependent L2 round trip per chunk for the group, where a
-    head at a time took one per chunk and head); each pair's arithmetic is its head's alone. Positions past a row's
-    pos are neither read nor weighed."""
-    pair = tl.arange(0, BLOCK_M * GROUP)
-    rows = m * BLOCK_M + pair // GROUP  # [BLOCK_M * GROUP]
-    row_mask = rows < M
-    pos = pos0 + rows % T
+def _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, cache_rows, pos, last_pos, head, scale,
+            stride_out, stride_kp, stride_vp, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """Head `head` of each row over cache positions 0..pos (q read from, result written to out),
+    CHUNK positions per step: their k and v loads are issued together (one dependent L2 round trip
+    per chunk instead of per position); positions past a row's pos are neither read nor weighed."""
     d = tl.arange(0, D)
-    o_offs = (rows.to(tl.int64) * stride_out + (g * GROUP + pair % GROUP) * D)[:, None] + d[None, :]
+    o_offs = rows.to(tl.int64)[:, None] * stride_out + head * D + d[None, :]
     q = tl.load(out_ptr + o_offs, mask=row_mask[:, None], other=0.0).to(tl.float32)
-    k_rows = (rows // T) * stride_kb + g * stride_kh  # int32: a cache holds < 2**31 elements
-    v_rows = (rows // T) * stride_vb + g * stride_vh
-    m_i = tl.full([BLOCK_M * GROUP], _NEG, tl.float32)
-    l_i = tl.zeros([BLOCK_M * GROUP], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP, D], tl.float32)
-    for p0 in range(0, pos0 + T, _CHUNK):
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for p0 in range(0, last_pos + 1, _CHUNK):
         p = p0 + tl.arange(0, _CHUNK)  # [CHUNK]
-        valid = p[None, :] <= pos[:, None]  # [BLOCK_M * GROUP, CHUNK]
+        valid = p[None, :] <= pos[:, None]  # [BLOCK_M, CHUNK]
         read = (row_mask[:, None] & valid)[:, :, None]  # rows past M weigh zeros (no 0 / 0)
-        at = k_rows[:, None] + p[None, :] * stride_kp
+        at = cache_rows[:, None] + p.to(tl.int64)[None, :] * stride_kp  # [BLOCK_M, CHUNK]
         k = tl.load(k_ptr + at[:, :, None] + d[None, None, :], mask=read,
-                    other=0.0).to(tl.float32)  # [BLOCK_M * GROUP, CHUNK, D]
-        at = v_rows[:, None] + p[None, :] * stride_vp
+                    other=0.0).to(tl.float32)  # [BLOCK_M, CHUNK, D]
+        at = cache_rows[:, None] + p.to(tl.int64)[None, :] * stride_vp
         v = tl.load(v_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0).to(tl.float32)
-        s = tl.where(valid, tl.sum(q[:, None, :] * k, 2) * scale, _NEG)  # [BLOCK_M * GROUP, CHUNK]
+        s = tl.where(valid, tl.sum(q[:, None, :] * k, 2) * scale, _NEG)  # [BLOCK_M, CHUNK]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         w = tl.where(valid, tl.exp(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(w, 1)
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v, 1)
         m_i = m_new
-    tl.store(out_ptr + o_offs, cast(acc / l_i[:, None], out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(out_ptr + o_offs, cast(acc / l_i[:, None], out_ptr.dtype.element_ty),
+             mask=row_mask[:, None])
 
 
 @triton.jit
@@ -280,8 +273,10 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
                                  D, SPLIT, ROUND)
         tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=row_mask[:, None])
         tl.debug_barrier()  # this program's k/v and q stores are read below by its other threads
-        _attend(out_ptr, k_ptr, v_ptr, m, M, g, pos0, scale, stride_out, stride_kb, stride_kp, stride_kh, stride_vb,
-                stride_vp, stride_vh, T, GROUP, BLOCK_M, D)
+        for j in tl.static_range(GROUP):
+            _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, b * stride_kb + g * stride_kh, pos,
+                    pos0 + T - 1, g * GROUP + j, scale, stride_out, stride_kp, stride_vp,
+                    BLOCK_M, D)
 
 
 @triton.jit
@@ -426,7 +421,6 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
         and cos.shape == sin.shape == (cos.shape[0], d), \
         f"qkv_attention: positions {pos0}..{pos0 + t - 1} out of range"
     assert BLOCK_M % t == 0, f"qkv_attention: {t} tokens per row must divide {BLOCK_M}"
-    assert k_cache.numel() < 2**31, f"qkv_attention: a cache of {k_cache.numel()} elements (int32 offsets)"
     assert (ids is None) == (rows_out is None), "qkv_attention: ids and rows_out come together"
     gathered = () if ids is None else (("rows_out", rows_out),)
     for name, ten in (("x", x), ("qkv_weight", qkv_weight), ("cos", cos), ("sin", sin),
