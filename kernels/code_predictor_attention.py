@@ -27,16 +27,17 @@ import triton
 import triton.language as tl
 
 from ._cast import cast
-from ._launch import device_guard, programmatic_launch
+from ._launch import device_guard
 from .autotune import pick
 from .code_predictor_gemm import (BLOCK_M, GATHER, NORM, GemmConfig, arrive, interpret_config,
                                   candidates, counters_needed, dot_precision, held_launch, held_rows,
                                   held_rstd, k_slice, load_sum, mainloop, row_blocks, row_offsets,
-                                  store_partial, wait_for_previous, weights_before_wait)
+                                  store_partial, weights_before_wait)
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": the first update has no inf - inf
 # a jit function reads globals only as constexpr (the interpreter does not check)
 _NORM, _GATHER = tl.constexpr(NORM), tl.constexpr(GATHER)
+_CHUNK = tl.constexpr(4)  # cache positions the attention reads per step
 
 
 @triton.jit
@@ -155,6 +156,38 @@ def _head_sums(part_ptr, rows, row_mask, col, M_PAD, NP, DT: tl.constexpr, HALF:
 
 
 @triton.jit
+def _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, cache_rows, pos, last_pos, head, scale,
+            stride_out, stride_kp, stride_vp, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """Head `head` of each row over cache positions 0..pos (q read from, result written to out),
+    CHUNK positions per step: their k and v loads are issued together (one dependent L2 round trip
+    per chunk instead of per position); positions past a row's pos are neither read nor weighed."""
+    d = tl.arange(0, D)
+    o_offs = rows.to(tl.int64)[:, None] * stride_out + head * D + d[None, :]
+    q = tl.load(out_ptr + o_offs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for p0 in range(0, last_pos + 1, _CHUNK):
+        p = p0 + tl.arange(0, _CHUNK)  # [CHUNK]
+        valid = p[None, :] <= pos[:, None]  # [BLOCK_M, CHUNK]
+        read = (row_mask[:, None] & valid)[:, :, None]  # rows past M weigh zeros (no 0 / 0)
+        at = cache_rows[:, None] + p.to(tl.int64)[None, :] * stride_kp  # [BLOCK_M, CHUNK]
+        k = tl.load(k_ptr + at[:, :, None] + d[None, None, :], mask=read,
+                    other=0.0).to(tl.float32)  # [BLOCK_M, CHUNK, D]
+        at = cache_rows[:, None] + p.to(tl.int64)[None, :] * stride_vp
+        v = tl.load(v_ptr + at[:, :, None] + d[None, None, :], mask=read, other=0.0).to(tl.float32)
+        s = tl.where(valid, tl.sum(q[:, None, :] * k, 2) * scale, _NEG)  # [BLOCK_M, CHUNK]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        w = tl.where(valid, tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v, 1)
+        m_i = m_new
+    tl.store(out_ptr + o_offs, cast(acc / l_i[:, None], out_ptr.dtype.element_ty),
+             mask=row_mask[:, None])
+
+
+@triton.jit
 def _joined(x1, x2):
     """Halves [R, H, HALF] of heads -> the heads [R, H, 2 * HALF] (first half, then second), fp32."""
     x = tl.permute(tl.join(x1.to(tl.float32), x2.to(tl.float32)), (0, 1, 3, 2))  # [R, H, 2, HALF]
@@ -234,11 +267,16 @@ def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, si
         tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=row_mask[:, None])
         _attend_few(out_ptr, q1, q2, k1, k2, v, k_old, v_old, rows, row_mask, pos, g, scale, stride_out, GROUP,
                     P, D)
-    else:  # the rotated q is parked in out, where `_cache_attention_kernel` reads it and writes its output
+    else:  # the rotated q is parked in out, where its attention output goes
         v = _store_heads_in_turn(part_ptr, out_ptr, stride_out, k_ptr, k_rows, row_mask[:, None], rows,
                                  row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD, NP, DT, NUM_HEADS, NUM_KV,
                                  D, SPLIT, ROUND)
         tl.store(v_ptr + v_rows[:, None] + dd[None, :], cast(v, DT), mask=row_mask[:, None])
+        tl.debug_barrier()  # this program's k/v and q stores are read below by its other threads
+        for j in tl.static_range(GROUP):
+            _attend(out_ptr, k_ptr, v_ptr, rows, row_mask, b * stride_kb + g * stride_kh, pos,
+                    pos0 + T - 1, g * GROUP + j, scale, stride_out, stride_kp, stride_vp,
+                    BLOCK_M, D)
 
 
 @triton.jit
@@ -320,34 +358,6 @@ def _qkv_attention_kernel(
                         ATT_ROWS, P)
 
 
-@triton.jit(do_not_specialize=["pos0"])
-def _cache_attention_kernel(out_ptr, k_ptr, v_ptr, pos0, scale, stride_out, stride_kb, stride_kp, stride_kh,
-                            stride_vb, stride_vp, stride_vh, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
-                            D: tl.constexpr, T: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr):
-    """Attention of a multi-row launch (grid: rows, kv groups): the GROUP q heads of row r's kv group g, rotated
-    in out by `_qkv_attention_kernel`, over the row's cached positions 0..pos, all at once from registers (one
-    round of loads; one softmax, as `_attend_few`); the output written over q. Positions past pos are neither
-    read nor weighed."""
-    r, g = tl.program_id(0), tl.program_id(1)
-    wait_for_previous(PDL)
-    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
-    pos = pos0 + r % T
-    b = (r // T).to(tl.int64)
-    p, d = tl.arange(0, P), tl.arange(0, D)
-    valid = p <= pos  # [P]
-    at = p.to(tl.int64)[:, None]
-    k = tl.load(k_ptr + b * stride_kb + g * stride_kh + at * stride_kp + d[None, :], mask=valid[:, None],
-                other=0.0).to(tl.float32)  # [P, D]
-    v = tl.load(v_ptr + b * stride_vb + g * stride_vh + at * stride_vp + d[None, :], mask=valid[:, None],
-                other=0.0).to(tl.float32)
-    q_offs = r.to(tl.int64) * stride_out + ((g * GROUP + tl.arange(0, GROUP)) * D)[:, None] + d[None, :]
-    q = tl.load(out_ptr + q_offs).to(tl.float32)  # [GROUP, D]
-    s = tl.where(valid[None, :], tl.sum(q[:, None, :] * k[None, :, :], 2) * scale, _NEG)  # [GROUP, P]
-    w = tl.where(valid[None, :], tl.exp(s - tl.max(s, 1)[:, None]), 0.0)
-    acc = tl.sum(w[:, :, None] * v[None, :, :], 1)  # [GROUP, D]
-    tl.store(out_ptr + q_offs, cast(acc / tl.sum(w, 1)[:, None], out_ptr.dtype.element_ty))
-
-
 def qkv_candidates(qkv_weight: torch.Tensor, head_dim: int) -> list[GemmConfig]:
     """The launch configs `pick` times for a fused qkv kernel (this one and the talker's) on
     qkv_weight [(NH + 2 KVH) D, H]: column tiles that stay within one head."""
@@ -375,12 +385,6 @@ def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w
         P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather,
         **held_launch(cfg, cfg.block_n, qkv_w.shape[1], x),
     )
-    if held_rows(rows) == BLOCK_M:  # the qkv launch stored q, k and v; the attention is a launch of its own
-        pdl = programmatic_launch(x)
-        _cache_attention_kernel[(rows, k_cache.shape[2])](
-            out, k_cache, v_cache, pos0, scale, out.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
-            NUM_HEADS=num_heads, NUM_KV=k_cache.shape[2], D=d, T=tokens, P=triton.next_power_of_2(k_cache.shape[1]),
-            PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,
