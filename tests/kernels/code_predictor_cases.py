@@ -64,6 +64,13 @@ class Inputs:
         return torch.zeros(4096, dtype=torch.int32, device=self.device)
 
 
+def row_stats(x: torch.Tensor) -> torch.Tensor:
+    """The row statistics of x [M, K] as `linear_residual` writes them: fp32 sums of squares over each
+    STAT_COLS columns [M, K / STAT_COLS]."""
+    from q3tts.kernels.code_predictor_gemm import STAT_COLS
+    return (x.float() ** 2).unflatten(1, (-1, STAT_COLS)).sum(-1)
+
+
 def _f32(to32: bool, *ts):
     return [t.float() if to32 and t.is_floating_point() else t for t in ts]
 
@@ -109,16 +116,36 @@ def gemm_cases(cpk, s: Shapes, rows: int, dtype: torch.dtype, inp: Inputs) -> li
                  lambda c, cfg, o: cpk.norm_head(h2, nw, head_w, EPS, c, 2, config=cfg, out=o),
                  lambda t: R.norm_head_ref(*f(t, h2, nw, head_w), EPS, 2), (rows, s.vocab),
                  torch.float32),
+        GemmCase("norm + gate_up from row statistics",
+                 lambda c, cfg, o: cpk.norm_gate_up(h, nw, gate_up_w, EPS, c, config=cfg, out=o, stats=row_stats(h)),
+                 lambda t: R.norm_gate_up_ref(*f(t, h, nw, gate_up_w), EPS), (rows, inter), dtype),
+        GemmCase("norm + head from row statistics, last of 2 tokens",
+                 lambda c, cfg, o: cpk.norm_head(h2, nw, head_w, EPS, c, 2, config=cfg, out=o, stats=row_stats(h2)),
+                 lambda t: R.norm_head_ref(*f(t, h2, nw, head_w), EPS, 2), (rows, s.vocab),
+                 torch.float32),
     ]
 
 
 def check_gemms(cpk, s: Shapes, rows: int, dtype: torch.dtype, inp: Inputs, config) -> None:
+    """Every case against its references, then the residual launch's row statistics."""
     for case in gemm_cases(cpk, s, rows, dtype, inp):
         counters = inp.counters()
         out = case.run(counters, config, inp.poisoned(*case.out_shape, dtype=case.out_dtype))
         assert out.dtype == case.out_dtype
         assert_close_3way(out, case.ref(False), case.ref(True), dtype, f"{case.name} ({rows} rows)")
         assert not counters.any(), f"{case.name}: counters left non-zero"
+    check_stats_written(cpk, s, rows, dtype, inp, config)
+
+
+def check_stats_written(cpk, s: Shapes, rows: int, dtype: torch.dtype, inp: Inputs, config) -> None:
+    """linear_residual's row statistics are its output's (`row_stats`, up to the fp32 summation order), every
+    entry of the rows written and none past them."""
+    x, w, h = inp.randn(rows, s.inter, dtype=dtype), inp.weight(s.hidden, s.inter, dtype), \
+        inp.randn(rows, s.hidden, scale=2, dtype=dtype)
+    stats = inp.poisoned(rows + 1, row_stats(h).shape[1], dtype=torch.float32)
+    out = cpk.linear_residual(x, w, h, inp.counters(), config=config, stats=stats)
+    torch.testing.assert_close(stats[:rows], row_stats(out), rtol=1e-5, atol=0.0)
+    assert stats[rows:].isnan().all(), "linear_residual: statistics written past the rows"
 
 
 def check_gather(cpk, s: Shapes, bsz: int, dtype: torch.dtype, inp: Inputs, config) -> None:
@@ -159,13 +186,15 @@ class AttentionFrame:
         self.ref32 = [c.float() for c in self.ref]
 
     def run_pass(self, pos0: int, tokens: int, counters: torch.Tensor, config) -> None:
-        """One pass: output and every cache entry written so far match the references."""
+        """One pass: output and every cache entry written so far match the references. Odd positions norm
+        from the rows' statistics (`row_stats`), as a layer does whose input a residual launch made."""
         s, dtype, rows = self.s, self.dtype, self.bsz * tokens
         x = self.inp.randn(rows, s.hidden, scale=2, dtype=dtype)
         args = (pos0, tokens, EPS, s.head_dim ** -0.5)
         out = self.cpk.qkv_attention(x, *self.weights, *self.rope, *self.kernel, *args, counters,
                                      config=config,
-                                     out=self.inp.poisoned(rows, s.heads * s.head_dim, dtype=dtype))
+                                     out=self.inp.poisoned(rows, s.heads * s.head_dim, dtype=dtype),
+                                     stats=row_stats(x) if pos0 % 2 else None)
         ref = R.qkv_attention_ref(x, *self.weights, *self.rope, *self.ref, *args)
         ref32 = R.qkv_attention_ref(*_f32(True, x, *self.weights, *self.rope), *self.ref32, *args)
         assert_close_3way(out, ref, ref32, dtype, f"attention at {pos0}")

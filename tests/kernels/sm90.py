@@ -94,7 +94,9 @@ H200_SMS = 132  # streaming multiprocessors: the tuner's split counts follow the
 def _qkv_specs():
     """(name, launch) of each qkv kernel config the H200's tuner times (`qkv_candidates` with its SM
     count): the code predictor's (1.7B shapes, T = 1 and 2; 4 rows, and the one batch row that attends in
-    one round of loads; rows gathered by id at 4 rows and at one) and the talker's (4 rows and one)."""
+    one round of loads; rows gathered by id at 4 rows and at one) and the talker's (4 rows and one), each norm
+    over the rows as it runs in a layer: from row statistics (` stats`: every layer after the first), from the rows
+    (the first layers: T = 2, gathered, the talker's)."""
     import torch
 
     from q3tts.kernels import code_predictor_attention as cpa, code_predictor_gemm, talker_qkv
@@ -105,6 +107,7 @@ def _qkv_specs():
     for hidden, name in ((1024, "cp"), (2048, "talker")):
         x, norm_w, w = torch.zeros(4, hidden, **bf), torch.ones(hidden, **bf), torch.zeros(n, hidden, **bf)
         qn, kn, cnt = torch.ones(d, **bf), torch.ones(d, **bf), torch.zeros(64, dtype=torch.int32)
+        stats = torch.zeros(4, hidden // 16)
         cos, sin = torch.zeros(64, d, **bf), torch.zeros(64, d, **bf)
         with mock.patch.object(code_predictor_gemm, "num_sms", lambda device: H200_SMS):
             configs = cpa.qkv_candidates(w, d)
@@ -113,19 +116,22 @@ def _qkv_specs():
                 cache = torch.zeros(4, 16, kv, d, **bf)  # 16 positions: the 1.7B's code groups
                 table, ids = torch.zeros(2048, hidden, **bf), torch.zeros(4, dtype=torch.int64)
                 # 1 row: `held_rows` FEW_ROWS; gathered: the passes after the first, rows by id from a table
-                for t, rows, gather in ((1, 4, False), (2, 4, False), (1, 1, False), (1, 4, True), (1, 1, True)):
+                for t, rows, gather, st in ((1, 4, False, True), (2, 4, False, False), (2, 4, False, True),
+                                            (1, 1, False, True), (1, 4, True, False), (1, 1, True, False)):
                     src = (table, ids[:rows], x[:rows]) if gather else (x[:rows], None, None)
-                    yield (f"cp_qkv_attention T={t} rows={rows}{' gathered' if gather else ''} {cfg}",
-                           lambda c=cfg, t=t, r=rows, src=src: cpa._launch(
+                    yield (f"cp_qkv_attention T={t} rows={rows}{' gathered' if gather else ''}{' stats' if st else ''}"
+                           f" {cfg}",
+                           lambda c=cfg, t=t, r=rows, src=src, st=st: cpa._launch(
                                c, *src, norm_w, w, qn, kn, cos, sin, cache, cache.clone(),
-                               torch.zeros(r, heads * d, **bf), cnt, 0, t, 1e-6, 0.1))
+                               torch.zeros(r, heads * d, **bf), cnt, 0, t, 1e-6, 0.1, stats if st else None))
             else:
                 cache = torch.zeros(8, 16, kv, d, **bf)
                 ids = torch.arange(4, dtype=torch.int64)
-                for rows in (4, 1):  # 1: `held_rows` rows, every head loaded at once
-                    yield f"talker_qkv rows={rows} {cfg}", lambda c=cfg, r=rows: talker_qkv._launch(
-                        c, x[:r], norm_w, w, qn, kn, cos, sin, ids[:r], ids[:r], cache, cache.clone(),
-                        torch.zeros(r, heads * d, **bf), cnt, 1e-6)
+                for rows, st in ((4, False), (4, True), (1, False), (1, True)):  # 1: `held_rows` rows, heads at once
+                    yield f"talker_qkv rows={rows}{' stats' if st else ''} {cfg}", \
+                        lambda c=cfg, r=rows, st=st: talker_qkv._launch(
+                            c, x[:r], norm_w, w, qn, kn, cos, sin, ids[:r], ids[:r], cache, cache.clone(),
+                            torch.zeros(r, heads * d, **bf), cnt, 1e-6, stats if st else None)
 
 
 def _conv_specs():
@@ -217,28 +223,30 @@ def _gemm_candidates(n: int, k: int):
 def _norm_linear_specs():
     """(name, launch) of each config the H200's tuner times for the row-normalising GEMMs (norm + gate_up + SiLU,
     norm + head) at the 1.7B's code predictor and talker shapes, at one row (`held_rows`: its statistics over that
-    row alone) and 4."""
+    row alone) and 4; from row statistics (`stats_rstd`) but the talker's head (after a norm of its own)."""
     import torch
 
     from q3tts.kernels import code_predictor_linear as cl
 
     bf = dict(dtype=torch.bfloat16)
     for name, hidden, inter, vocab in (("cp", 1024, 3072, 2048), ("talker", 2048, 6144, 3072)):
-        x, norm_w = torch.zeros(4, hidden, **bf), torch.ones(hidden, **bf)
+        x, norm_w, stats = torch.zeros(4, hidden, **bf), torch.ones(hidden, **bf), torch.zeros(4, hidden // 16)
         for kernel, n, w, epilogue in (("gate_up", inter, torch.zeros(2 * inter, hidden, **bf), cl.SWIGLU),
                                        ("head", vocab, torch.zeros(vocab, hidden, **bf), cl.ROUND)):
             out_dtype = torch.float32 if epilogue == cl.ROUND else torch.bfloat16
+            st = None if (name, kernel) == ("talker", "head") else stats
             for cfg in _gemm_candidates(n, hidden):
                 for rows in (1, 4):
                     yield f"{name} norm {kernel} rows={rows} {cfg}", lambda c=cfg, r=rows, w=w, n=n, e=epilogue, \
-                        o=out_dtype: cl._launch(c, x=x[:r], w=w, out=torch.zeros(r, n, dtype=o), prologue=cl.NORM,
-                                                epilogue=e, rows=r, n=n, norm_w=norm_w, eps=1e-6,
-                                                counters=torch.zeros(4096, dtype=torch.int32))
+                        o=out_dtype, st=st: cl._launch(c, x=x[:r], w=w, out=torch.zeros(r, n, dtype=o),
+                                                       prologue=cl.NORM, epilogue=e, rows=r, n=n, norm_w=norm_w,
+                                                       eps=1e-6, counters=torch.zeros(4096, dtype=torch.int32),
+                                                       stats=st)
 
 
 def _residual_specs():
     """(name, launch) of each config the H200's tuner times for the plain GEMMs with the residual epilogue (o_proj,
-    down) at the 1.7B's code predictor and talker shapes, at one row."""
+    down) at the 1.7B's code predictor and talker shapes, at one row, writing the output's row statistics."""
     import torch
 
     from q3tts.kernels import code_predictor_linear as cl
@@ -250,7 +258,7 @@ def _residual_specs():
             for cfg in _gemm_candidates(hidden, k):
                 yield f"{name} {kernel} rows=1 {cfg}", lambda c=cfg, x=x, w=w, r=residual, n=hidden: cl._launch(
                     c, x=x, w=w, out=torch.zeros_like(r), prologue=cl.PLAIN, epilogue=cl.RESIDUAL, rows=1, n=n,
-                    residual=r, counters=torch.zeros(4096, dtype=torch.int32))
+                    residual=r, counters=torch.zeros(4096, dtype=torch.int32), stats=torch.zeros(1, n // 16))
 
 
 def _held_specs():
