@@ -7,7 +7,7 @@ real shapes) with every JIT kernel's `run` replaced: each launch is bound and sp
 on a GPU (the JIT's own binder, for a CUDA sm_90 backend), compiled by triton.compile to a cubin,
 and measured by the cuobjdump that ships with Triton (registers, spill stack; barriers, shared-memory and global
 loads after the ticket, from the SASS), plus the shared memory it takes.
-`python tests/kernels/sm90.py [qkv | conv | sample | small | attention | norm_linear | held]` prints one spec set's
+`python tests/kernels/sm90.py [qkv | conv | sample | small | attention | norm_linear | held | held_block]` prints one spec set's
 (SPECS) as JSON; `compiled(spec_set)` runs that from a test.
 """
 
@@ -220,24 +220,25 @@ def _gemm_candidates(n: int, k: int):
         return code_predictor_gemm.candidates(fits, k, torch.device("cpu"))
 
 
-def _norm_linear_specs():
+def _norm_linear_specs(stats: bool = True):
     """(name, launch) of each config the H200's tuner times for the row-normalising GEMMs (norm + gate_up + SiLU,
     norm + head) at the 1.7B's code predictor and talker shapes, at one row (`held_rows`: its statistics over that
-    row alone) and 4; from row statistics (`stats_rstd`) but the talker's head (after a norm of its own)."""
+    row alone) and 4; from row statistics (`stats_rstd`, ` stats`) but the talker's head (after a norm of its own),
+    or, stats False, each from its rows."""
     import torch
 
     from q3tts.kernels import code_predictor_linear as cl
 
     bf = dict(dtype=torch.bfloat16)
     for name, hidden, inter, vocab in (("cp", 1024, 3072, 2048), ("talker", 2048, 6144, 3072)):
-        x, norm_w, stats = torch.zeros(4, hidden, **bf), torch.ones(hidden, **bf), torch.zeros(4, hidden // 16)
+        x, norm_w, rows_stats = torch.zeros(4, hidden, **bf), torch.ones(hidden, **bf), torch.zeros(4, hidden // 16)
         for kernel, n, w, epilogue in (("gate_up", inter, torch.zeros(2 * inter, hidden, **bf), cl.SWIGLU),
                                        ("head", vocab, torch.zeros(vocab, hidden, **bf), cl.ROUND)):
             out_dtype = torch.float32 if epilogue == cl.ROUND else torch.bfloat16
-            st = None if (name, kernel) == ("talker", "head") else stats
+            st = None if (name, kernel) == ("talker", "head") or not stats else rows_stats
             for cfg in _gemm_candidates(n, hidden):
                 for rows in (1, 4):
-                    yield f"{name} norm {kernel} rows={rows} {cfg}", lambda c=cfg, r=rows, w=w, n=n, e=epilogue, \
+                    yield f"{name} norm {kernel} rows={rows}{' stats' if st is not None else ''} {cfg}", lambda c=cfg, r=rows, w=w, n=n, e=epilogue, \
                         o=out_dtype, st=st: cl._launch(c, x=x[:r], w=w, out=torch.zeros(r, n, dtype=o),
                                                        prologue=cl.NORM, epilogue=e, rows=r, n=n, norm_w=norm_w,
                                                        eps=1e-6, counters=torch.zeros(4096, dtype=torch.int32),
@@ -273,8 +274,21 @@ def _held_specs():
                 yield f"held {name}", launch
 
 
+def _held_block_specs():
+    """(name, launch) of the row-block (BLOCK_M rows: 4 rows build as 16) qkv and row-normalising GEMM specs built
+    as under programmatic launch, each norm from its rows and from row statistics (` stats`): the code predictor's
+    qkv at two tokens a row and the talker's; norm + gate_up and norm + head of both models."""
+    from q3tts.kernels import code_predictor_gemm
+
+    with mock.patch.object(code_predictor_gemm, "programmatic_launch", lambda *_: True):
+        for name, launch in (*_qkv_specs(), *_norm_linear_specs(), *_norm_linear_specs(stats=False)):
+            if "rows=4 " in name and not name.startswith(("cp_qkv_attention T=1", "talker norm head")):
+                yield f"held {name}", launch
+
+
 SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs, "small": _small_specs,
-         "attention": _attention_specs, "norm_linear": _norm_linear_specs, "held": _held_specs}
+         "attention": _attention_specs, "norm_linear": _norm_linear_specs, "held": _held_specs,
+         "held_block": _held_block_specs}
 
 
 def compiled(spec_set: str) -> dict[str, list[dict]]:

@@ -96,3 +96,20 @@ def test_no_held_tile_build_spills():
     usage = compiled("held")
     assert len(usage) == 48, usage
     assert not spilled(usage), spilled(usage)
+
+
+def test_row_statistics_cost_the_row_block_builds_no_registers():
+    """The row-block (16-row) qkv and row-normalising GEMM builds under programmatic launch, each norm from row
+    statistics (`stats_rstd`, every layer after the first) against the same build from its rows: none from
+    statistics spills, and none takes more than 32 registers more (the statistics read as an [R, STATS] tile made
+    the compiler normalise the rows in the dot operand's layout: 253-255 registers for the qkv builds, 93-125 more
+    than from the rows, two programs an SM)."""
+    usage = compiled("held_block")
+    from_stats = {spec: kernels for spec, kernels in usage.items() if " stats " in spec}
+    # 4 configs x (code predictor qkv at two tokens a row, talker qkv; norm + gate_up of both, the code predictor's
+    # norm + head), each from statistics and from the rows
+    assert len(usage) == 40 and len(from_stats) == 20, usage
+    assert not spilled(from_stats), spilled(from_stats)
+    costly = {spec: (k["regs"], usage[spec.replace(" stats ", " ")][0]["regs"])
+              for spec, (k,) in from_stats.items() if k["regs"] > usage[spec.replace(" stats ", " ")][0]["regs"] + 32}
+    assert not costly, costly
