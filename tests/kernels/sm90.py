@@ -13,6 +13,7 @@ loads after the ticket, from the SASS), plus the shared memory it takes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -269,7 +270,9 @@ def _held_specs():
     from q3tts.kernels import code_predictor_gemm
 
     with mock.patch.object(code_predictor_gemm, "programmatic_launch", lambda *_: True):
-        for name, launch in (*_qkv_specs(), *_norm_linear_specs(), *_residual_specs()):
+        # NOTE: chained lazily: a spec's launch reads its generator's tensors as they stand at its yield (a tuple of
+        # the specs built first gave every qkv spec the talker's weights and every norm spec the talker's rows)
+        for name, launch in itertools.chain(_qkv_specs(), _norm_linear_specs(), _residual_specs()):
             if "rows=1 " in name:
                 yield f"held {name}", launch
 
