@@ -284,7 +284,7 @@ def _held_block_specs():
     from q3tts.kernels import code_predictor_gemm
 
     with mock.patch.object(code_predictor_gemm, "programmatic_launch", lambda *_: True):
-        for name, launch in (*_qkv_specs(), *_norm_linear_specs(), *_norm_linear_specs(stats=False)):
+        for name, launch in itertools.chain(_qkv_specs(), _norm_linear_specs(), _norm_linear_specs(stats=False)):
             if "rows=4 " in name and not name.startswith(("cp_qkv_attention T=1", "talker norm head")):
                 yield f"held {name}", launch
 
