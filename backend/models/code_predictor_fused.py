@@ -43,7 +43,6 @@ class FusedCodePredictor:
         self.cp = code_predictor
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, B, P, KVH, D] each
         self._counters: torch.Tensor | None = None
-        self._stats: torch.Tensor | None = None  # the residual stream's row statistics [2B, Hc / STAT_COLS]
         self._projected: tuple[tuple, list[torch.Tensor]] | None = None  # (weights' identity, tables)
 
     def serves(self, x: torch.Tensor) -> bool:
@@ -52,9 +51,8 @@ class FusedCodePredictor:
         return kernels.use_triton(x) and not self.cp.model.fp32_residual
 
     def _workspace(self, batch: int, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                 torch.Tensor, torch.Tensor]:
-        """K/V caches for >= batch rows, the kernels' ticket counters (int32 zeros) and the residual stream's
-        row statistics (`cpk.linear_residual`)."""
+                                                                 torch.Tensor]:
+        """K/V caches for >= batch rows and the kernels' ticket counters (int32 zeros)."""
         cfg = self.cp.model.cfg
         kv = self._kv
         if kv is None or kv[0].shape[1] < batch or kv[0].dtype != ref.dtype \
@@ -70,8 +68,7 @@ class FusedCodePredictor:
             units = max(max(widths) // cpk.MIN_BLOCK_N, cfg.num_kv_heads)
             need = cpk.counters_needed(2 * batch, units)  # pass 0 runs 2 rows per batch row
             self._counters = torch.zeros(need, dtype=torch.int32, device=ref.device)
-            self._stats = cpk.row_stats_buffer(2 * batch, cfg.hidden_size, ref.device)
-        return kv[0], kv[1], self._counters, self._stats
+        return kv[0], kv[1], self._counters
 
     def _input(self, counters: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rows x [N, H] through small_to_mtp_projection -> [N, Hc]."""
@@ -98,23 +95,20 @@ class FusedCodePredictor:
 
     def _layer(self, layer: DecoderLayer, x: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, pos0: int, tokens: int, counters: torch.Tensor,
-               rope: tuple[torch.Tensor, torch.Tensor], stats: torch.Tensor, x_stats: bool,
-               ids: torch.Tensor | None = None) -> torch.Tensor:
+               rope: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor | None = None) -> torch.Tensor:
         """One decoder layer in 4 launches on the residual stream x [N, Hc], or with ids [N] on the rows ids of
-        the table x [V, Hc]. Its residual launches write the stream's row statistics to stats, which its norms
-        read, and the first norm when x_stats (x was made by the layer before)."""
+        the table x [V, Hc]."""
         attn, mlp = layer.self_attn, layer.mlp
         norm = layer.input_layernorm
         h = x if ids is None else x.new_empty(ids.shape[0], x.shape[1])  # gathered by the first launch
         out = cpk.qkv_attention(x, norm.weight, attn.fused_weight(), attn.q_norm.weight,
                                 attn.k_norm.weight, *rope, k_cache, v_cache, pos0, tokens,
                                 norm.eps, self.cp.model.attn_scale, counters, ids=ids,
-                                rows_out=None if ids is None else h,
-                                stats=stats if x_stats else None)  # [N, NH * D]
-        h = cpk.linear_residual(out, attn.o_proj.weight, h, counters, stats=stats)
+                                rows_out=None if ids is None else h)  # [N, NH * D]
+        h = cpk.linear_residual(out, attn.o_proj.weight, h, counters)
         norm = layer.post_attention_layernorm
-        act = cpk.norm_gate_up(h, norm.weight, mlp.fused_weight(), norm.eps, counters, stats=stats)  # [N, I]
-        return cpk.linear_residual(act, mlp.down_proj.weight, h, counters, stats=stats)
+        act = cpk.norm_gate_up(h, norm.weight, mlp.fused_weight(), norm.eps, counters)  # [N, I]
+        return cpk.linear_residual(act, mlp.down_proj.weight, h, counters)
 
     def generate(self, past_hidden: torch.Tensor, c0: torch.Tensor, sampler: SubtalkerSampler
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +116,7 @@ class FusedCodePredictor:
         contract of `CodePredictor.generate`."""
         model = self.cp.model
         bsz, groups = c0.shape[0], self.cp.num_groups
-        k_cache, v_cache, counters, stats = self._workspace(bsz, past_hidden)
+        k_cache, v_cache, counters = self._workspace(bsz, past_hidden)
         rope = model.rope(past_hidden.device, past_hidden.dtype)  # cos, sin [P, D]
         tables = self._pass_tables()
         e0 = self.cp._embed_c0(c0)  # [B, H]
@@ -134,9 +128,9 @@ class FusedCodePredictor:
             for i, layer in enumerate(model.layers):
                 gather = j > 0 and i == 0
                 h = self._layer(layer, tables[j - 1] if gather else h, k_cache[i], v_cache[i], pos0, tokens,
-                                counters, rope, stats, i > 0, ids=codes[:, j - 1] if gather else None)
+                                counters, rope, ids=codes[:, j - 1] if gather else None)
             logits = cpk.norm_head(h, model.norm.weight, self.cp.lm_head[j].weight,
-                                   model.norm.eps, counters, tokens, stats=stats)  # [B, V] fp32
+                                   model.norm.eps, counters, tokens)  # [B, V] fp32
             sampler(logits, j + 1, out=codes[:, j])
         next_input = cpk.embed_sum(e0, tuple(e.weight for e in model.codec_embedding), codes)  # [B, H]
         return codes, next_input
