@@ -30,9 +30,9 @@ from ._cast import cast
 from ._launch import device_guard
 from .autotune import pick
 from .code_predictor_gemm import (BLOCK_M, GATHER, NORM, GemmConfig, arrive, interpret_config,
-                                  candidates, check_stats, counters_needed, dot_precision, held_launch,
-                                  held_rows, held_rstd, k_slice, load_sum, mainloop, row_blocks, row_offsets,
-                                  stats_width, store_partial, weights_before_wait)
+                                  candidates, counters_needed, dot_precision, held_launch, held_rows,
+                                  held_rstd, k_slice, load_sum, mainloop, row_blocks, row_offsets,
+                                  store_partial, weights_before_wait)
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": the first update has no inf - inf
 # a jit function reads globals only as constexpr (the interpreter does not check)
@@ -330,22 +330,22 @@ def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, st_ptr,
 def _qkv_attention_kernel(
     # pointers
     x_ptr, ids_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, out_ptr,
-    rows_out_ptr, part_ptr, cnt_ptr, st_ptr,
+    rows_out_ptr, part_ptr, cnt_ptr,
     # sizes
     M, K, pos0, eps, scale, M_PAD,
     # strides
     stride_xm, stride_ids, stride_w, stride_out, stride_rows_out, stride_kb, stride_kp, stride_kh,
-    stride_vb, stride_vp, stride_vh, stride_cos, stride_sin, stride_st,
+    stride_vb, stride_vp, stride_vh, stride_cos, stride_sin,
     # meta
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ATT_ROWS: tl.constexpr,
-    P: tl.constexpr, GATHER: tl.constexpr, HOLD: tl.constexpr, STATS: tl.constexpr,
+    P: tl.constexpr, GATHER: tl.constexpr, HOLD: tl.constexpr,
 ):
-    rows, row_mask, x_off, g, last = qkv_group_partials(
-        x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, st_ptr, M, K, eps, M_PAD, stride_xm, stride_ids,
-        stride_w, stride_st, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, GATHER,
-        ATT_ROWS, HOLD, STATS)
+    rows, row_mask, x_off, g, last = qkv_group_partials(  # the norm from the rows (no row statistics: STATS 0)
+        x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, x_ptr, M, K, eps, M_PAD, stride_xm, stride_ids,
+        stride_w, 0, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, GATHER,
+        ATT_ROWS, HOLD, 0)
     if GATHER:  # the gathered rows are the layer's residual input: one program per row block keeps them
         if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
             _copy_rows(x_ptr, x_off, row_mask, rows_out_ptr, rows, stride_rows_out, K, BLOCK_M)
@@ -367,24 +367,23 @@ def qkv_candidates(qkv_weight: torch.Tensor, head_dim: int) -> list[GemmConfig]:
 
 
 def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache,
-            v_cache, out, counters, pos0, tokens, eps, scale, stats) -> None:
+            v_cache, out, counters, pos0, tokens, eps, scale) -> None:
     rows, num_heads, d = out.shape[0], out.shape[1] // k_cache.shape[3], k_cache.shape[3]
     m_pad = row_blocks(rows) * BLOCK_M
     part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
     gather = ids is not None
     _qkv_attention_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
         x, ids if gather else x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, out,
-        rows_out if gather else out, part, counters, stats if stats is not None else out,
+        rows_out if gather else out, part, counters,
         rows, x.shape[1], pos0, eps, scale, m_pad,
         x.stride(0), ids.stride(0) if gather else 0, qkv_w.stride(0), out.stride(0),
         rows_out.stride(0) if gather else 0, *k_cache.stride()[:3], *v_cache.stride()[:3],
-        cos.stride(0), sin.stride(0), stats.stride(0) if stats is not None else 0,
+        cos.stride(0), sin.stride(0),
         NUM_HEADS=num_heads, NUM_KV=k_cache.shape[2], D=d, T=tokens,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
         DOT_PRECISION=dot_precision(qkv_w.dtype), ATT_ROWS=held_rows(rows),
         P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather,
-        STATS=0 if stats is None else stats_width(x.shape[1]),
         **held_launch(cfg, cfg.block_n, qkv_w.shape[1], x),
     )
 
@@ -394,8 +393,8 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int,
                   tokens_per_row: int, eps: float, scale: float, counters: torch.Tensor,
                   out: torch.Tensor | None = None, config: GemmConfig | None = None,
-                  ids: torch.Tensor | None = None, rows_out: torch.Tensor | None = None,
-                  stats: torch.Tensor | None = None) -> torch.Tensor:
+                  ids: torch.Tensor | None = None, rows_out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """Attention half of a code-predictor layer for rows x [M, H], M = B * T (T = tokens_per_row;
     row r is batch row r // T at position pos0 + r % T).
 
@@ -404,7 +403,6 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
     must hold this frame's earlier k/v). counters: int32 zeros, >= counters_needed(M, KVH).
     ids [M] (int, any stride): row m is x[ids[m]] (x is then a table [V, H]), and those rows are
     also written to rows_out [M, H] (the layer's residual input), so no launch gathers them first.
-    stats (not with ids): x's row statistics (`linear_residual`'s), read instead of x's rows for the norm.
     Returns attention output [M, NH * D] in x.dtype (before o_proj).
     """
     rows, hidden = x.shape if ids is None else (ids.shape[0], x.shape[1])
@@ -425,9 +423,6 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
         f"qkv_attention: positions {pos0}..{pos0 + t - 1} out of range"
     assert BLOCK_M % t == 0, f"qkv_attention: {t} tokens per row must divide {BLOCK_M}"
     assert (ids is None) == (rows_out is None), "qkv_attention: ids and rows_out come together"
-    assert stats is None or ids is None, "qkv_attention: row statistics are a residual's, not a table's"
-    if stats is not None:
-        check_stats(stats, rows, hidden, x)
     gathered = () if ids is None else (("rows_out", rows_out),)
     for name, ten in (("x", x), ("qkv_weight", qkv_weight), ("cos", cos), ("sin", sin),
                       ("k_cache", k_cache), ("v_cache", v_cache), *gathered):
@@ -446,7 +441,7 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
     if rows == 0:
         return out
     weights = (norm_weight, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache)
-    args = (x, ids, rows_out, *weights, out, counters, pos0, t, eps, scale, stats)
+    args = (x, ids, rows_out, *weights, out, counters, pos0, t, eps, scale)
     with device_guard(x):
         if config is None and x.is_cuda:  # timed on the first row block (the batch-1 shape)
             # NOTE: the gathering launch is its own kernel: its own key (see code_predictor_linear._run)
@@ -455,7 +450,7 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
             m = min(rows, BLOCK_M)
             one_block = (x if ids is not None else x[:m], None if ids is None else ids[:m],
                          None if ids is None else rows_out[:m], *weights, out[:m], counters, pos0, t, eps,
-                         scale, stats)
+                         scale)
             config = pick(key, qkv_candidates(qkv_weight, d),
                           lambda c: _launch(c, *one_block), x.device)
         config = config or interpret_config(d)

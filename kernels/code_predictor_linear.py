@@ -246,21 +246,18 @@ def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: tor
 
 def norm_head(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
               counters: torch.Tensor, tokens_per_row: int = 1, out: torch.Tensor | None = None,
-              config: GemmConfig | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
+              config: GemmConfig | None = None) -> torch.Tensor:
     """fp32 logits [M // T, V] of rms_norm(x[T-1::T]) @ weight [V, K]^T (rounded to weight.dtype
-    first, as the eager head), T = tokens_per_row: the last token of each batch row.
-    stats: x's row statistics (all M rows, `linear_residual`'s), read instead of x's rows for the norm."""
+    first, as the eager head), T = tokens_per_row: the last token of each batch row."""
     t = tokens_per_row
     assert x.shape[0] % t == 0, f"norm_head: {x.shape[0]} rows not a multiple of {t} tokens"
     assert x.shape[1] == weight.shape[1] and norm_weight.shape == (x.shape[1],), \
         f"norm_head: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
     rows = x.shape[0] // t
     out = _out(out, rows, weight.shape[0], x, torch.float32)
-    if stats is not None:
-        check_stats(stats, x.shape[0], x.shape[1], x)
     _run("cp_norm_head", config, x=x, w=weight, out=out, counters=counters, prologue=NORM,
          epilogue=ROUND, rows=rows, n=weight.shape[0], norm_w=norm_weight, eps=eps, row_step=t,
-         row_first=t - 1, stats=stats)
+         row_first=t - 1)
     return out
 
 

@@ -95,9 +95,8 @@ H200_SMS = 132  # streaming multiprocessors: the tuner's split counts follow the
 def _qkv_specs():
     """(name, launch) of each qkv kernel config the H200's tuner times (`qkv_candidates` with its SM
     count): the code predictor's (1.7B shapes, T = 1 and 2; 4 rows, and the one batch row that attends in
-    one round of loads; rows gathered by id at 4 rows and at one) and the talker's (4 rows and one), each norm
-    over the rows as it runs in a layer: from row statistics (` stats`: every layer after the first), from the rows
-    (the first layers: T = 2, gathered, the talker's)."""
+    one round of loads; rows gathered by id at 4 rows and at one) and the talker's (4 rows and one), the talker's
+    from its rows (the first layer) and from row statistics (` stats`: every layer after the first)."""
     import torch
 
     from q3tts.kernels import code_predictor_attention as cpa, code_predictor_gemm, talker_qkv
@@ -108,7 +107,6 @@ def _qkv_specs():
     for hidden, name in ((1024, "cp"), (2048, "talker")):
         x, norm_w, w = torch.zeros(4, hidden, **bf), torch.ones(hidden, **bf), torch.zeros(n, hidden, **bf)
         qn, kn, cnt = torch.ones(d, **bf), torch.ones(d, **bf), torch.zeros(64, dtype=torch.int32)
-        stats = torch.zeros(4, hidden // 16)
         cos, sin = torch.zeros(64, d, **bf), torch.zeros(64, d, **bf)
         with mock.patch.object(code_predictor_gemm, "num_sms", lambda device: H200_SMS):
             configs = cpa.qkv_candidates(w, d)
@@ -117,22 +115,20 @@ def _qkv_specs():
                 cache = torch.zeros(4, 16, kv, d, **bf)  # 16 positions: the 1.7B's code groups
                 table, ids = torch.zeros(2048, hidden, **bf), torch.zeros(4, dtype=torch.int64)
                 # 1 row: `held_rows` FEW_ROWS; gathered: the passes after the first, rows by id from a table
-                for t, rows, gather, st in ((1, 4, False, True), (2, 4, False, False), (2, 4, False, True),
-                                            (1, 1, False, True), (1, 4, True, False), (1, 1, True, False)):
+                for t, rows, gather in ((1, 4, False), (2, 4, False), (1, 1, False), (1, 4, True), (1, 1, True)):
                     src = (table, ids[:rows], x[:rows]) if gather else (x[:rows], None, None)
-                    yield (f"cp_qkv_attention T={t} rows={rows}{' gathered' if gather else ''}{' stats' if st else ''}"
-                           f" {cfg}",
-                           lambda c=cfg, t=t, r=rows, src=src, st=st: cpa._launch(
+                    yield (f"cp_qkv_attention T={t} rows={rows}{' gathered' if gather else ''} {cfg}",
+                           lambda c=cfg, t=t, r=rows, src=src: cpa._launch(
                                c, *src, norm_w, w, qn, kn, cos, sin, cache, cache.clone(),
-                               torch.zeros(r, heads * d, **bf), cnt, 0, t, 1e-6, 0.1, stats if st else None))
+                               torch.zeros(r, heads * d, **bf), cnt, 0, t, 1e-6, 0.1))
             else:
                 cache = torch.zeros(8, 16, kv, d, **bf)
-                ids = torch.arange(4, dtype=torch.int64)
+                ids, stats = torch.arange(4, dtype=torch.int64), torch.zeros(4, hidden // 16)
                 for rows, st in ((4, False), (4, True), (1, False), (1, True)):  # 1: `held_rows` rows, heads at once
                     yield f"talker_qkv rows={rows}{' stats' if st else ''} {cfg}", \
-                        lambda c=cfg, r=rows, st=st: talker_qkv._launch(
+                        lambda c=cfg, r=rows, st=stats if st else None: talker_qkv._launch(
                             c, x[:r], norm_w, w, qn, kn, cos, sin, ids[:r], ids[:r], cache, cache.clone(),
-                            torch.zeros(r, heads * d, **bf), cnt, 1e-6, stats if st else None)
+                            torch.zeros(r, heads * d, **bf), cnt, 1e-6, st)
 
 
 def _conv_specs():
@@ -224,8 +220,8 @@ def _gemm_candidates(n: int, k: int):
 def _norm_linear_specs(stats: bool = True):
     """(name, launch) of each config the H200's tuner times for the row-normalising GEMMs (norm + gate_up + SiLU,
     norm + head) at the 1.7B's code predictor and talker shapes, at one row (`held_rows`: its statistics over that
-    row alone) and 4; from row statistics (`stats_rstd`, ` stats`) but the talker's head (after a norm of its own),
-    or, stats False, each from its rows."""
+    row alone) and 4; the talker's norm + gate_up from row statistics (`stats_rstd`, ` stats`: it follows a
+    residual launch) unless stats is False, every other from its rows."""
     import torch
 
     from q3tts.kernels import code_predictor_linear as cl
@@ -236,7 +232,7 @@ def _norm_linear_specs(stats: bool = True):
         for kernel, n, w, epilogue in (("gate_up", inter, torch.zeros(2 * inter, hidden, **bf), cl.SWIGLU),
                                        ("head", vocab, torch.zeros(vocab, hidden, **bf), cl.ROUND)):
             out_dtype = torch.float32 if epilogue == cl.ROUND else torch.bfloat16
-            st = None if (name, kernel) == ("talker", "head") or not stats else rows_stats
+            st = rows_stats if stats and (name, kernel) == ("talker", "gate_up") else None
             for cfg in _gemm_candidates(n, hidden):
                 for rows in (1, 4):
                     yield f"{name} norm {kernel} rows={rows}{' stats' if st is not None else ''} {cfg}", lambda c=cfg, r=rows, w=w, n=n, e=epilogue, \
@@ -279,13 +275,13 @@ def _held_specs():
 
 def _held_block_specs():
     """(name, launch) of the row-block (BLOCK_M rows: 4 rows build as 16) qkv and row-normalising GEMM specs built
-    as under programmatic launch, each norm from its rows and from row statistics (` stats`): the code predictor's
-    qkv at two tokens a row and the talker's; norm + gate_up and norm + head of both models."""
+    as under programmatic launch, each norm from its rows and from row statistics (` stats`): the talker's qkv and
+    norm + gate_up."""
     from q3tts.kernels import code_predictor_gemm
 
     with mock.patch.object(code_predictor_gemm, "programmatic_launch", lambda *_: True):
         for name, launch in itertools.chain(_qkv_specs(), _norm_linear_specs(), _norm_linear_specs(stats=False)):
-            if "rows=4 " in name and not name.startswith(("cp_qkv_attention T=1", "talker norm head")):
+            if name.startswith(("talker_qkv rows=4 ", "talker norm gate_up rows=4 ")):
                 yield f"held {name}", launch
 
 
