@@ -206,8 +206,7 @@ def stats_rstd(st_ptr, st_rows, row_mask, K, eps, stride_st, STATS: tl.constexpr
     `row_rstd`'s ([R, CHUNK], the columns past STATS masked: no traffic), so rstd has the layout of the rows' tiles
     and the mainloop normalises them there; from an [R, STATS] load the compiler moved the normalisation into the
     dot operand's layout, which holds the tile once per warp (sm_90, 16 rows under PDL: the code predictor's qkv
-    build 128 -> 253 registers, the talker's 157 -> 255; the code predictor's 15 passes took 0.27 ms more at 16
-    rows on an H100)."""
+    build 128 -> 253 registers, the talker's 157 -> 255)."""
     ROWS: tl.constexpr = st_rows.shape[0]
     CHUNK: tl.constexpr = max(min(8192 // ROWS, 2048), STATS)
     gs = tl.arange(0, CHUNK)
