@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from .code_predictor_attention import qkv_attention
 from .code_predictor_embed import embed_sum
-from .code_predictor_gemm import MIN_BLOCK_N, GemmConfig, counters_needed, row_stats_buffer
+from .code_predictor_gemm import MIN_BLOCK_N, STAT_COLS, GemmConfig, counters_needed, row_stats_buffer
 from .code_predictor_linear import linear_residual, norm_gate_up, norm_head, project
 from .code_predictor_sampling import sample
 
-__all__ = ["GemmConfig", "MIN_BLOCK_N", "counters_needed", "embed_sum", "linear_residual", "norm_gate_up",
-           "norm_head", "project", "qkv_attention", "row_stats_buffer", "sample"]
+__all__ = ["GemmConfig", "MIN_BLOCK_N", "STAT_COLS", "counters_needed", "embed_sum", "linear_residual",
+           "norm_gate_up", "norm_head", "project", "qkv_attention", "row_stats_buffer", "sample"]
