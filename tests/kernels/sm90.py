@@ -13,6 +13,7 @@ loads after the ticket, from the SASS), plus the shared memory it takes.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -118,17 +119,16 @@ def _qkv_specs():
                 for t, rows, gather in ((1, 4, False), (2, 4, False), (1, 1, False), (1, 4, True), (1, 1, True)):
                     src = (table, ids[:rows], x[:rows]) if gather else (x[:rows], None, None)
                     yield (f"cp_qkv_attention T={t} rows={rows}{' gathered' if gather else ''} {cfg}",
-                           lambda c=cfg, t=t, r=rows, src=src: cpa._launch(
-                               c, *src, norm_w, w, qn, kn, cos, sin, cache, cache.clone(),
-                               torch.zeros(r, heads * d, **bf), cnt, 0, t, 1e-6, 0.1))
+                           functools.partial(cpa._launch, cfg, *src, norm_w, w, qn, kn, cos, sin, cache,
+                                             cache.clone(), torch.zeros(rows, heads * d, **bf), cnt, 0, t, 1e-6,
+                                             0.1))
             else:
                 cache = torch.zeros(8, 16, kv, d, **bf)
                 ids, stats = torch.arange(4, dtype=torch.int64), torch.zeros(4, hidden // 16)
                 for rows, st in ((4, False), (4, True), (1, False), (1, True)):  # 1: `held_rows` rows, heads at once
-                    yield f"talker_qkv rows={rows}{' stats' if st else ''} {cfg}", \
-                        lambda c=cfg, r=rows, st=stats if st else None: talker_qkv._launch(
-                            c, x[:r], norm_w, w, qn, kn, cos, sin, ids[:r], ids[:r], cache, cache.clone(),
-                            torch.zeros(r, heads * d, **bf), cnt, 1e-6, st)
+                    yield f"talker_qkv rows={rows}{' stats' if st else ''} {cfg}", functools.partial(
+                        talker_qkv._launch, cfg, x[:rows], norm_w, w, qn, kn, cos, sin, ids[:rows], ids[:rows], cache,
+                        cache.clone(), torch.zeros(rows, heads * d, **bf), cnt, 1e-6, stats[:rows] if st else None)
 
 
 def _conv_specs():
@@ -235,11 +235,11 @@ def _norm_linear_specs(stats: bool = True):
             st = rows_stats if stats and (name, kernel) == ("talker", "gate_up") else None
             for cfg in _gemm_candidates(n, hidden):
                 for rows in (1, 4):
-                    yield f"{name} norm {kernel} rows={rows}{' stats' if st is not None else ''} {cfg}", lambda c=cfg, r=rows, w=w, n=n, e=epilogue, \
-                        o=out_dtype, st=st: cl._launch(c, x=x[:r], w=w, out=torch.zeros(r, n, dtype=o),
-                                                       prologue=cl.NORM, epilogue=e, rows=r, n=n, norm_w=norm_w,
-                                                       eps=1e-6, counters=torch.zeros(4096, dtype=torch.int32),
-                                                       stats=st)
+                    yield f"{name} norm {kernel} rows={rows}{' stats' if st is not None else ''} {cfg}", \
+                        functools.partial(cl._launch, cfg, x=x[:rows], w=w, out=torch.zeros(rows, n, dtype=out_dtype),
+                                          prologue=cl.NORM, epilogue=epilogue, rows=rows, n=n, norm_w=norm_w, eps=1e-6,
+                                          counters=torch.zeros(4096, dtype=torch.int32),
+                                          stats=None if st is None else st[:rows])
 
 
 def _residual_specs():
@@ -254,9 +254,10 @@ def _residual_specs():
         for kernel, k in (("o_proj", 2048), ("down", inter)):
             x, w, residual = torch.zeros(1, k, **bf), torch.zeros(hidden, k, **bf), torch.zeros(1, hidden, **bf)
             for cfg in _gemm_candidates(hidden, k):
-                yield f"{name} {kernel} rows=1 {cfg}", lambda c=cfg, x=x, w=w, r=residual, n=hidden: cl._launch(
-                    c, x=x, w=w, out=torch.zeros_like(r), prologue=cl.PLAIN, epilogue=cl.RESIDUAL, rows=1, n=n,
-                    residual=r, counters=torch.zeros(4096, dtype=torch.int32), stats=torch.zeros(1, n // 16))
+                yield f"{name} {kernel} rows=1 {cfg}", functools.partial(
+                    cl._launch, cfg, x=x, w=w, out=torch.zeros_like(residual), prologue=cl.PLAIN, epilogue=cl.RESIDUAL,
+                    rows=1, n=hidden, residual=residual, counters=torch.zeros(4096, dtype=torch.int32),
+                    stats=torch.zeros(1, hidden // 16) if name == "talker" else None)
 
 
 def _held_specs():
@@ -266,8 +267,6 @@ def _held_specs():
     from q3tts.kernels import code_predictor_gemm
 
     with mock.patch.object(code_predictor_gemm, "programmatic_launch", lambda *_: True):
-        # NOTE: chained lazily: a spec's launch reads its generator's tensors as they stand at its yield (a tuple of
-        # the specs built first gave every qkv spec the talker's weights and every norm spec the talker's rows)
         for name, launch in itertools.chain(_qkv_specs(), _norm_linear_specs(), _residual_specs()):
             if "rows=1 " in name:
                 yield f"held {name}", launch
