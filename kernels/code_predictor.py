@@ -19,15 +19,21 @@ shape only under `set_batch_invariant(True)`).
 Each kernel's torch reference is in code_predictor_reference.py (sampling: models/sampling.warp_and_draw_reference).
 `counters` (int32 zeros, left zero by every launch) is the tickets' workspace: size it with
 `counters_needed(rows, units)`, units = the largest output width / MIN_BLOCK_N.
+`stats` (`row_stats_buffer`): the residual stream's row statistics, partial sums of squares that
+linear_residual writes with its output and the next launch's RMSNorm reads instead of the rows (at 16 rows a
+norm's programs read their rows whole: 32 MB from L2 in the talker's qkv launch, twice its weights). The
+talker's fused layers use them (norm + gate_up, and its qkv launch, talker_qkv.py); the code predictor's passes
+norm from their rows: with statistics its 15 passes at 16 rows took 3.47 ms against 3.16 on an H100
+(perf/results/RESULTS.md, forty-second session).
 """
 
 from __future__ import annotations
 
 from .code_predictor_attention import qkv_attention
 from .code_predictor_embed import embed_sum
-from .code_predictor_gemm import MIN_BLOCK_N, GemmConfig, counters_needed
+from .code_predictor_gemm import MIN_BLOCK_N, STAT_COLS, GemmConfig, counters_needed, row_stats_buffer
 from .code_predictor_linear import linear_residual, norm_gate_up, norm_head, project
 from .code_predictor_sampling import sample
 
-__all__ = ["GemmConfig", "MIN_BLOCK_N", "counters_needed", "embed_sum", "linear_residual", "norm_gate_up",
-           "norm_head", "project", "qkv_attention", "sample"]
+__all__ = ["GemmConfig", "MIN_BLOCK_N", "STAT_COLS", "counters_needed", "embed_sum", "linear_residual",
+           "norm_gate_up", "norm_head", "project", "qkv_attention", "row_stats_buffer", "sample"]

@@ -292,15 +292,16 @@ def _copy_rows(x_ptr, x_off, row_mask, out_ptr, rows, stride_out, K, BLOCK_M: tl
 
 
 @triton.jit
-def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm,
-                       stride_ids, stride_w, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
+def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, st_ptr, M, K, eps, M_PAD, stride_xm,
+                       stride_ids, stride_w, stride_st, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       GATHER: tl.constexpr, ROWS: tl.constexpr, HOLD: tl.constexpr):
+                       GATHER: tl.constexpr, ROWS: tl.constexpr, HOLD: tl.constexpr, STATS: tl.constexpr):
     """This program's share of RMSNorm(X) @ W_qkv^T (grid: row blocks, column tiles, K slices),
     stored as an fp32 partial [SPLIT, M_PAD, (NH + 2 KVH) D], then a ticket on its (row block, kv
     head g) group: q heads g*GROUP.., k head g, v head g. HOLD: see `weights_before_wait`. GATHER: row m
-    of X is row ids[m] of the table at x_ptr. ROWS: the rows the norm statistics hold (`held_rows`).
+    of X is row ids[m] of the table at x_ptr. ROWS: the rows the norm statistics hold (`held_rows`). STATS > 0:
+    the statistics come from X's row-statistics buffer at st_ptr (`held_rstd`).
     Returns rows, row_mask [BLOCK_M], the rows' element offsets in x [BLOCK_M], g, and whether this
     is the group's last program (which runs the group's epilogue)."""
     m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -312,8 +313,8 @@ def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, e
     row_mask = rows < M
     ROWS_FROM: tl.constexpr = _GATHER if GATHER else _NORM
     x_off = row_offsets(x_ptr, ids_ptr, rows, row_mask, 1, 0, stride_xm, stride_ids, ROWS_FROM)
-    rstd = held_rstd(x_ptr, ids_ptr, x_off, row_mask, m, M, K, eps, 1, 0, stride_xm, stride_ids, ROWS_FROM,
-                     BLOCK_M, ROWS)
+    rstd = held_rstd(x_ptr, ids_ptr, st_ptr, x_off, row_mask, m, M, K, eps, 1, 0, stride_xm, stride_ids,
+                     stride_st, ROWS_FROM, BLOCK_M, ROWS, STATS)
     acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, held, _NORM, BLOCK_M,
                    BLOCK_N, BLOCK_K, DOT_PRECISION, HOLD)
     store_partial(part_ptr, acc, split, rows, row_mask, cols, M_PAD, (NUM_HEADS + 2 * NUM_KV) * D)
@@ -341,10 +342,10 @@ def _qkv_attention_kernel(
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ATT_ROWS: tl.constexpr,
     P: tl.constexpr, GATHER: tl.constexpr, HOLD: tl.constexpr,
 ):
-    rows, row_mask, x_off, g, last = qkv_group_partials(
-        x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, stride_ids,
-        stride_w, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, GATHER,
-        ATT_ROWS, HOLD)
+    rows, row_mask, x_off, g, last = qkv_group_partials(  # the norm from the rows (no row statistics: STATS 0)
+        x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, x_ptr, M, K, eps, M_PAD, stride_xm, stride_ids,
+        stride_w, 0, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, GATHER,
+        ATT_ROWS, HOLD, 0)
     if GATHER:  # the gathered rows are the layer's residual input: one program per row block keeps them
         if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
             _copy_rows(x_ptr, x_off, row_mask, rows_out_ptr, rows, stride_rows_out, K, BLOCK_M)

@@ -36,6 +36,8 @@ MIN_BLOCK_N = 16
 HOLD_MAX = 32768  # weight elements a program may hold in registers across a PDL wait (`held_columns`)
 ROW_CLASSES = (16, 32, 64, 128, 256)  # rows rounded up to a power of 2, capped; one tuning each
 PLAIN, GATHER, NORM = 0, 1, 2  # prologues: X rows / table rows by id / RMSNorm(X rows)
+STAT_COLS = 16  # columns of one partial sum of squares in a row-statistics buffer (`store_stats`)
+_STAT_COLS = tl.constexpr(STAT_COLS)
 
 
 class GemmConfig(NamedTuple):
@@ -140,6 +142,29 @@ def held_launch(cfg: GemmConfig, tile_rows: int, k: int, t: torch.Tensor) -> dic
     return dict(HOLD=hold, num_warps=cfg.num_warps, num_stages=1 if hold else cfg.num_stages, launch_pdl=hold > 0)
 
 
+def stats_width(cols: int) -> int:
+    """STATS of a launch that norms rows `cols` wide from (or writes) a row-statistics buffer: its cols /
+    STAT_COLS partial sums a row rounded up to a power of 2."""
+    assert cols % STAT_COLS == 0, f"row statistics: {cols} columns not a multiple of {STAT_COLS}"
+    return triton.next_power_of_2(cols // STAT_COLS)
+
+
+def row_stats_buffer(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """A row-statistics buffer for `rows` rows of `cols` columns (fp32 [rows, cols / STAT_COLS]): a residual
+    launch writes it (`linear_residual`), the norms of the launches after read it."""
+    assert cols % STAT_COLS == 0, f"row statistics: {cols} columns not a multiple of {STAT_COLS}"
+    return torch.empty(rows, cols // STAT_COLS, dtype=torch.float32, device=device)
+
+
+def check_stats(stats: torch.Tensor, rows: int, cols: int, like: torch.Tensor) -> None:
+    """A row-statistics buffer for `rows` rows of `cols` columns: fp32 [>= rows, cols / STAT_COLS], rows
+    contiguous, on like's device."""
+    assert stats.dtype == torch.float32 and stats.dim() == 2 and stats.shape[0] >= rows \
+        and stats.shape[1] == cols // STAT_COLS and stats.stride(-1) == 1 and stats.device == like.device, \
+        f"row statistics: {tuple(stats.shape)}/{stats.dtype} on {stats.device}, want fp32 " \
+        f"[>= {rows}, {cols // STAT_COLS}] on {like.device}"
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -174,20 +199,57 @@ def row_rstd(x_ptr, x_off, row_mask, K, eps, ROWS: tl.constexpr):
 
 
 @triton.jit
-def held_rstd(x_ptr, ids_ptr, x_off, row_mask, m, M, K, eps, row_step, row_first, stride_xm, stride_ids,
-              ROWS_FROM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+def stats_rstd(st_ptr, st_rows, row_mask, K, eps, stride_st, STATS: tl.constexpr):
+    """`row_rstd` of the rows st_rows [R] of a row-statistics buffer (`store_stats`: K / STAT_COLS partial
+    sums of squares a row, STATS that count rounded up to a power of 2): one load of R x STATS fp32 instead of
+    the rows' K columns. NOTE: .cg reads at L2: another launch wrote them. NOTE: the load is shaped as
+    `row_rstd`'s ([R, CHUNK], the columns past STATS masked: no traffic), so rstd has the layout of the rows' tiles
+    and the mainloop normalises them there; from an [R, STATS] load the compiler moved the normalisation into the
+    dot operand's layout, which holds the tile once per warp (sm_90, 16 rows under PDL: the code predictor's qkv
+    build 128 -> 253 registers, the talker's 157 -> 255)."""
+    ROWS: tl.constexpr = st_rows.shape[0]
+    CHUNK: tl.constexpr = max(min(8192 // ROWS, 2048), STATS)
+    gs = tl.arange(0, CHUNK)
+    sq = tl.load(st_ptr + st_rows.to(tl.int64)[:, None] * stride_st + gs[None, :],
+                 mask=row_mask[:, None] & (gs < K // _STAT_COLS)[None, :], other=0.0, cache_modifier=".cg")
+    return 1.0 / tl.sqrt(tl.sum(sq, 1) / K + eps)
+
+
+@triton.jit
+def store_stats(st_ptr, y, rows, row_mask, tile, stride_st, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The row statistics of output columns tile*BLOCK_N.. of rows [BLOCK_M] (where row_mask): st[row, c] = the
+    sum of y^2 over columns c*STAT_COLS..(c+1)*STAT_COLS (y [BLOCK_M, BLOCK_N]: the stored values, as fp32), so a
+    norm of these rows in the next launch reads K / STAT_COLS sums a row (`stats_rstd`), not the rows."""
+    G: tl.constexpr = BLOCK_N // _STAT_COLS
+    sq = tl.sum(tl.reshape(y * y, [BLOCK_M, G, _STAT_COLS]), 2)  # [BLOCK_M, G]
+    cs = tile * G + tl.arange(0, G)
+    tl.store(st_ptr + rows.to(tl.int64)[:, None] * stride_st + cs[None, :], sq, mask=row_mask[:, None])
+
+
+@triton.jit
+def held_rstd(x_ptr, ids_ptr, st_ptr, x_off, row_mask, m, M, K, eps, row_step, row_first, stride_xm, stride_ids,
+              stride_st, ROWS_FROM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, STATS: tl.constexpr):
     """`row_rstd` [BLOCK_M] of row block m (rows at x_off where row_mask), or, for ROWS < BLOCK_M (`held_rows`:
     the launch's one row is the block's first), of that row alone, read again where `row_offsets` (ROWS_FROM)
-    puts it, as a scalar added to every row of the block (the others are masked). NOTE: a scalar, not a
+    puts it, as a scalar added to every row of the block (the others are masked). STATS > 0: from the rows'
+    statistics at st_ptr instead (`stats_rstd`; X row r is statistics row r). NOTE: a scalar, not a
     tl.broadcast_to of the [1] result: in sm_90 builds the broadcast kept 25-50 more registers a thread."""
     if ROWS < BLOCK_M:
         tl.static_assert(ROWS == 1, "held_rstd: a lone row or the whole block")
         rows = m * BLOCK_M + tl.arange(0, ROWS)
         held = rows < M
-        off = row_offsets(x_ptr, ids_ptr, rows, held, row_step, row_first, stride_xm, stride_ids, ROWS_FROM)
-        return tl.zeros([BLOCK_M], tl.float32) + tl.sum(row_rstd(x_ptr, off, held, K, eps, ROWS), 0)
+        if STATS > 0:
+            r = stats_rstd(st_ptr, rows * row_step + row_first, held, K, eps, stride_st, STATS)
+        else:
+            off = row_offsets(x_ptr, ids_ptr, rows, held, row_step, row_first, stride_xm, stride_ids, ROWS_FROM)
+            r = row_rstd(x_ptr, off, held, K, eps, ROWS)
+        rstd = tl.zeros([BLOCK_M], tl.float32) + tl.sum(r, 0)
+    elif STATS > 0:
+        rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rstd = stats_rstd(st_ptr, rows * row_step + row_first, row_mask, K, eps, stride_st, STATS)
     else:
-        return row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M)
+        rstd = row_rstd(x_ptr, x_off, row_mask, K, eps, BLOCK_M)
+    return rstd
 
 
 @triton.jit

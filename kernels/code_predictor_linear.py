@@ -27,7 +27,7 @@ from .autotune import batch_invariant, choose, pick
 from .code_predictor_gemm import (BLOCK_M, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
                                   interpret_config, arrive, candidates, counters_needed, dot_precision, held_launch,
                                   held_rows, held_rstd, k_slice, load_sum, mainloop, row_blocks, row_class,
-                                  row_offsets, store_partial, weights_before_wait)
+                                  row_offsets, check_stats, stats_width, store_partial, store_stats, weights_before_wait)
 from .swiglu import silu_times
 
 BIAS, RESIDUAL, SWIGLU, ROUND = 0, 1, 2, 3  # epilogues (ROUND: the product in the weight dtype)
@@ -36,9 +36,9 @@ _EPILOGUE_NAMES = {BIAS: "bias", RESIDUAL: "residual", SWIGLU: "swiglu", ROUND: 
 
 
 @triton.jit
-def _epilogue(acc, rows, row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, stride_out,
+def _epilogue(acc, rows, row_mask, tile, b_ptr, res_ptr, out_ptr, st_ptr, stride_res, stride_out, stride_st,
               DT: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              BLOCK_N: tl.constexpr, STATS: tl.constexpr):
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     r64 = rows.to(tl.int64)
     if EPILOGUE == 2:  # acc columns interleave (gate j, up j)
@@ -52,23 +52,27 @@ def _epilogue(acc, rows, row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, st
         y = cast(acc, DT).to(tl.float32) + res.to(tl.float32)
     else:
         y = cast(acc, DT).to(tl.float32)
-    tl.store(out_ptr + r64[:, None] * stride_out + cols[None, :],
-             cast(y, out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    y = cast(y, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + r64[:, None] * stride_out + cols[None, :], y, mask=row_mask[:, None])
+    if (STATS > 0) and (EPILOGUE == 1):
+        store_stats(st_ptr, y.to(tl.float32), rows, row_mask, tile, stride_st, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M", "row_step", "row_first", "M_PAD"])
 def _linear_kernel(
     # pointers
-    x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, cnt_ptr,
+    x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, cnt_ptr, st_ptr,
     # sizes
     M, N, K, row_step, row_first, eps, M_PAD,
     # strides
-    stride_xm, stride_w, stride_res, stride_out,
+    stride_xm, stride_w, stride_res, stride_out, stride_st,
     # meta
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ROWS: tl.constexpr, HOLD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROWS: tl.constexpr, HOLD: tl.constexpr, STATS: tl.constexpr,
 ):
+    """STATS > 0 (`stats_width`): the NORM prologue reads X's row statistics at st_ptr, or the RESIDUAL
+    epilogue writes its output's there (`store_stats`)."""
     m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if EPILOGUE == 2:  # weight tile rows: gate j, up j, gate j+1, ...
         W_TILE: tl.constexpr = 2 * BLOCK_N
@@ -84,8 +88,8 @@ def _linear_kernel(
     row_mask = rows < M
     x_off = row_offsets(x_ptr, x_ptr, rows, row_mask, row_step, row_first, stride_xm, 0, PROLOGUE)
     if PROLOGUE == 2:  # ROWS: the rows its statistics hold (`held_rows`)
-        rstd = held_rstd(x_ptr, x_ptr, x_off, row_mask, m, M, K, eps, row_step, row_first, stride_xm, 0, PROLOGUE,
-                         BLOCK_M, ROWS)
+        rstd = held_rstd(x_ptr, x_ptr, st_ptr, x_off, row_mask, m, M, K, eps, row_step, row_first, stride_xm, 0,
+                         stride_st, PROLOGUE, BLOCK_M, ROWS, STATS)
     else:
         rstd = tl.zeros([BLOCK_M], tl.float32)
     acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, held, PROLOGUE, BLOCK_M,
@@ -97,15 +101,15 @@ def _linear_kernel(
         store_partial(part_ptr, acc, split, rows, row_mask, cols, M_PAD, num_cols)
         if arrive(cnt_ptr + m * tl.num_programs(1) + tile, SPLIT):
             _epilogue(load_sum(part_ptr, rows, row_mask, cols, M_PAD, num_cols, SPLIT), rows,
-                      row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, stride_out, DT, EPILOGUE,
-                      BLOCK_M, BLOCK_N)
+                      row_mask, tile, b_ptr, res_ptr, out_ptr, st_ptr, stride_res, stride_out, stride_st, DT,
+                      EPILOGUE, BLOCK_M, BLOCK_N, STATS)
     else:
-        _epilogue(acc, rows, row_mask, tile, b_ptr, res_ptr, out_ptr, stride_res, stride_out, DT,
-                  EPILOGUE, BLOCK_M, BLOCK_N)
+        _epilogue(acc, rows, row_mask, tile, b_ptr, res_ptr, out_ptr, st_ptr, stride_res, stride_out, stride_st,
+                  DT, EPILOGUE, BLOCK_M, BLOCK_N, STATS)
 
 
 def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n, norm_w=None, bias=None,
-            residual=None, row_step=1, row_first=0, eps=0.0) -> None:
+            residual=None, row_step=1, row_first=0, eps=0.0, stats=None) -> None:
     tiles = n // cfg.block_n
     m_pad = row_blocks(rows, cfg.block_m) * cfg.block_m
     w_tile = cfg.block_n * (2 if epilogue == SWIGLU else 1)
@@ -119,13 +123,15 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
     _linear_kernel[(row_blocks(rows, cfg.block_m), tiles, cfg.split)](
         x, norm_w if norm_w is not None else w, w,
         bias if bias is not None else w, residual if residual is not None else out, out, part,
-        cnt,
+        cnt, stats if stats is not None else out,
         rows, n, w.shape[1], row_step, row_first, eps, m_pad,
         x.stride(0), w.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
+        stats.stride(0) if stats is not None else 0,
         PROLOGUE=prologue, EPILOGUE=epilogue, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_PRECISION=dot_precision(w.dtype),
         ROWS=held_rows(rows, cfg.block_m) if prologue == NORM else cfg.block_m,
+        STATS=0 if stats is None else stats_width(w.shape[1] if prologue == NORM else n),
         **held_launch(cfg, w_tile, w.shape[1], w),
     )
 
@@ -205,30 +211,36 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, counters:
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                     counters: torch.Tensor, out: torch.Tensor | None = None,
-                    config: GemmConfig | None = None) -> torch.Tensor:
-    """residual [M, N] + x [M, K] @ weight [N, K]^T (the product rounded to weight.dtype first)."""
+                    config: GemmConfig | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
+    """residual [M, N] + x [M, K] @ weight [N, K]^T (the product rounded to weight.dtype first).
+    stats (`check_stats`): where the output's row statistics go, for the norm of the next launch."""
     rows, n = x.shape[0], weight.shape[0]
     assert x.shape[1] == weight.shape[1] and residual.shape == (rows, n), \
         f"linear_residual: x {tuple(x.shape)}, weight {tuple(weight.shape)}, " \
         f"residual {tuple(residual.shape)}"
     assert residual.stride(-1) == 1, "linear_residual: residual last dim must be contiguous"
     out = _out(out, rows, n, x, weight.dtype)
+    if stats is not None:
+        check_stats(stats, rows, n, x)
     _run("cp_linear_residual", config, x=x, w=weight, out=out, counters=counters,
-         prologue=PLAIN, epilogue=RESIDUAL, rows=rows, n=n, residual=residual)
+         prologue=PLAIN, epilogue=RESIDUAL, rows=rows, n=n, residual=residual, stats=stats)
     return out
 
 
 def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
                  eps: float, counters: torch.Tensor, out: torch.Tensor | None = None,
-                 config: GemmConfig | None = None) -> torch.Tensor:
-    """silu(g) * u with [g | u] = rms_norm(x [M, K]) @ gate_up_weight [2I, K]^T -> [M, I]."""
+                 config: GemmConfig | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(g) * u with [g | u] = rms_norm(x [M, K]) @ gate_up_weight [2I, K]^T -> [M, I].
+    stats: x's row statistics (`linear_residual`'s), read instead of x's rows for the norm."""
     rows, inter = x.shape[0], gate_up_weight.shape[0] // 2
     assert gate_up_weight.shape == (2 * inter, x.shape[1]) and norm_weight.shape == (x.shape[1],), \
         f"norm_gate_up: x {tuple(x.shape)}, gate_up {tuple(gate_up_weight.shape)}, " \
         f"norm {tuple(norm_weight.shape)}"
     out = _out(out, rows, inter, x, gate_up_weight.dtype)
+    if stats is not None:
+        check_stats(stats, rows, x.shape[1], x)
     _run("cp_norm_gate_up", config, x=x, w=gate_up_weight, out=out, counters=counters,
-         prologue=NORM, epilogue=SWIGLU, rows=rows, n=inter, norm_w=norm_weight, eps=eps)
+         prologue=NORM, epilogue=SWIGLU, rows=rows, n=inter, norm_w=norm_weight, eps=eps, stats=stats)
     return out
 
 

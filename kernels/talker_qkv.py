@@ -25,8 +25,8 @@ from ._launch import device_guard
 from .autotune import pick
 from .code_predictor_attention import (_group_heads, _store_halves, _store_heads_in_turn, qkv_candidates,
                                        qkv_group_partials)
-from .code_predictor_gemm import (BLOCK_M, GemmConfig, counters_needed, dot_precision, held_launch,
-                                  held_rows, interpret_config, row_blocks)
+from .code_predictor_gemm import (BLOCK_M, GemmConfig, check_stats, counters_needed, dot_precision,
+                                  held_launch, held_rows, interpret_config, row_blocks, stats_width)
 
 
 @triton.jit
@@ -74,21 +74,22 @@ def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_
 def _talker_qkv_kernel(
     # pointers
     x_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr,
-    q_ptr, part_ptr, cnt_ptr,
+    q_ptr, part_ptr, cnt_ptr, st_ptr,
     # sizes
     M, K, eps, M_PAD,
     # strides
     stride_xm, stride_w, stride_q, stride_pos, stride_slot, stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh, stride_cos, stride_sin,
+    stride_vp, stride_vs, stride_vh, stride_cos, stride_sin, stride_st,
     # meta
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, EPI_ROWS: tl.constexpr,
-    HOLD: tl.constexpr,
+    HOLD: tl.constexpr, STATS: tl.constexpr,
 ):
     rows, row_mask, _, g, last = qkv_group_partials(
-        x_ptr, x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, M, K, eps, M_PAD, stride_xm, 0, stride_w,
-        NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, False, EPI_ROWS, HOLD)
+        x_ptr, x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, st_ptr, M, K, eps, M_PAD, stride_xm, 0, stride_w,
+        stride_st, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, False, EPI_ROWS, HOLD,
+        STATS)
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
         _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,
@@ -100,20 +101,22 @@ def _talker_qkv_kernel(
 
 
 def _launch(cfg: GemmConfig, x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, positions,
-            slot_mapping, k_cache, v_cache, out, counters, eps) -> None:
+            slot_mapping, k_cache, v_cache, out, counters, eps, stats) -> None:
     rows, (_, page_size, num_kv, d) = x.shape[0], k_cache.shape
     m_pad = row_blocks(rows) * BLOCK_M
     part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
     _talker_qkv_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
         x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, positions, slot_mapping, k_cache, v_cache,
-        out, part, counters,
+        out, part, counters, stats if stats is not None else out,
         rows, x.shape[1], eps, m_pad,
         x.stride(0), qkv_w.stride(0), out.stride(0), positions.stride(0), slot_mapping.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], cos.stride(0), sin.stride(0),
+        stats.stride(0) if stats is not None else 0,
         NUM_HEADS=out.shape[1] // d, NUM_KV=num_kv, D=d, PAGE_SIZE=page_size,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
         DOT_PRECISION=dot_precision(qkv_w.dtype), EPI_ROWS=held_rows(rows),
+        STATS=0 if stats is None else stats_width(x.shape[1]),
         **held_launch(cfg, cfg.block_n, qkv_w.shape[1], x),
     )
 
@@ -152,14 +155,15 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch
                    sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float,
                    counters: torch.Tensor, out: torch.Tensor | None = None,
-                   config: GemmConfig | None = None) -> torch.Tensor:
+                   config: GemmConfig | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
     """The attention inputs of a talker decode layer for rows x [M, H] (one token each).
 
     qkv_weight [(NH + 2 KVH) D, H] (rows q | k | v); q/k_norm_weight [D]; cos, sin [max_pos, D]
     RoPE tables; positions [M] (< max_pos, not checked: no host sync) and slot_mapping [M]
     (page * page_size + offset, < 0 = padding row: nothing stored), int, any stride;
     k_cache, v_cache [num_pages, page_size, KVH, D] (one layer's). counters: int32 zeros,
-    >= counters_needed(M, KVH) (left zero).
+    >= counters_needed(M, KVH) (left zero). stats: x's row statistics (`code_predictor.linear_residual`'s),
+    read instead of x's rows for the norm.
     Returns the rotated q [M, NH * D] in x.dtype; k and v are written to the cache.
     """
     num_heads = _check(x, qkv_weight, cos, sin, positions, slot_mapping, k_cache, v_cache,
@@ -168,6 +172,8 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch
     if out is None:
         out = torch.empty(rows, num_heads * d, dtype=x.dtype, device=x.device)
     assert out.shape == (rows, num_heads * d) and out.stride(-1) == 1, "qkv_rope_store: bad out"
+    if stats is not None:
+        check_stats(stats, rows, hidden, x)
     if rows == 0:
         return out
     weights = (norm_weight, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
@@ -176,10 +182,10 @@ def qkv_rope_store(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch
             key = ("talker_qkv", qkv_weight.shape, k_cache.shape[1:], qkv_weight.dtype)
             m = min(rows, BLOCK_M)
             one_block = (x[:m], *weights, positions[:m], slot_mapping[:m], k_cache, v_cache,
-                         out[:m], counters, eps)
+                         out[:m], counters, eps, stats)
             config = pick(key, qkv_candidates(qkv_weight, d),
                           lambda c: _launch(c, *one_block), x.device)
         config = config or interpret_config(d)
         assert d % config.block_n == 0, f"qkv_rope_store: block_n {config.block_n} must divide {d}"
-        _launch(config, x, *weights, positions, slot_mapping, k_cache, v_cache, out, counters, eps)
+        _launch(config, x, *weights, positions, slot_mapping, k_cache, v_cache, out, counters, eps, stats)
     return out

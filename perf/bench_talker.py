@@ -10,7 +10,8 @@ H200: python3 perf/bench_talker.py   [--batches 1 16 64 256] [--context 300] [--
       forward ms   device time of one CUDA-graph replay of each (CUDA events, median of --iters),
                    and per layer
       kernels      launches per forward (torch.profiler over one eager call)
-      per kernel   each fused launch of layer 0 alone in its own graph: us, compulsory MB (weights
+      per kernel   each fused launch of a layer after the first (the norms from row statistics, the
+                   residual launches writing them) alone in its own graph: us, compulsory MB (weights
                    once + activations + the K/V read), achieved GB/s and % of the HBM line
       per layer    the fused forward's compulsory bytes per layer / its time per layer
     HBM line: a 1 GiB device-to-device copy (bytes read + written / time).
@@ -97,7 +98,9 @@ class Step(DecodeInputs):
 
 
 def layer_launches(stack: DecoderStack, step: Step) -> list[tuple[str, int, Callable]]:
-    """The fused launches of layer 0, each with its compulsory bytes."""
+    """The fused launches of a layer after the first (layer 0's weights), each with its compulsory bytes: the
+    norms read the residual stream's row statistics, the residual launches write them. Then, not one of them,
+    layer 0's qkv launch, whose norm reads its rows (no residual launch came before it)."""
     cfg, layer, ctx = stack.cfg, stack.layers[0], step.ctx
     attn, mlp, x = layer.self_attn, layer.mlp, step.x
     bsz, esz = x.shape[0], x.element_size()
@@ -107,27 +110,30 @@ def layer_launches(stack: DecoderStack, step: Step) -> list[tuple[str, int, Call
     rope = stack.rope(x.device, x.dtype)
     q = torch.randn(bsz, q_width, device=x.device, dtype=x.dtype)
     act = torch.randn(bsz, cfg.intermediate_size, device=x.device, dtype=x.dtype)
+    stats = (x.float() ** 2).unflatten(1, (-1, cpk.STAT_COLS)).sum(-1)  # x's, as a residual launch writes them
+    written = torch.empty_like(stats)
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     rows = lambda width: bsz * width * esz  # noqa: E731
     kv_read = 2 * int(ctx.context_lens.sum()) * kv_width * esz
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    qkv = lambda st: qkv_rope_store(x, norm1.weight, attn.fused_weight(), attn.q_norm.weight,  # noqa: E731
+                                    attn.k_norm.weight, *rope, step.positions, ctx.slot_mapping, ctx.cache.k[0],
+                                    ctx.cache.v[0], norm1.eps, counters, stats=st)
+    qkv_bytes = nbytes(attn.fused_weight()) + rows(cfg.hidden_size + q_width + 2 * kv_width)
     return [
-        ("norm + qkv + qk-norm + rope + K/V store",
-         nbytes(attn.fused_weight()) + rows(cfg.hidden_size + q_width + 2 * kv_width),
-         lambda: qkv_rope_store(x, norm1.weight, attn.fused_weight(), attn.q_norm.weight,
-                                attn.k_norm.weight, *rope, step.positions, ctx.slot_mapping,
-                                ctx.cache.k[0], ctx.cache.v[0], norm1.eps, counters)),
+        ("norm + qkv + qk-norm + rope + K/V store", qkv_bytes, lambda: qkv(stats)),
         ("paged attention (split + merge)", kv_read + rows(2 * q_width),
          lambda: decode_attention(q.view(bsz, cfg.num_heads, -1), ctx.cache.k[0], ctx.cache.v[0],
                                   ctx.block_tables, ctx.context_lens, ctx.scale, counters)),
         ("o_proj + residual", nbytes(attn.o_proj.weight) + rows(q_width + 2 * cfg.hidden_size),
-         lambda: cpk.linear_residual(q, attn.o_proj.weight, x, counters)),
+         lambda: cpk.linear_residual(q, attn.o_proj.weight, x, counters, stats=written)),
         ("norm + gate_up + silu", nbytes(mlp.fused_weight()) + rows(cfg.hidden_size
                                                                     + cfg.intermediate_size),
-         lambda: cpk.norm_gate_up(x, norm2.weight, mlp.fused_weight(), norm2.eps, counters)),
+         lambda: cpk.norm_gate_up(x, norm2.weight, mlp.fused_weight(), norm2.eps, counters, stats=stats)),
         ("down + residual", nbytes(mlp.down_proj.weight)
          + rows(cfg.intermediate_size + 2 * cfg.hidden_size),
-         lambda: cpk.linear_residual(act, mlp.down_proj.weight, x, counters)),
+         lambda: cpk.linear_residual(act, mlp.down_proj.weight, x, counters, stats=written)),
+        ("norm + qkv + ... from its rows (layer 0; not in the layer)", qkv_bytes, lambda: qkv(None)),
     ]
 
 
@@ -175,15 +181,15 @@ def bench_batch(stack: DecoderStack, bsz: int, args, hbm: float | None) -> list[
                     "fused": kernels_launched(lambda: step.run(fused.forward))}
         per_kernel = [(name, n, 1e3 * timer.graph(tuned_capture(fn).replay))
                       for name, n, fn in (*layer_launches(stack, step), qkv_gemm_alone(stack, step))]
-    *per_kernel, alone = per_kernel
+    *per_kernel, first, alone = per_kernel
     layers = stack.cfg.num_layers
     lines += [f"fused graph replay == fused eager: {same}", "",
               "| forward | ms | ms / layer | kernels |", "|---|---:|---:|---:|"]
     lines += [f"| {k} | {ms[k]:.3f} | {ms[k] / layers:.4f} | {launches[k]} |" for k in ms]
     pct = lambda gbps: f"{100 * gbps / hbm:.0f} %" if hbm else "-"  # noqa: E731
-    lines += ["", f"| fused launch (layer 0, alone in a graph) | us | MB | GB/s | of HBM ({hbm:.0f}"
+    lines += ["", f"| fused launch (a layer after the first, alone in a graph) | us | MB | GB/s | of HBM ({hbm:.0f}"
               f" GB/s) |", "|---|---:|---:|---:|---:|"]
-    for name, n, us in (*per_kernel, alone):
+    for name, n, us in (*per_kernel, first, alone):
         lines.append(f"| {name} | {us:.1f} | {n / 1e6:.2f} | {n / us / 1e3:.0f} | "
                      f"{pct(n / us / 1e3)} |")
     layer_bytes = sum(n for _, n, _ in per_kernel)

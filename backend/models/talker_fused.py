@@ -46,16 +46,17 @@ class FusedTalker:
     def __init__(self, stack: DecoderStack):
         self.stack = stack
         self._counters: torch.Tensor | None = None
+        self._stats: torch.Tensor | None = None  # the residual stream's row statistics [B, H / STAT_COLS]
 
     def serves(self, x: torch.Tensor) -> bool:
         """Whether the kernels run on x's device and the stack's residual stream is in the model dtype (their
         epilogues round it there: an fp32 stream, `DecoderStack.fp32_residual`, takes the eager stack)."""
         return kernels.use_triton(x) and not self.stack.fp32_residual
 
-    def _workspace(self, batch: int, ref: torch.Tensor) -> torch.Tensor:
+    def _workspace(self, batch: int, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernels' ticket counters (int32 zeros) for >= batch rows: one per (row block, output
         tile) of the widest GEMM, per (row block, kv head) of the QKV launch, per (row, kv head) of
-        the attention."""
+        the attention; and the residual stream's row statistics (`cpk.linear_residual`)."""
         cfg = self.stack.cfg
         need = max(cpk.counters_needed(batch, max(cfg.hidden_size, cfg.intermediate_size)
                                        // cpk.MIN_BLOCK_N), batch * cfg.num_kv_heads)
@@ -65,25 +66,29 @@ class FusedTalker:
                 raise RuntimeError(f"FusedTalker: new buffers for batch {batch} inside CUDA graph "
                                    f"capture: run the largest batch eagerly first")
             counters = self._counters = torch.zeros(need, dtype=torch.int32, device=ref.device)
-        return counters
+            self._stats = cpk.row_stats_buffer(batch, cfg.hidden_size, ref.device)
+        return counters, self._stats
 
     def _layer(self, layer: DecoderLayer, h: torch.Tensor, positions: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor], ctx: DecodeContext,
-               counters: torch.Tensor) -> torch.Tensor:
-        """One decoder layer on the residual stream h [B, H] in LAUNCHES_PER_LAYER launches."""
+               counters: torch.Tensor, stats: torch.Tensor, h_stats: bool) -> torch.Tensor:
+        """One decoder layer on the residual stream h [B, H] in LAUNCHES_PER_LAYER launches. Its residual
+        launches write the stream's row statistics to stats, which its norms read, and the first norm when
+        h_stats (h was made by the layer before)."""
         attn, mlp, cfg = layer.self_attn, layer.mlp, self.stack.cfg
         rows, i = h.shape[0], attn.layer_idx
         norm = layer.input_layernorm
         q = qkv_rope_store(h, norm.weight, attn.fused_weight(), attn.q_norm.weight,
                            attn.k_norm.weight, *rope, positions, ctx.slot_mapping,
-                           ctx.cache.k[i], ctx.cache.v[i], norm.eps, counters)  # [B, NH * D]
+                           ctx.cache.k[i], ctx.cache.v[i], norm.eps, counters,
+                           stats=stats if h_stats else None)  # [B, NH * D]
         out = decode_attention(q.view(rows, cfg.num_heads, cfg.head_dim), ctx.cache.k[i],
                                ctx.cache.v[i], ctx.block_tables, ctx.context_lens, ctx.scale,
                                counters)  # [B, NH, D]
-        h = cpk.linear_residual(out.view(rows, -1), attn.o_proj.weight, h, counters)
+        h = cpk.linear_residual(out.view(rows, -1), attn.o_proj.weight, h, counters, stats=stats)
         norm = layer.post_attention_layernorm
-        act = cpk.norm_gate_up(h, norm.weight, mlp.fused_weight(), norm.eps, counters)  # [B, I]
-        return cpk.linear_residual(act, mlp.down_proj.weight, h, counters)
+        act = cpk.norm_gate_up(h, norm.weight, mlp.fused_weight(), norm.eps, counters, stats=stats)  # [B, I]
+        return cpk.linear_residual(act, mlp.down_proj.weight, h, counters, stats=stats)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: DecodeContext
                 ) -> torch.Tensor:
@@ -91,9 +96,9 @@ class FusedTalker:
         [B, H]: the contract of `DecoderStack.forward` under a `DecodeContext`."""
         stack = self.stack
         assert isinstance(ctx, DecodeContext), f"FusedTalker: decode only, got {type(ctx).__name__}"
-        counters = self._workspace(x.shape[0], x)
+        counters, stats = self._workspace(x.shape[0], x)
         rope = stack.rope(x.device, x.dtype)  # cos, sin [max_pos, D]
         h = x
-        for layer in stack.layers:
-            h = self._layer(layer, h, positions, rope, ctx, counters)
+        for n, layer in enumerate(stack.layers):
+            h = self._layer(layer, h, positions, rope, ctx, counters, stats, n > 0)
         return kernels.rms_norm(h, stack.norm.weight, stack.norm.eps)

@@ -64,6 +64,13 @@ class Inputs:
         return torch.zeros(4096, dtype=torch.int32, device=self.device)
 
 
+def row_stats(x: torch.Tensor) -> torch.Tensor:
+    """The row statistics of x [M, K] as `linear_residual` writes them: fp32 sums of squares over each
+    STAT_COLS columns [M, K / STAT_COLS]."""
+    from q3tts.kernels.code_predictor_gemm import STAT_COLS
+    return (x.float() ** 2).unflatten(1, (-1, STAT_COLS)).sum(-1)
+
+
 def _f32(to32: bool, *ts):
     return [t.float() if to32 and t.is_floating_point() else t for t in ts]
 
@@ -109,16 +116,32 @@ def gemm_cases(cpk, s: Shapes, rows: int, dtype: torch.dtype, inp: Inputs) -> li
                  lambda c, cfg, o: cpk.norm_head(h2, nw, head_w, EPS, c, 2, config=cfg, out=o),
                  lambda t: R.norm_head_ref(*f(t, h2, nw, head_w), EPS, 2), (rows, s.vocab),
                  torch.float32),
+        GemmCase("norm + gate_up from row statistics",
+                 lambda c, cfg, o: cpk.norm_gate_up(h, nw, gate_up_w, EPS, c, config=cfg, out=o, stats=row_stats(h)),
+                 lambda t: R.norm_gate_up_ref(*f(t, h, nw, gate_up_w), EPS), (rows, inter), dtype),
     ]
 
 
 def check_gemms(cpk, s: Shapes, rows: int, dtype: torch.dtype, inp: Inputs, config) -> None:
+    """Every case against its references, then the residual launch's row statistics."""
     for case in gemm_cases(cpk, s, rows, dtype, inp):
         counters = inp.counters()
         out = case.run(counters, config, inp.poisoned(*case.out_shape, dtype=case.out_dtype))
         assert out.dtype == case.out_dtype
         assert_close_3way(out, case.ref(False), case.ref(True), dtype, f"{case.name} ({rows} rows)")
         assert not counters.any(), f"{case.name}: counters left non-zero"
+    check_stats_written(cpk, s, rows, dtype, inp, config)
+
+
+def check_stats_written(cpk, s: Shapes, rows: int, dtype: torch.dtype, inp: Inputs, config) -> None:
+    """linear_residual's row statistics are its output's (`row_stats`, up to the fp32 summation order), every
+    entry of the rows written and none past them."""
+    x, w, h = inp.randn(rows, s.inter, dtype=dtype), inp.weight(s.hidden, s.inter, dtype), \
+        inp.randn(rows, s.hidden, scale=2, dtype=dtype)
+    stats = inp.poisoned(rows + 1, row_stats(h).shape[1], dtype=torch.float32)
+    out = cpk.linear_residual(x, w, h, inp.counters(), config=config, stats=stats)
+    torch.testing.assert_close(stats[:rows], row_stats(out), rtol=1e-5, atol=0.0)
+    assert stats[rows:].isnan().all(), "linear_residual: statistics written past the rows"
 
 
 def check_gather(cpk, s: Shapes, bsz: int, dtype: torch.dtype, inp: Inputs, config) -> None:

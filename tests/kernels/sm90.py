@@ -7,7 +7,7 @@ real shapes) with every JIT kernel's `run` replaced: each launch is bound and sp
 on a GPU (the JIT's own binder, for a CUDA sm_90 backend), compiled by triton.compile to a cubin,
 and measured by the cuobjdump that ships with Triton (registers, spill stack; barriers, shared-memory and global
 loads after the ticket, from the SASS), plus the shared memory it takes.
-`python tests/kernels/sm90.py [qkv | conv | sample | small | attention | norm_linear | held]` prints one spec set's
+`python tests/kernels/sm90.py [qkv | conv | sample | small | attention | norm_linear | held | held_block]` prints one spec set's
 (SPECS) as JSON; `compiled(spec_set)` runs that from a test.
 """
 
@@ -96,7 +96,8 @@ H200_SMS = 132  # streaming multiprocessors: the tuner's split counts follow the
 def _qkv_specs():
     """(name, launch) of each qkv kernel config the H200's tuner times (`qkv_candidates` with its SM
     count): the code predictor's (1.7B shapes, T = 1 and 2; 4 rows, and the one batch row that attends in
-    one round of loads; rows gathered by id at 4 rows and at one) and the talker's (4 rows and one)."""
+    one round of loads; rows gathered by id at 4 rows and at one) and the talker's (4 rows and one), the talker's
+    from its rows (the first layer) and from row statistics (` stats`: every layer after the first)."""
     import torch
 
     from q3tts.kernels import code_predictor_attention as cpa, code_predictor_gemm, talker_qkv
@@ -123,11 +124,11 @@ def _qkv_specs():
                                              0.1))
             else:
                 cache = torch.zeros(8, 16, kv, d, **bf)
-                ids = torch.arange(4, dtype=torch.int64)
-                for rows in (4, 1):  # 1: `held_rows` rows, every head loaded at once
-                    yield f"talker_qkv rows={rows} {cfg}", functools.partial(
+                ids, stats = torch.arange(4, dtype=torch.int64), torch.zeros(4, hidden // 16)
+                for rows, st in ((4, False), (4, True), (1, False), (1, True)):  # 1: `held_rows` rows, heads at once
+                    yield f"talker_qkv rows={rows}{' stats' if st else ''} {cfg}", functools.partial(
                         talker_qkv._launch, cfg, x[:rows], norm_w, w, qn, kn, cos, sin, ids[:rows], ids[:rows], cache,
-                        cache.clone(), torch.zeros(rows, heads * d, **bf), cnt, 1e-6)
+                        cache.clone(), torch.zeros(rows, heads * d, **bf), cnt, 1e-6, stats[:rows] if st else None)
 
 
 def _conv_specs():
@@ -216,31 +217,34 @@ def _gemm_candidates(n: int, k: int):
         return code_predictor_gemm.candidates(fits, k, torch.device("cpu"))
 
 
-def _norm_linear_specs():
+def _norm_linear_specs(stats: bool = True):
     """(name, launch) of each config the H200's tuner times for the row-normalising GEMMs (norm + gate_up + SiLU,
     norm + head) at the 1.7B's code predictor and talker shapes, at one row (`held_rows`: its statistics over that
-    row alone) and 4."""
+    row alone) and 4; the talker's norm + gate_up from row statistics (`stats_rstd`, ` stats`: it follows a
+    residual launch) unless stats is False, every other from its rows."""
     import torch
 
     from q3tts.kernels import code_predictor_linear as cl
 
     bf = dict(dtype=torch.bfloat16)
     for name, hidden, inter, vocab in (("cp", 1024, 3072, 2048), ("talker", 2048, 6144, 3072)):
-        x, norm_w = torch.zeros(4, hidden, **bf), torch.ones(hidden, **bf)
+        x, norm_w, rows_stats = torch.zeros(4, hidden, **bf), torch.ones(hidden, **bf), torch.zeros(4, hidden // 16)
         for kernel, n, w, epilogue in (("gate_up", inter, torch.zeros(2 * inter, hidden, **bf), cl.SWIGLU),
                                        ("head", vocab, torch.zeros(vocab, hidden, **bf), cl.ROUND)):
             out_dtype = torch.float32 if epilogue == cl.ROUND else torch.bfloat16
+            st = rows_stats if stats and (name, kernel) == ("talker", "gate_up") else None
             for cfg in _gemm_candidates(n, hidden):
                 for rows in (1, 4):
-                    yield f"{name} norm {kernel} rows={rows} {cfg}", functools.partial(
-                        cl._launch, cfg, x=x[:rows], w=w, out=torch.zeros(rows, n, dtype=out_dtype), prologue=cl.NORM,
-                        epilogue=epilogue, rows=rows, n=n, norm_w=norm_w, eps=1e-6,
-                        counters=torch.zeros(4096, dtype=torch.int32))
+                    yield f"{name} norm {kernel} rows={rows}{' stats' if st is not None else ''} {cfg}", \
+                        functools.partial(cl._launch, cfg, x=x[:rows], w=w, out=torch.zeros(rows, n, dtype=out_dtype),
+                                          prologue=cl.NORM, epilogue=epilogue, rows=rows, n=n, norm_w=norm_w, eps=1e-6,
+                                          counters=torch.zeros(4096, dtype=torch.int32),
+                                          stats=None if st is None else st[:rows])
 
 
 def _residual_specs():
     """(name, launch) of each config the H200's tuner times for the plain GEMMs with the residual epilogue (o_proj,
-    down) at the 1.7B's code predictor and talker shapes, at one row."""
+    down) at the 1.7B's code predictor and talker shapes, at one row, writing the output's row statistics."""
     import torch
 
     from q3tts.kernels import code_predictor_linear as cl
@@ -252,7 +256,8 @@ def _residual_specs():
             for cfg in _gemm_candidates(hidden, k):
                 yield f"{name} {kernel} rows=1 {cfg}", functools.partial(
                     cl._launch, cfg, x=x, w=w, out=torch.zeros_like(residual), prologue=cl.PLAIN, epilogue=cl.RESIDUAL,
-                    rows=1, n=hidden, residual=residual, counters=torch.zeros(4096, dtype=torch.int32))
+                    rows=1, n=hidden, residual=residual, counters=torch.zeros(4096, dtype=torch.int32),
+                    stats=torch.zeros(1, hidden // 16) if name == "talker" else None)
 
 
 def _held_specs():
@@ -267,8 +272,21 @@ def _held_specs():
                 yield f"held {name}", launch
 
 
+def _held_block_specs():
+    """(name, launch) of the row-block (BLOCK_M rows: 4 rows build as 16) qkv and row-normalising GEMM specs built
+    as under programmatic launch, each norm from its rows and from row statistics (` stats`): the talker's qkv and
+    norm + gate_up."""
+    from q3tts.kernels import code_predictor_gemm
+
+    with mock.patch.object(code_predictor_gemm, "programmatic_launch", lambda *_: True):
+        for name, launch in itertools.chain(_qkv_specs(), _norm_linear_specs(), _norm_linear_specs(stats=False)):
+            if name.startswith(("talker_qkv rows=4 ", "talker norm gate_up rows=4 ")):
+                yield f"held {name}", launch
+
+
 SPECS = {"qkv": _qkv_specs, "conv": _conv_specs, "sample": _sample_specs, "small": _small_specs,
-         "attention": _attention_specs, "norm_linear": _norm_linear_specs, "held": _held_specs}
+         "attention": _attention_specs, "norm_linear": _norm_linear_specs, "held": _held_specs,
+         "held_block": _held_block_specs}
 
 
 def compiled(spec_set: str) -> dict[str, list[dict]]:

@@ -14,7 +14,7 @@ import torch
 from torch.nn import functional as F
 
 from code_predictor_cases import (TINY, AttentionFrame, Inputs, assert_as_faithful, check_gather,
-                                  check_gemms, forced_logits)
+                                  check_gemms, forced_logits, row_stats)
 from kernel_checks import DEVICE, kernel_module
 from q3tts.checkpoint.maker import make_checkpoint, random_main_weights
 from q3tts.checkpoint.presets import model_config_dict
@@ -114,6 +114,18 @@ def test_embed_sum_adds_in_order_and_rounds_once(dtype):
     terms = torch.stack([first] + [t[ids[:, g]] for g, t in enumerate(tables)], 1).float()  # [B, 16, H]
     step = 16 * torch.finfo(torch.float32).eps * terms.abs().sum(1) + torch.finfo(dtype).eps * terms.sum(1).abs()
     assert ((got.float() - terms.sum(1).to(dtype).float()).abs() <= step).all()
+
+
+@pytest.mark.parametrize("rows", [1, 19])
+def test_norm_gate_up_takes_the_row_statistics_it_is_given(rows):
+    """Given statistics 4x the rows' own (`row_stats`), the norm scales its rows by half where it would not: the
+    gate/up activations move by a large fraction of their size (rows 1: the one-row statistics path; 19: two row
+    blocks). The talker's qkv launch: test_talker_fused.py."""
+    inp, s, f32 = Inputs(DEVICE, 32, rows), TINY, torch.float32
+    h, nw = inp.randn(rows, s.hidden, scale=2), inp.norm_weight(s.hidden, f32)
+    gate_up_w = inp.weight(2 * s.inter, s.hidden, f32)
+    own, scaled = (cpk.norm_gate_up(h, nw, gate_up_w, 1e-6, inp.counters(), stats=k * row_stats(h)) for k in (1, 4))
+    assert (own - scaled).abs().max() > 0.2 * own.abs().max(), "the statistics were not read"
 
 
 def test_one_row_attention_is_batch_invariant_under_the_switch(invariant):

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from code_predictor_cases import Inputs
+from code_predictor_cases import Inputs, row_stats
 from kernel_checks import DEVICE, assert_close_3way, kernel_module
 from q3tts.checkpoint.maker import _init_tensor, make_checkpoint
 from q3tts.checkpoint.presets import model_config_dict
@@ -104,8 +104,10 @@ def _f32(*ts):
 # ------------------------------------------------------------------------------------ kernels
 
 def check_qkv(cfg: DecoderLayerConfig, rows: int, dtype: torch.dtype, inp: Inputs, config,
-              page_size: int = 4, max_context: int = 40, padding: tuple[int, ...] | None = None) -> None:
-    """Rotated q and the whole cache after the store vs the references; every third row pads (default)."""
+              page_size: int = 4, max_context: int = 40, padding: tuple[int, ...] | None = None,
+              stats: bool = False) -> None:
+    """Rotated q and the whole cache after the store vs the references; every third row pads (default).
+    stats: the norm reads the rows' statistics (`row_stats`), as a layer after the first does."""
     padding = tuple(range(2, rows, 3)) if padding is None else padding
     r = Rows(cfg, rows, max_context, page_size, dtype, inp, padding=padding)
     h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -118,7 +120,7 @@ def check_qkv(cfg: DecoderLayerConfig, rows: int, dtype: torch.dtype, inp: Input
     ref, ref32 = [c.clone() for c in caches], [c.to(FP32, copy=True) for c in caches]
     counters = inp.counters()
     out = tq.qkv_rope_store(x, *weights, *rope, *ids, *caches, EPS, counters, config=config,
-                            out=inp.poisoned(rows, nh * d, dtype=dtype))
+                            out=inp.poisoned(rows, nh * d, dtype=dtype), stats=row_stats(x) if stats else None)
     want = qkv_rope_store_ref(x, *weights, *rope, *ids, *ref, EPS)
     want32 = qkv_rope_store_ref(*_f32(x, *weights, *rope), *ids, *ref32, EPS)
     assert_close_3way(out, want, want32, dtype, f"q ({rows} rows)")
@@ -152,6 +154,28 @@ def check_attention(cfg: DecoderLayerConfig, bsz: int, dtype: torch.dtype, inp: 
 def test_qkv_rope_store_matches_its_reference(dtype, rows, config):
     """19 rows span two row blocks; split2: the K slices' partials summed by the last program."""
     check_qkv(TINY, rows, dtype, Inputs(DEVICE, 1, rows, dtype.itemsize, config is None), config)
+
+
+@pytest.mark.parametrize("rows", [1, 19])
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+def test_qkv_rope_store_norms_from_row_statistics(dtype, rows):
+    """The rows' statistics given (`row_stats`) make the references' q and cache; 4x those statistics halve
+    the v written (v has no QK-norm to undo it), so the kernel reads them."""
+    check_qkv(TINY, rows, dtype, Inputs(DEVICE, 2, rows, dtype.itemsize), None, stats=True)
+    inp, cfg = Inputs(DEVICE, 3, rows), TINY
+    r = Rows(cfg, rows, 40, 4, FP32, inp, padding=())
+    h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    weights = (inp.norm_weight(h, FP32), inp.weight((nh + 2 * nkv) * d, h, FP32),
+               inp.norm_weight(d, FP32), inp.norm_weight(d, FP32))
+    rope = rope_cos_sin(torch.arange(40, device=inp.device), d, cfg.rope_theta, FP32)
+    x, ids = inp.randn(rows, h, scale=2), (_column(r.positions), _column(r.slots))
+    v = []
+    for scale in (1, 4):
+        cache = _cache_copy(r.cache, FP32)
+        tq.qkv_rope_store(x, *weights, *rope, *ids, cache.k[0], cache.v[0], EPS, inp.counters(),
+                          stats=scale * row_stats(x))
+        v.append(cache.v[0].flatten(0, 1)[r.slots])  # the rows' entries [M, KVH, D]
+    assert (v[0] - v[1]).abs().max() > 0.2 * v[0].abs().max(), "the statistics were not read"
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
