@@ -14,6 +14,7 @@ loads after the ticket, from the SASS), plus the shared memory it takes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -38,7 +39,8 @@ def _usage(cubin: bytes) -> dict:
     """REG and STACK (bytes of local memory per thread: spills) of the one kernel in `cubin`, and `after_ticket`:
     counts of the SASS instructions that wait on or move through shared memory (BAR: barriers, STS / LDS: shared
     stores and loads) and of global loads (LDG) after the kernel's first global atomic (a split-K kernel's ticket:
-    what follows is the last program's epilogue), or in the whole kernel where it has none. One cuobjdump run."""
+    what follows is the last program's epilogue), or in the whole kernel where it has none; and `code` (`_code`).
+    One cuobjdump run."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -46,7 +48,16 @@ def _usage(cubin: bytes) -> dict:
                               capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", text)
     assert found, f"no resource line in cuobjdump's output:\n{text}"
-    return {"regs": int(found[1]), "stack": int(found[2]), "after_ticket": _after_ticket(text)}
+    return {"regs": int(found[1]), "stack": int(found[2]), "after_ticket": _after_ticket(text), "code": _code(text)}
+
+
+def _code(sass: str) -> str:
+    """`_usage`'s code: a digest of the kernel's instructions in order with every constant-bank-0 operand
+    (c[0x0][...], where the kernel's parameters live) masked, so two builds that differ only in their parameter
+    lists (a pointer one side takes and the other does not) have the same code, and any change of instruction,
+    register or order gives another."""
+    listing = "\n".join(m[1] for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(.*?)\s*;", sass))
+    return hashlib.sha256(re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[param]", listing).encode()).hexdigest()[:10]
 
 
 def _after_ticket(sass: str) -> dict[str, int]:
@@ -78,7 +89,7 @@ def _compile_run(fn: JITFunction, records: list):
 
 
 def resources(launch) -> list[dict]:
-    """[{kernel, regs, stack, shared, after_ticket}] of each kernel launch that `launch()` makes, compiled for
+    """[{kernel, regs, stack, shared, after_ticket, code}] of each kernel launch that `launch()` makes, compiled for
     sm_90."""
     records: list[dict] = []
     with ExitStack() as stack:
@@ -217,6 +228,12 @@ def _gemm_candidates(n: int, k: int):
         return code_predictor_gemm.candidates(fits, k, torch.device("cpu"))
 
 
+def _stats(rows_stats) -> dict:
+    """The `stats` keyword of a GEMM launch: none where `rows_stats` is None, so a tree from before the row
+    statistics builds the same spec (`perf/sass_ab.py`)."""
+    return {} if rows_stats is None else {"stats": rows_stats}
+
+
 def _norm_linear_specs(stats: bool = True):
     """(name, launch) of each config the H200's tuner times for the row-normalising GEMMs (norm + gate_up + SiLU,
     norm + head) at the 1.7B's code predictor and talker shapes, at one row (`held_rows`: its statistics over that
@@ -239,12 +256,13 @@ def _norm_linear_specs(stats: bool = True):
                         functools.partial(cl._launch, cfg, x=x[:rows], w=w, out=torch.zeros(rows, n, dtype=out_dtype),
                                           prologue=cl.NORM, epilogue=epilogue, rows=rows, n=n, norm_w=norm_w, eps=1e-6,
                                           counters=torch.zeros(4096, dtype=torch.int32),
-                                          stats=None if st is None else st[:rows])
+                                          **_stats(None if st is None else st[:rows]))
 
 
 def _residual_specs():
     """(name, launch) of each config the H200's tuner times for the plain GEMMs with the residual epilogue (o_proj,
-    down) at the 1.7B's code predictor and talker shapes, at one row, writing the output's row statistics."""
+    down) at the 1.7B's code predictor and talker shapes, at one row; the talker's writing its output's row
+    statistics (its next norm reads them)."""
     import torch
 
     from q3tts.kernels import code_predictor_linear as cl
@@ -257,7 +275,7 @@ def _residual_specs():
                 yield f"{name} {kernel} rows=1 {cfg}", functools.partial(
                     cl._launch, cfg, x=x, w=w, out=torch.zeros_like(residual), prologue=cl.PLAIN, epilogue=cl.RESIDUAL,
                     rows=1, n=hidden, residual=residual, counters=torch.zeros(4096, dtype=torch.int32),
-                    stats=torch.zeros(1, hidden // 16) if name == "talker" else None)
+                    **_stats(torch.zeros(1, hidden // 16) if name == "talker" else None))
 
 
 def _held_specs():

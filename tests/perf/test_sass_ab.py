@@ -12,10 +12,13 @@ PERF = Path(__file__).resolve().parents[2] / "perf"
 sys.path.insert(0, str(PERF))
 import sass_ab  # noqa: E402
 
+sys.path.insert(0, str(PERF.parent / "tests" / "kernels"))
+import sm90  # noqa: E402
 
-def _build(regs: int, bar: int) -> list[dict]:
+
+def _build(regs: int, bar: int, code: str = "c0") -> list[dict]:
     return [{"kernel": "k", "regs": regs, "stack": 0, "shared": 0,
-             "after_ticket": {"BAR": bar, "STS": 1, "LDS": 1, "LDG": 8}}]
+             "after_ticket": {"BAR": bar, "STS": 1, "LDS": 1, "LDG": 8}, "code": code}]
 
 
 def test_the_table_marks_what_changed_and_keeps_the_rest_on_request():
@@ -24,11 +27,38 @@ def test_the_table_marks_what_changed_and_keeps_the_rest_on_request():
     rows = sass_ab.table("A", "B", "qkv", a, b, changed_only=True)
     assert rows[0] == "### qkv: A -> B"
     body = [r for r in rows if r.startswith("| ") and not r.startswith("| spec")]
-    assert body == ["| more barriers | 128 reg, 0 B spill, BAR 3 STS 1 LDS 1 LDG 8 | "
-                    "**128 reg, 0 B spill, BAR 40 STS 1 LDS 1 LDG 8** |",
+    assert body == ["| more barriers | 128 reg, 0 B spill, BAR 3 STS 1 LDS 1 LDG 8, code c0 | "
+                    "**128 reg, 0 B spill, BAR 40 STS 1 LDS 1 LDG 8, code c0** |",
                     "| new | error (absent) | **error (TypeError: takes 3 arguments)** |"]
     every = sass_ab.table("A", "B", "qkv", a, b, changed_only=False)
     assert sum(r.startswith("| same |") for r in every) == 1
+
+
+def test_a_build_whose_counts_agree_but_whose_code_differs_is_marked_and_match_picks_the_specs():
+    a = {"cp o_proj": _build(48, 3, "aaa"), "talker o_proj": _build(48, 3, "bbb")}
+    b = {"cp o_proj": _build(48, 3, "aaa"), "talker o_proj": _build(48, 3, "ccc")}
+    changed = [r for r in sass_ab.table("A", "B", "held", a, b, changed_only=True) if r.startswith("| talker")]
+    assert changed == ["| talker o_proj | 48 reg, 0 B spill, BAR 3 STS 1 LDS 1 LDG 8, code bbb | "
+                       "**48 reg, 0 B spill, BAR 3 STS 1 LDS 1 LDG 8, code ccc** |"]
+    rows = sass_ab.table("A", "B", "held", a, b, changed_only=False, match="cp ")
+    assert [r.split(" | ")[0] for r in rows if r.startswith("| ") and not r.startswith("| spec")] == ["| cp o_proj"]
+
+
+def _sass(*instructions: str) -> str:
+    """cuobjdump's SASS listing of `instructions`, one per address, each with its encoding words."""
+    return "\n".join(f"        /*{16 * i:04x}*/                   {ins} ;      /* 0x{i:016x} */\n"
+                     f"                                                  /* 0x000fe20000000a00 */"
+                     for i, ins in enumerate(instructions))
+
+
+def test_the_code_digest_ignores_parameter_offsets_and_nothing_else():
+    base = sm90._code(_sass("LDC R70, c[0x0][0x258]", "FADD R0, R9, R5", "STG.E desc[UR8][R2.64], R0"))
+    assert sm90._code(_sass("LDC R70, c[0x0][0x260]", "FADD R0, R9, R5", "STG.E desc[UR8][R2.64], R0")) == base
+    for other in (("LDC R70, c[0x0][0x258]", "FADD R0, R5, R9", "STG.E desc[UR8][R2.64], R0"),  # operands
+                  ("FADD R0, R9, R5", "LDC R70, c[0x0][0x258]", "STG.E desc[UR8][R2.64], R0"),  # order
+                  ("LDC R70, c[0x0][0x258]", "FADD R0, R9, R5", "STG.E desc[UR8][R4.64], R0"),  # register
+                  ("LDC R70, c[0x0][0x258]", "FADD R0, R9, R5")):  # an instruction fewer
+        assert sm90._code(_sass(*other)) != base, other
 
 
 def test_the_committed_tree_against_itself_differs_nowhere(capsys):
