@@ -12,8 +12,7 @@ PERF = Path(__file__).resolve().parents[2] / "perf"
 sys.path.insert(0, str(PERF))
 import sass_ab  # noqa: E402
 
-sys.path.insert(0, str(PERF.parent / "tests" / "kernels"))
-import sm90  # noqa: E402
+sm90 = sass_ab.sm90
 
 
 def _build(regs: int, bar: int, code: str = "c0") -> list[dict]:
