@@ -7,8 +7,10 @@ columns, every slice) runs the epilogue for those rows: sum the partials, round 
 QK-norm, RoPE from the [positions, D] tables, store k and v at the row's position of the small
 contiguous cache [B, P, KVH, D], then attention of the GROUP heads over positions 0..pos (held in
 registers; no paging), written over the rotated q in `out`: online softmax over CHUNK positions at a
-time, each head in turn (a dependent round trip to L2 per chunk and head: about 0.8 µs each on the
-H200, where the launch at one row took 12.8 / 15.7 / 17.4 µs at pass 2 / 8 / 15 at bf7f9f3); a
+time, each head in turn (at 16 rows on an H100 the launch took 11.9 / 17.7 µs at pass 2 / 15, its
+GEMM alone 7.4: the growth with positions is the program's own arithmetic, not L2 round trips, since
+attending both heads of a group on one k/v load made it slower, perf/results/RESULTS.md, forty-fifth
+session); a
 launch of at most FEW_ROWS rows (`held_rows`: the 1-row step's passes after the first) holds only those rows:
 its epilogue loads every head's partial sums and the earlier positions' k and v before its first store, and
 attends from registers (`_attend_few`: nothing read back, one round of loads in all), and its norm statistics
