@@ -32,25 +32,25 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def split_length(ctx, num_splits, BLOCK_N: tl.constexpr):
-    """Keys per split of a row with ctx keys: its context spread evenly over num_splits splits in BLOCK_N-aligned
-    chunks (0 for an empty context)."""
-    return tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+def split_length(ctx, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Keys per split of a row with ctx keys: its context spread evenly over num_splits splits, at least MIN_SPLIT
+    keys each (`DecodeConfig.min_split`), in BLOCK_N-aligned chunks."""
+    return tl.cdiv(tl.maximum(tl.cdiv(ctx, num_splits), MIN_SPLIT), BLOCK_N) * BLOCK_N
 
 
 @triton.jit
-def used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N: tl.constexpr):
+def used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
     """How many of row b's num_splits splits hold keys (the first ones; 0 for an empty context): the others store
     no partial and the merge reads none of theirs."""
     ctx = tl.load(context_lens_ptr + b * stride_ctx)
-    return tl.cdiv(ctx, tl.maximum(split_length(ctx, num_splits, BLOCK_N), 1))
+    return tl.cdiv(ctx, split_length(ctx, num_splits, BLOCK_N, MIN_SPLIT))
 
 
 @triton.jit
 def _attend_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, num_splits, scale_log2,
                   stride_ctx, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                   stride_bt, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     """Program (row b, kv head, split)'s online softmax over its share of the row's context -> (max, sum [BLOCK_G],
     unnormalised acc [BLOCK_G, BLOCK_D] in fp32, the q heads [BLOCK_G] and which of them are real)."""
@@ -58,7 +58,7 @@ def _attend_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_len
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b * stride_ctx)
-    split_len = split_length(ctx, num_splits, BLOCK_N)
+    split_len = split_length(ctx, num_splits, BLOCK_N, MIN_SPLIT)
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
 
@@ -104,6 +104,30 @@ def _normalised(acc, total):
     return tl.where(total > 0.0, acc / tl.maximum(total, 1e-30), 0.0)
 
 
+@triton.jit
+def store_partial(part_acc_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, heads, g_mask, num_splits,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
+    """Program (row b, kv head, split)'s unnormalised partial (max, sum, acc of its GROUP heads) into the fp32
+    partials, contiguous [B, NH, num_splits, (HEAD_DIM)]."""
+    offs_d = tl.arange(0, BLOCK_D)
+    num_heads = tl.num_programs(1) * GROUP
+    part = (tl.program_id(0).to(tl.int64) * num_heads + heads) * num_splits + tl.program_id(2)  # [BLOCK_G]
+    tl.store(part_max_ptr + part, m_i, mask=g_mask)
+    tl.store(part_sum_ptr + part, l_i, mask=g_mask)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def store_output(out_ptr, b, heads, h_mask, out, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Row b's attention output of a kv head's q `heads` ([BLOCK_G], those in h_mask; out fp32 [BLOCK_G, BLOCK_D])
+    in out's dtype."""
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             cast(out, out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     # pointers
@@ -121,22 +145,16 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,  # BLOCK_G >= 16: the smallest tl.dot M
     PAGE_SIZE: tl.constexpr,  # constexpr so that token -> (page, offset) is a shift and a mask
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     m_i, l_i, acc, heads, g_mask = _attend_split(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, num_splits, scale_log2, stride_ctx,
         stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
-        HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
-    # partials are contiguous [B, NH, num_splits, (HEAD_DIM)]; a split past the context stores none
-    b, split = tl.program_id(0), tl.program_id(2)
-    if split < used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N):
-        offs_d = tl.arange(0, BLOCK_D)
-        num_heads = tl.num_programs(1) * GROUP
-        part = (b.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_G]
-        tl.store(part_max_ptr + part, m_i, mask=g_mask)
-        tl.store(part_sum_ptr + part, l_i, mask=g_mask)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGE_SIZE, BLOCK_N, MIN_SPLIT, DOT_PRECISION)
+    used = used_splits(context_lens_ptr, tl.program_id(0), stride_ctx, num_splits, BLOCK_N, MIN_SPLIT)
+    if tl.program_id(2) < used:  # a split past the context stores none
+        store_partial(part_acc_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, heads, g_mask, num_splits,
+                      HEAD_DIM, BLOCK_D, GROUP)
 
 
 @triton.jit
@@ -146,18 +164,16 @@ def _decode_single_kernel(
     stride_ctx, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One split a row (grid (B, KVH)): the program normalises its own result and stores the output, the values
     phase 2 would merge from its one partial (acc / sum; 0 for an empty context), without the second launch."""
     m_i, l_i, acc, heads, g_mask = _attend_split(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, 1, scale_log2, stride_ctx,
         stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
-        HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
-    out = _normalised(acc, l_i[:, None])
-    offs_d = tl.arange(0, BLOCK_D)
-    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             cast(out, out_ptr.dtype.element_ty), mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGE_SIZE, BLOCK_N, MIN_SPLIT, DOT_PRECISION)
+    store_output(out_ptr, tl.program_id(0), heads, g_mask, _normalised(acc, l_i[:, None]), stride_ob, stride_oh,
+                 HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -199,11 +215,12 @@ def _decode_reduce_kernel(
     stride_ob, stride_oh, stride_ctx,
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b.to(tl.int64) * tl.num_programs(1) + h
-    used = used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N)
+    used = used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N, MIN_SPLIT)
     out = merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, row, num_splits, used, HEAD_DIM,
                        BLOCK_D, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -212,13 +229,17 @@ def _decode_reduce_kernel(
 
 
 class DecodeConfig(NamedTuple):
+    """A paged decode attention launch: keys per block, warps, pipeline stages, and the fewest keys a split takes
+    (the talker's one launch runs a context of up to min_split keys in one split whose program normalises it: no
+    partials, no ticket, no merge; kernels/talker_attention.py)."""
     block_n: int
     num_warps: int
     num_stages: int
+    min_split: int = 512
 
 
 _CANDIDATES = [DecodeConfig(n, w, s) for n in (64, 32, 128) for w in (4, 8) for s in (2, 3)]
-_INTERPRET_CONFIG = DecodeConfig(16, 1, 1)
+_INTERPRET_CONFIG = DecodeConfig(16, 1, 1, 16)  # 16-key splits: the tests' short contexts span several
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_pages: int, page_size: int, block_n: int,
@@ -253,7 +274,7 @@ def _meta(cfg: DecodeConfig, q, k_cache) -> dict:
     group = num_heads // k_cache.shape[2]
     return dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group,
                 BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE_SIZE=k_cache.shape[1],
-                BLOCK_N=cfg.block_n, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+                BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -296,7 +317,7 @@ def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, 
         *parts, out, context_lens,
         grid[2],
         out.stride(0), out.stride(1), context_lens.stride(0),
-        HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=block_d, BLOCK_S=16, BLOCK_N=cfg.block_n,
+        HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=block_d, BLOCK_S=16, BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split,
         num_warps=4 if block_d >= 256 else 2,
     )
 

@@ -1,12 +1,14 @@
 """Paged decode attention in one launch: kernels/paged_attention.py's two phases joined by tickets.
 
-Grid (B, KVH, num_splits) as paged_attention's phase 1: each program runs its split of the row's
-context (`_decode_split_kernel`, called as a device function) and stores its fp32 partial (none past the
-row's context); it then takes a ticket on its (row, kv head) counter, and the last of the num_splits
-programs merges the GROUP heads' used partials (`merge_splits`, the phase-2 math) and writes the
-output. No program waits on another. Same arithmetic as `paged_decode_attention` (the same split
-count, the same merge order), one launch instead of two: the talker decode layer's second launch
-(models/talker_fused.py).
+Grid (B, KVH, num_splits) as paged_attention's phase 1, the same split of each row's context (`split_length`:
+its keys spread over the splits, at least `DecodeConfig.min_split` each). A row whose context fits one split
+(up to min_split keys: the short contexts of most utterances) is done by that split's program alone: it
+normalises its result and stores the output, with no partial, no ticket and no merge. A longer row's used
+splits each store an fp32 partial, take a ticket on the (row, kv head) counter, and the last of them merges the
+GROUP heads' partials (`merge_splits`, the phase-2 math) and writes the output; splits past the context do
+nothing. No program waits on another. The same bits as `paged_decode_attention` (the same splits, the same
+merge order; a merge of one partial is acc / sum), one launch instead of two: the talker decode layer's second
+launch (models/talker_fused.py).
 Torch reference: `reference.paged_decode_attention_ref`.
 """
 
@@ -20,9 +22,9 @@ from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import pick
 from .code_predictor_gemm import arrive, wait_for_previous
-from .paged_attention import (_CANDIDATES, _INTERPRET_CONFIG, DecodeConfig, _decode_split_kernel,
-                              check_inputs, merge_splits, split_launch, tuning_key,
-                              used_splits)
+from .paged_attention import (_CANDIDATES, _INTERPRET_CONFIG, DecodeConfig, _attend_split, _normalised,
+                              check_inputs, merge_splits, split_launch, store_output, store_partial,
+                              tuning_key, used_splits)
 
 _BLOCK_S = 16  # splits merged per step (as paged_attention's phase 2)
 
@@ -39,26 +41,32 @@ def _attention_kernel(
     out_ptr, cnt_ptr, stride_ob, stride_oh,
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)  # q comes from the kernel before
-    _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                         part_acc_ptr, part_max_ptr, part_sum_ptr, num_splits, scale_log2,
-                         stride_ctx, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh,
-                         stride_vp, stride_vs, stride_vh, stride_bt,
-                         HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
-    b, kvh = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    b, kvh, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     num_kv = tl.num_programs(1)
-    used = used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N)  # read before the ticket, not after
-    if arrive(cnt_ptr + b * num_kv + kvh, num_splits):
-        offs_d = tl.arange(0, BLOCK_D)
-        for j in tl.static_range(GROUP):
-            head = kvh * GROUP + j
-            out = merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr,
-                               b * num_kv * GROUP + head, num_splits, used, HEAD_DIM, BLOCK_D, BLOCK_S)
-            tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d,
-                     cast(out, out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    used = used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N, MIN_SPLIT)
+    if split < tl.maximum(used, 1):  # splits past the context have nothing to do
+        m_i, l_i, acc, heads, g_mask = _attend_split(
+            q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, num_splits, scale_log2, stride_ctx,
+            stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+            HEAD_DIM, BLOCK_D, GROUP, BLOCK_G, PAGE_SIZE, BLOCK_N, MIN_SPLIT, DOT_PRECISION)
+        if used <= 1:  # the whole context (or none) in split 0: normalised here, the bits of a merge of one partial
+            store_output(out_ptr, b, heads, g_mask, _normalised(acc, l_i[:, None]), stride_ob, stride_oh,
+                         HEAD_DIM, BLOCK_D)
+        else:
+            store_partial(part_acc_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, heads, g_mask, num_splits,
+                          HEAD_DIM, BLOCK_D, GROUP)
+            if arrive(cnt_ptr + b * num_kv + kvh, used):
+                offs_d = tl.arange(0, BLOCK_D)
+                for j in tl.static_range(GROUP):
+                    head = kvh * GROUP + j
+                    out = merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr,
+                                       b * num_kv * GROUP + head, num_splits, used, HEAD_DIM, BLOCK_D, BLOCK_S)
+                    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d,
+                             cast(out, out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, scale, counters,

@@ -109,7 +109,8 @@ def test_one_split_a_row_is_one_launch_with_the_merged_values(dtype, monkeypatch
     merged = torch.empty(q.shape, dtype=dtype, device=q.device)
     pa._decode_reduce_kernel[(q.shape[0], q.shape[1])](*parts, merged, ctx, 1, merged.stride(0), merged.stride(1),
                                                        ctx.stride(0), HEAD_DIM=meta["HEAD_DIM"],
-                                                       BLOCK_D=meta["BLOCK_D"], BLOCK_S=16, BLOCK_N=cfg.block_n)
+                                                       BLOCK_D=meta["BLOCK_D"], BLOCK_S=16, BLOCK_N=cfg.block_n,
+                                                       MIN_SPLIT=cfg.min_split)
 
     class NoLaunch:
         def __getitem__(self, grid):
@@ -121,6 +122,21 @@ def test_one_split_a_row_is_one_launch_with_the_merged_values(dtype, monkeypatch
     assert torch.equal(out[2], torch.zeros_like(out[2]))  # the empty row
 
 
+def poison_partials(monkeypatch) -> list:
+    """Every launch's fp32 partials start as NaN, so that entries no split stored stay NaN; returns the list the
+    launches' (acc, max, sum) are appended to."""
+    made = []
+    original = pa.partials
+
+    def poisoned(*shape_args):
+        parts = tuple(t.fill_(float("nan")) for t in original(*shape_args))
+        made.append(parts)
+        return parts
+
+    monkeypatch.setattr(pa, "partials", poisoned)
+    return made
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="counts the splits of the interpreter's config and 4 SMs")
 @pytest.mark.parametrize("launch", ["two launches", "talker's one launch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -129,15 +145,7 @@ def test_splits_past_the_context_store_nothing_and_are_not_merged(dtype, launch,
     splits at one row (4 at two, 8 under the batch-invariant switch), of which a row of 21 keys uses 2 and an empty
     row none. The partials start as NaN: those past the context stay NaN (not stored) and the output, equal to the
     reference, read none of them."""
-    made = []
-
-    def poisoned(*shape_args):
-        parts = tuple(t.fill_(float("nan")) for t in original(*shape_args))
-        made.append(parts)
-        return parts
-
-    original = pa.partials
-    monkeypatch.setattr(pa, "partials", poisoned)
+    made = poison_partials(monkeypatch)
     args = make_inputs(2, 4, 2, 32, 4, 40, [21, 0], dtype, seed=5)
     q, k_cache, v_cache, tables, ctx, scale = args
     assert pa.num_splits_for(1, 2, 40, 4, pa._INTERPRET_CONFIG.block_n, torch.device("cpu")) == 8
@@ -161,6 +169,33 @@ def test_splits_past_the_context_store_nothing_and_are_not_merged(dtype, launch,
     assert splits == pa.num_splits_for(rows, 2, 40, 4, pa._INTERPRET_CONFIG.block_n, torch.device("cpu"))
     if rows == 2:
         assert torch.equal(out[1], torch.zeros_like(out[1]))  # the empty row
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="counts the splits of the interpreter's config and 4 SMs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_context_within_min_split_is_one_split_without_partials_or_merge(dtype, monkeypatch):
+    """min_split 32 (the engine's default is 512): 3 splits a row at three rows; a row of 21 keys fits one split
+    and the talker's one launch normalises it in that split's program, storing no partial (they stay NaN); a row
+    of 70 keys spreads over 3 splits of 32 and merges; an empty row is zeros. The outputs equal the reference and
+    are the bits of the two launches (a merge of one partial is acc / sum), and every ticket is back at 0."""
+    ta = kernel_module("talker_attention")
+    cfg = pa.DecodeConfig(16, 1, 1, min_split=32)
+    monkeypatch.setattr(pa, "_INTERPRET_CONFIG", cfg)
+    monkeypatch.setattr(ta, "_INTERPRET_CONFIG", cfg)
+    made = poison_partials(monkeypatch)
+    q, k_cache, v_cache, tables, ctx, scale = make_inputs(3, 4, 2, 32, 4, 40, [21, 70, 0], dtype, seed=7)
+    assert pa.num_splits_for(3, 2, 40, 4, cfg.block_n, torch.device("cpu")) == 3
+    counters = torch.zeros(3 * 2, dtype=torch.int32, device=q.device)
+    out = ta.decode_attention(q, k_cache, v_cache, tables, ctx, scale, counters)
+    (acc, top, total), = made
+    assert acc[0].isnan().all() and top[0].isnan().all() and total[0].isnan().all(), "one split stored a partial"
+    assert not acc[1].isnan().any() and not top[1].isnan().any(), "a split of the 70-key row stored no partial"
+    assert not counters.any(), "tickets left non-zero"
+    ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, ctx, scale)
+    assert_close_3way(out, attention_same_dtype(q, k_cache, v_cache, tables, ctx, scale), ref, dtype,
+                      f"min_split {dtype}")
+    assert torch.equal(out, pa.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale))
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # the empty row
 
 
 def test_the_tuning_key_holds_the_table_width_and_not_the_batch():

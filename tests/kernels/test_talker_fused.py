@@ -11,7 +11,7 @@ Outputs are poisoned (NaN) before the kernels write them; every launch leaves it
 Deliberate mutations these tests catch (each run by hand when written):
   talker_qkv        k stored unrotated (cos 1, sin 0 for the k head in _store_heads_in_turn): the cache
                     check of test_qkv_rope_store_matches_its_reference fails
-  talker_attention  the merge's ticket count num_splits - 1 (a merge before the last split has
+  talker_attention  the merge's ticket count used - 1 (a merge before the last used split has
                     stored its partial): test_decode_attention_matches_the_reference fails
   talker_fused      the attention's residual add dropped (h = o_proj(out)):
                     test_fused_talker_decode_equals_eager fails
