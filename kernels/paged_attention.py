@@ -230,8 +230,8 @@ def _decode_reduce_kernel(
 
 class DecodeConfig(NamedTuple):
     """A paged decode attention launch: keys per block, warps, pipeline stages, and the fewest keys a split takes
-    (the talker's one launch runs a context of up to min_split keys in one split whose program normalises it: no
-    partials, no ticket, no merge; kernels/talker_attention.py)."""
+    where the rows fill the GPU (`min_split_for`; the talker's one launch runs a context of up to min_split keys in
+    one split whose program normalises it: no partials, no ticket, no merge; kernels/talker_attention.py)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -247,9 +247,22 @@ def num_splits_for(batch: int, num_kv_heads: int, max_pages: int, page_size: int
     """Splits per (row, kv head): about 4 waves of programs over the SMs, at most one per BLOCK_N
     tokens of the longest possible context. Static given (B, max_pages): graph-safe. Under
     `batch_invariant()`, the count of batch 1 for every batch (it sets where a row's sums split)."""
-    programs = max(1, (1 if batch_invariant() else batch) * num_kv_heads)
-    want = triton.cdiv(4 * num_sms(device), programs)
+    want = triton.cdiv(4 * num_sms(device), _programs(batch, num_kv_heads))
     return max(1, min(want, _MAX_SPLITS, triton.cdiv(max_pages * page_size, block_n)))
+
+
+def min_split_for(cfg: DecodeConfig, batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """The fewest keys a split takes (`split_length`'s MIN_SPLIT): cfg.min_split where the (row, kv head) pairs
+    alone give at least half the SMs a program, so that splitting a short context would only add partials and a
+    merge; else one key block, the few rows' contexts spread over the splits (at one row on an H100 a 300-key
+    context in one split took 9.4 us a layer against 8.7 spread over the splits; at 16 rows 14.9 against 15.7:
+    perf/results/RESULTS.md, forty-sixth session). Under `batch_invariant()`, batch 1's."""
+    return cfg.min_split if 2 * _programs(batch, num_kv_heads) >= num_sms(device) else cfg.block_n
+
+
+def _programs(batch: int, num_kv_heads: int) -> int:
+    """(row, kv head) pairs of a launch, as the split rules count them: batch 1's under `batch_invariant()`."""
+    return max(1, (1 if batch_invariant() else batch) * num_kv_heads)
 
 
 def tuning_key(name: str, q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple:
@@ -274,7 +287,8 @@ def _meta(cfg: DecodeConfig, q, k_cache) -> dict:
     group = num_heads // k_cache.shape[2]
     return dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group,
                 BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE_SIZE=k_cache.shape[1],
-                BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+                BLOCK_N=cfg.block_n, MIN_SPLIT=min_split_for(cfg, q.shape[0], k_cache.shape[2], q.device),
+                DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -317,7 +331,7 @@ def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, 
         *parts, out, context_lens,
         grid[2],
         out.stride(0), out.stride(1), context_lens.stride(0),
-        HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=block_d, BLOCK_S=16, BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split,
+        HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=block_d, BLOCK_S=16, BLOCK_N=cfg.block_n, MIN_SPLIT=meta["MIN_SPLIT"],
         num_warps=4 if block_d >= 256 else 2,
     )
 

@@ -198,6 +198,16 @@ def test_a_context_within_min_split_is_one_split_without_partials_or_merge(dtype
     assert torch.equal(out[2], torch.zeros_like(out[2]))  # the empty row
 
 
+def test_min_split_holds_only_where_the_rows_fill_the_gpu(monkeypatch):
+    """On 132 SMs with 8 kv heads: one row (8 programs) spreads its context over splits of one key block; 16 rows
+    (128 programs) take cfg.min_split; under the batch-invariant switch every batch counts as one row."""
+    monkeypatch.setattr(pa, "num_sms", lambda device: 132)
+    cfg, dev = pa.DecodeConfig(64, 4, 2, min_split=512), torch.device("cpu")
+    assert [pa.min_split_for(cfg, b, 8, dev) for b in (1, 8, 9, 16, 64)] == [64, 64, 512, 512, 512]
+    monkeypatch.setattr(pa, "batch_invariant", lambda: True)
+    assert pa.min_split_for(cfg, 64, 8, dev) == 64
+
+
 def test_the_tuning_key_holds_the_table_width_and_not_the_batch():
     """The code predictor's one-page tables and the talker's wide ones share head_dim, page size, group and
     dtypes: only the table's width keeps their tuned configs apart; the batch never enters (a CUDA-graph
