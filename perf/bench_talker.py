@@ -124,7 +124,7 @@ def layer_launches(stack: DecoderStack, step: Step, i: int) -> list[tuple[str, i
     qkv_bytes = nbytes(attn.fused_weight()) + rows(cfg.hidden_size + q_width + 2 * kv_width)
     return [
         ("norm + qkv + qk-norm + rope + K/V store", qkv_bytes, lambda: qkv(stats)),
-        ("paged attention (split + merge)", kv_read + rows(2 * q_width),
+        ("paged attention", kv_read + rows(2 * q_width),
          lambda: decode_attention(q.view(bsz, cfg.num_heads, -1), ctx.cache.k[i], ctx.cache.v[i],
                                   ctx.block_tables, ctx.context_lens, ctx.scale, counters)),
         ("o_proj + residual", nbytes(attn.o_proj.weight) + rows(q_width + 2 * cfg.hidden_size),
