@@ -11,7 +11,8 @@
 # Carry .gpu/triton_cache.tgz (from an earlier call's $OUT) and the steps start from it; the cache as it stands at
 # the end comes back as $OUT/triton_cache.tgz when it is under 15 MiB (kernels the commit did not change hit).
 # The kernels' tuned launch configs (EngineConfig.tune_cache, which the engine benches and `q3tts serve` read from
-# $Q3TTS_TUNE_CACHE): carry .gpu/tuning.pkl (an earlier call's $OUT/tuning.pkl) and the engines start from it
+# $Q3TTS_TUNE_CACHE): carry .gpu/tuning.pkl (an earlier call's $OUT/tuning.pkl; a table a step named, e.g.
+# /tmp/head.pkl, comes back as $OUT/table-head.pkl) and the engines start from it
 # (valid while kernels/*.py, torch, triton and the GPU model are the same: kernels/autotune.py fingerprint), so a
 # cold machine's engine compiles and times only what the file lacks; the file as it stands at the end comes back.
 set -uo pipefail
@@ -36,6 +37,9 @@ at() { local arc=$1 commit=$2 dir=/tmp/s-$2; shift 2; rm -rf "$dir"; mkdir -p "$
   pip_e >>"$OUT/pip.log" 2>&1; }
 for step in "$@"; do eval "$step"; done
 [ -f $Q3TTS_TUNE_CACHE ] && cp $Q3TTS_TUNE_CACHE "$OUT/tuning.pkl"
+# tables the steps kept elsewhere (Q3TTS_TUNE_CACHE=/tmp/head.pkl ...) come back too: a fresh H200 table took 150 s
+# of tuning and chain tuning that the next call need not repeat (forty-sixth session)
+for t in /tmp/*.pkl; do [ -f "$t" ] && [ "$t" != "$Q3TTS_TUNE_CACHE" ] && cp "$t" "$OUT/table-$(basename "$t")"; done
 # the device tool brings back at most 8 files: past 7 (the 8th is the cache), everything else as one round.tgz
 if [ "$(find "$OUT" -type f | wc -l)" -gt 7 ]; then
   tar -czf /tmp/round.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/round.tgz "$OUT/"; fi
