@@ -4,7 +4,9 @@ Phase 1, grid (B, KVH, num_splits): one program per (sequence, kv head, split) l
 query heads that share the kv head (padded to 16 rows for tl.dot) and runs an online softmax over
 its share of the row's context, writing an unnormalised partial (acc, max, sum) in fp32.
 Each row's *actual* context is divided evenly among the splits in-kernel, so short and long
-contexts both spread over the whole grid while the launch shape depends only on (B, max_pages).
+contexts both spread over the whole grid while the launch shape depends only on (B, max_pages); where the
+rows alone fill the GPU a split takes at least `DecodeConfig.min_split` keys (`min_split_for`), so their
+short contexts are one split each.
 Phase 2, grid (B, NH): merges the partials (log-sum-exp) and writes the output. Splits past the row's
 context (`used_splits`: a short context in a wide block table, e.g. 300 keys of the engine's 10,240 at
 one row: 10 of 64 splits) store nothing and the merge reads only the used ones; a row with
