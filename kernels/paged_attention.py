@@ -258,7 +258,8 @@ def min_split_for(cfg: DecodeConfig, batch: int, num_kv_heads: int, device: torc
     alone give at least half the SMs a program, so that splitting a short context would only add partials and a
     merge; else one key block, the few rows' contexts spread over the splits (at one row on an H100 a 300-key
     context in one split took 9.4 us a layer against 8.7 spread over the splits; at 16 rows 14.9 against 15.7:
-    perf/results/RESULTS.md, forty-sixth session). Under `batch_invariant()`, batch 1's."""
+    perf/results/RESULTS.md, forty-sixth session; the rows between are not measured). Under `batch_invariant()`,
+    batch 1's."""
     return cfg.min_split if 2 * _programs(batch, num_kv_heads) >= num_sms(device) else cfg.block_n
 
 
