@@ -130,6 +130,14 @@ def store_output(out_ptr, b, heads, h_mask, out, stride_ob, stride_oh, HEAD_DIM:
              cast(out, out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
+@triton.jit
+def store_head(out_ptr, b, head, out, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row b's attention output of q head `head` (out fp32 [BLOCK_D], a merge's result) in out's dtype."""
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + offs_d, cast(out, out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     # pointers
@@ -225,9 +233,7 @@ def _decode_reduce_kernel(
     used = used_splits(context_lens_ptr, b, stride_ctx, num_splits, BLOCK_N, MIN_SPLIT)
     out = merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr, row, num_splits, used, HEAD_DIM,
                        BLOCK_D, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-             cast(out, out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    store_head(out_ptr, b, h, out, stride_ob, stride_oh, HEAD_DIM, BLOCK_D)
 
 
 class DecodeConfig(NamedTuple):

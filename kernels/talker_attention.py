@@ -18,13 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._cast import cast
 from ._launch import device_guard, programmatic_launch
 from .autotune import pick
 from .code_predictor_gemm import arrive, wait_for_previous
 from .paged_attention import (_CANDIDATES, _INTERPRET_CONFIG, DecodeConfig, _attend_split, _normalised,
-                              check_inputs, merge_splits, split_launch, store_output, store_partial,
-                              tuning_key, used_splits)
+                              check_inputs, merge_splits, split_launch, store_head, store_output,
+                              store_partial, tuning_key, used_splits)
 
 _BLOCK_S = 16  # splits merged per step (as paged_attention's phase 2)
 
@@ -60,13 +59,11 @@ def _attention_kernel(
             store_partial(part_acc_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, heads, g_mask, num_splits,
                           HEAD_DIM, BLOCK_D, GROUP)
             if arrive(cnt_ptr + b * num_kv + kvh, used):
-                offs_d = tl.arange(0, BLOCK_D)
                 for j in tl.static_range(GROUP):
                     head = kvh * GROUP + j
                     out = merge_splits(part_acc_ptr, part_max_ptr, part_sum_ptr,
                                        b * num_kv * GROUP + head, num_splits, used, HEAD_DIM, BLOCK_D, BLOCK_S)
-                    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d,
-                             cast(out, out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+                    store_head(out_ptr, b, head, out, stride_ob, stride_oh, HEAD_DIM, BLOCK_D)
 
 
 def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, scale, counters,
