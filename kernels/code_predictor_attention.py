@@ -1,20 +1,23 @@
 """The first launch of a code-predictor layer: RMSNorm -> QKV GEMM -> QK-norm -> RoPE -> K/V cache
 write -> attention over the row's <= 16 cached positions, all in one kernel.
 
-Grid (row blocks, QKV column tiles, K slices) runs the split-K GEMM of code_predictor_gemm.py into
-fp32 partials; the last program of each (row block, kv head) group (its GROUP q heads, its k and v
-columns, every slice) runs the epilogue for those rows: sum the partials, round to the model dtype,
-QK-norm, RoPE from the [positions, D] tables, store k and v at the row's position of the small
-contiguous cache [B, P, KVH, D], then attention of the GROUP heads over positions 0..pos (held in
-registers; no paging), written over the rotated q in `out`: online softmax over CHUNK positions at a
-time, each head in turn (at 16 rows on an H100 the launch took 11.9 / 17.7 µs at pass 2 / 15, its
-GEMM alone 7.4: the growth with positions is the program's own arithmetic, not L2 round trips, since
-attending both heads of a group on one k/v load made it slower, perf/results/RESULTS.md, forty-fifth
-session); a
-launch of at most FEW_ROWS rows (`held_rows`: the 1-row step's passes after the first) holds only those rows:
-its epilogue loads every head's partial sums and the earlier positions' k and v before its first store, and
-attends from registers (`_attend_few`: nothing read back, one round of loads in all), and its norm statistics
-read the row in one round.
+Its GEMM programs (row blocks fastest, then QKV column tiles, then K slices) run the split-K GEMM of
+code_predictor_gemm.py into fp32 partials and take a ticket on their (row block, kv head) group (its GROUP q heads,
+its k and v columns, every slice). The group's epilogue: sum the partials, round to the model dtype, QK-norm, RoPE
+from the [positions, D] tables, store k and v at the row's position of the small contiguous cache [B, P, KVH, D],
+then attention of the GROUP heads over positions 0..pos (no paging), written to `out`. Who runs it:
+- a launch of at most FEW_ROWS rows (`held_rows`: the 1-row step's passes after the first): the group's last GEMM
+  program, holding only those rows: it loads every head's partial sums and the earlier positions' k and v before
+  its first store and attends from registers (`_attend_few`: nothing read back, one round of loads in all); its
+  norm statistics read the row in one round;
+- a launch of one token a row over more rows (`spread`): row programs, one a (row, kv group), started after the
+  GEMM programs (`_row_program`): each waits for its group's tickets, then runs the one-row epilogue above for its
+  row, so a row block's 16 rows x 8 groups take 128 programs, not 8;
+- a first pass (two tokens a row): the group's last GEMM program over the row block, the rotated q parked in `out`
+  and attended head by head, CHUNK positions at a time (`_attend`). As the 16-row launches' epilogue it made them
+  4.5-10 µs longer than their GEMM on an H100 (11.9 / 17.7 µs at pass 2 / 15, the GEMM alone 7.4: the program's
+  own arithmetic, not L2 round trips, since attending both heads of a group on one k/v load made it slower,
+  perf/results/RESULTS.md, forty-fifth session).
 Rows are (batch row b, token t) = (r // T, r % T) at position pos0 + t: T = 2 on the first pass
 (past hidden and c0 at positions 0, 1: a row block holds both tokens of a batch row, so position 1
 sees position 0's k/v written by the same program), T = 1 after.
@@ -34,7 +37,7 @@ from .autotune import pick
 from .code_predictor_gemm import (BLOCK_M, GATHER, NORM, GemmConfig, arrive, interpret_config,
                                   candidates, counters_needed, dot_precision, held_launch, held_rows,
                                   held_rstd, k_slice, load_sum, mainloop, row_blocks, row_offsets,
-                                  store_partial, weights_before_wait)
+                                  store_partial, wait_for_previous, weights_before_wait)
 
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": the first update has no inf - inf
 # a jit function reads globals only as constexpr (the interpreter does not check)
@@ -235,34 +238,59 @@ def _attend_few(out_ptr, q1, q2, k1, k2, v, k_old, v_old, rows, row_mask, pos, g
 
 
 @triton.jit
-def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                    m, M, rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
+def rope_halves(cos_ptr, sin_ptr, pos, row_mask, stride_cos, stride_sin, HALF: tl.constexpr):
+    """The RoPE tables' rows at positions pos [R] (zeros where not row_mask): cos and sin halves c1, c2, s1, s2
+    [R, HALF], fp32."""
+    d = tl.arange(0, HALF)
+    c_offs = pos.to(tl.int64)[:, None] * stride_cos + d[None, :]
+    s_offs = pos.to(tl.int64)[:, None] * stride_sin + d[None, :]
+    mask = row_mask[:, None]
+    c1 = tl.load(cos_ptr + c_offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + c_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + s_offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + s_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def wait_for_count(cnt_ptr, count):
+    """Spin until the counter at cnt_ptr holds at least `count`, then acquire it: the program's later loads see
+    what every program stored before its ticket (`arrive` releases them). Polled with plain loads, not atomics,
+    so the waiting programs do not queue in front of the arrivals' tickets."""
+    seen = tl.load(cnt_ptr, volatile=True)
+    while seen < count:
+        seen = tl.load(cnt_ptr, volatile=True)
+    tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, cnt_ptr, count,
+                    rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
                     stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
                     stride_cos, stride_sin,
                     DT: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
                     D: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr,
-                    BLOCK_M: tl.constexpr, ATT_ROWS: tl.constexpr, P: tl.constexpr):
+                    BLOCK_M: tl.constexpr, HELD: tl.constexpr, P: tl.constexpr, WAIT: tl.constexpr):
+    """kv group g's epilogue for rows [R]: a row block's BLOCK_M rows, or (HELD) the few rows the program holds
+    (a few-rows launch's, or a spread launch's one row), which load everything before the first store. WAIT (a
+    spread launch's row program): the partial sums are complete once the counter at cnt_ptr holds `count`; the
+    loads that do not depend on them go first."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     HALF: tl.constexpr = D // 2
-    if ATT_ROWS < BLOCK_M:  # a launch of at most ATT_ROWS rows: the epilogue holds only those
-        rows = m * BLOCK_M + tl.arange(0, ATT_ROWS)
-        row_mask = rows < M
-    pos = pos0 + rows % T  # [R]: R = ATT_ROWS or BLOCK_M
+    pos = pos0 + rows % T  # [R]
     b = (rows // T).to(tl.int64)
     d = tl.arange(0, HALF)
-    c_offs = pos.to(tl.int64)[:, None] * stride_cos + d[None, :]
-    s_offs = pos.to(tl.int64)[:, None] * stride_sin + d[None, :]
-    c1 = tl.load(cos_ptr + c_offs).to(tl.float32)
-    c2 = tl.load(cos_ptr + c_offs + HALF).to(tl.float32)
-    s1 = tl.load(sin_ptr + s_offs).to(tl.float32)
-    s2 = tl.load(sin_ptr + s_offs + HALF).to(tl.float32)
+    c1, c2, s1, s2 = rope_halves(cos_ptr, sin_ptr, pos, row_mask, stride_cos, stride_sin, HALF)
     k_rows = b * stride_kb + pos.to(tl.int64) * stride_kp + g * stride_kh
     v_rows = b * stride_vb + pos.to(tl.int64) * stride_vp + g * stride_vh
     dd = tl.arange(0, D)
-    if ATT_ROWS < BLOCK_M:  # every load (the earlier positions' k and v too) before the first store
-        tl.static_assert(T == 1, "a few-rows launch holds one token a row")
+    if HELD:  # every load (the earlier positions' k and v too) before the first store
+        tl.static_assert(T == 1, "a program that holds its rows takes one token a row")
         k_old, v_old = _cached_kv(k_ptr, v_ptr, b, g, pos, row_mask, stride_kb, stride_kp, stride_kh, stride_vb,
                                   stride_vp, stride_vh, P, D)
+        if WAIT:
+            wait_for_count(cnt_ptr, count)
         q1, q2, k1, k2, v = _group_heads(part_ptr, rows, row_mask, g, qn_ptr, kn_ptr, c1, c2, s1, s2, eps, M_PAD,
                                          NP, DT, NUM_HEADS, NUM_KV, D, SPLIT, ROUND)
         _store_halves(k_ptr, k_rows[:, None, None] + d[None, None, :], k1, k2, row_mask[:, None, None], HALF)
@@ -294,19 +322,19 @@ def _copy_rows(x_ptr, x_off, row_mask, out_ptr, rows, stride_out, K, BLOCK_M: tl
 
 
 @triton.jit
-def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, st_ptr, M, K, eps, M_PAD, stride_xm,
-                       stride_ids, stride_w, stride_st, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
-                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, st_ptr, m, tile, split, later, M, K, eps,
+                       M_PAD, stride_xm, stride_ids, stride_w, stride_st, NUM_HEADS: tl.constexpr,
+                       NUM_KV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        GATHER: tl.constexpr, ROWS: tl.constexpr, HOLD: tl.constexpr, STATS: tl.constexpr):
-    """This program's share of RMSNorm(X) @ W_qkv^T (grid: row blocks, column tiles, K slices),
-    stored as an fp32 partial [SPLIT, M_PAD, (NH + 2 KVH) D], then a ticket on its (row block, kv
-    head g) group: q heads g*GROUP.., k head g, v head g. HOLD: see `weights_before_wait`. GATHER: row m
-    of X is row ids[m] of the table at x_ptr. ROWS: the rows the norm statistics hold (`held_rows`). STATS > 0:
-    the statistics come from X's row-statistics buffer at st_ptr (`held_rstd`).
+    """Program (row block m, column tile, K slice split)'s share of RMSNorm(X) @ W_qkv^T, stored as an fp32
+    partial [SPLIT, M_PAD, (NH + 2 KVH) D], then a ticket on its (row block, kv head g) group: q heads g*GROUP..,
+    k head g, v head g; `later` more tickets follow the group's GEMM programs' (a spread launch's row programs).
+    HOLD: see `weights_before_wait`. GATHER: row m of X is row ids[m] of the table at x_ptr. ROWS: the rows the
+    norm statistics hold (`held_rows`). STATS > 0: the statistics come from X's row-statistics buffer at st_ptr
+    (`held_rstd`).
     Returns rows, row_mask [BLOCK_M], the rows' element offsets in x [BLOCK_M], g, and whether this
-    is the group's last program (which runs the group's epilogue)."""
-    m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    is the group's last program (which runs the group's epilogue; never, with later tickets)."""
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_off = cols.to(tl.int64) * stride_w
     k_lo, k_hi = k_slice(split, K, SPLIT, BLOCK_K)
@@ -320,12 +348,82 @@ def qkv_group_partials(x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, st_ptr,
     acc = mainloop(x_ptr, x_off, row_mask, w_ptr, w_off, k_lo, k_hi, nw_ptr, rstd, held, _NORM, BLOCK_M,
                    BLOCK_N, BLOCK_K, DOT_PRECISION, HOLD)
     store_partial(part_ptr, acc, split, rows, row_mask, cols, M_PAD, (NUM_HEADS + 2 * NUM_KV) * D)
+    g = _group_of(tile, NUM_HEADS, NUM_KV, D, BLOCK_N)
+    return rows, row_mask, x_off, g, arrive(cnt_ptr + m * NUM_KV + g, _group_programs(NUM_HEADS, NUM_KV, D, BLOCK_N,
+                                                                                      SPLIT) + later)
+
+
+@triton.jit
+def _group_of(tile, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The kv group of column tile `tile`: its q heads' columns, or its k or v head's."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
     col0 = tile * BLOCK_N
-    g = tl.where(col0 < NUM_HEADS * D, col0 // (GROUP * D),
-                 (col0 - NUM_HEADS * D) // D % NUM_KV)
-    TILES_PER_GROUP: tl.constexpr = (GROUP + 2) * D // BLOCK_N
-    return rows, row_mask, x_off, g, arrive(cnt_ptr + m * NUM_KV + g, TILES_PER_GROUP * SPLIT)
+    return tl.where(col0 < NUM_HEADS * D, col0 // (GROUP * D), (col0 - NUM_HEADS * D) // D % NUM_KV)
+
+
+@triton.jit
+def _group_programs(NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SPLIT: tl.constexpr):
+    """The GEMM programs of one (row block, kv group): its column tiles x the K slices."""
+    return (NUM_HEADS // NUM_KV + 2) * D // BLOCK_N * SPLIT
+
+
+@triton.jit
+def _gemm_program(x_ptr, ids_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, out_ptr,
+                  rows_out_ptr, part_ptr, cnt_ptr, pid, blocks, M, K, pos0, eps, scale, M_PAD,
+                  stride_xm, stride_ids, stride_w, stride_out, stride_rows_out, stride_kb, stride_kp, stride_kh,
+                  stride_vb, stride_vp, stride_vh, stride_cos, stride_sin,
+                  NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                  ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ATT_ROWS: tl.constexpr,
+                  P: tl.constexpr, GATHER: tl.constexpr, HOLD: tl.constexpr, SPREAD: tl.constexpr):
+    """GEMM program pid: row block pid % blocks (row blocks fastest, so the programs that share a weight tile run
+    together and re-read it from L2), then column tiles, then K slices; the last of its group runs the group's
+    epilogue, unless SPREAD (the row programs run it)."""
+    NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
+    TILES: tl.constexpr = NP // BLOCK_N
+    m, tile, split = pid % blocks, pid // blocks % TILES, pid // blocks // TILES
+    later = tl.minimum(M - m * BLOCK_M, BLOCK_M) if SPREAD else 0  # the row programs of row block m
+    rows, row_mask, x_off, g, last = qkv_group_partials(  # the norm from the rows (no row statistics: STATS 0)
+        x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, x_ptr, m, tile, split, later, M, K, eps, M_PAD,
+        stride_xm, stride_ids, stride_w, 0, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION,
+        GATHER, ATT_ROWS, HOLD, 0)
+    if GATHER:  # the gathered rows are the layer's residual input: one program per row block keeps them
+        if (tile == 0) & (split == 0):
+            _copy_rows(x_ptr, x_off, row_mask, rows_out_ptr, rows, stride_rows_out, K, BLOCK_M)
+    if not SPREAD:
+        if last:  # a launch of at most ATT_ROWS < BLOCK_M rows: the epilogue holds only those
+            held = m * BLOCK_M + tl.arange(0, ATT_ROWS)
+            _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, cnt_ptr, 0,
+                            held, held < M, g, pos0, eps, scale, M_PAD, NP,
+                            stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
+                            stride_vh, stride_cos, stride_sin,
+                            w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, T, SPLIT, ROUND, BLOCK_M,
+                            ATT_ROWS < BLOCK_M, P, False)
+
+
+@triton.jit
+def _row_program(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, cnt_ptr, e, M, pos0, eps,
+                 scale, M_PAD, stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+                 stride_cos, stride_sin, DT: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
+                 D: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr, SPREAD: tl.constexpr):
+    """Row program e of a spread launch: row e // NUM_KV's epilogue in kv group e % NUM_KV, once the group's GEMM
+    programs have all stored their partials (the one-row epilogue, `_attend_few`); the group's last row program
+    resets its counter. Nothing without SPREAD (a launch with no row programs)."""
+    if SPREAD:
+        wait_for_previous(PDL)
+        NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
+        r, g = e // NUM_KV, e % NUM_KV
+        m = r // BLOCK_M
+        cnt = cnt_ptr + m * NUM_KV + g
+        gemm = _group_programs(NUM_HEADS, NUM_KV, D, BLOCK_N, SPLIT)
+        rows = r + tl.arange(0, 1)
+        _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, cnt, gemm, rows,
+                        rows < M, g, pos0, eps, scale, M_PAD, NP, stride_out, stride_kb, stride_kp, stride_kh,
+                        stride_vb, stride_vp, stride_vh, stride_cos, stride_sin, DT, NUM_HEADS, NUM_KV, D, T, SPLIT,
+                        ROUND, BLOCK_M, True, P, True)
+        arrive(cnt, gemm + tl.minimum(M - m * BLOCK_M, BLOCK_M))
 
 
 @triton.jit(do_not_specialize=["M", "pos0", "M_PAD"])
@@ -342,23 +440,24 @@ def _qkv_attention_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
     ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ATT_ROWS: tl.constexpr,
-    P: tl.constexpr, GATHER: tl.constexpr, HOLD: tl.constexpr,
+    P: tl.constexpr, GATHER: tl.constexpr, HOLD: tl.constexpr, SPREAD: tl.constexpr,
 ):
-    rows, row_mask, x_off, g, last = qkv_group_partials(  # the norm from the rows (no row statistics: STATS 0)
-        x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, x_ptr, M, K, eps, M_PAD, stride_xm, stride_ids,
-        stride_w, 0, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, GATHER,
-        ATT_ROWS, HOLD, 0)
-    if GATHER:  # the gathered rows are the layer's residual input: one program per row block keeps them
-        if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
-            _copy_rows(x_ptr, x_off, row_mask, rows_out_ptr, rows, stride_rows_out, K, BLOCK_M)
-    NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
-    if last:
-        _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                        tl.program_id(0), M, rows, row_mask, g, pos0, eps, scale, M_PAD, NP,
-                        stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
-                        stride_vh, stride_cos, stride_sin,
-                        w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, T, SPLIT, ROUND, BLOCK_M,
-                        ATT_ROWS, P)
+    # a one-dimensional grid: the GEMM programs, then (SPREAD) M * NUM_KV row programs, which the GPU starts after
+    # every GEMM program (blocks start in order) and the interpreter runs after them, so a row program that waits
+    # never holds back a program it waits for
+    pid, blocks = tl.program_id(0), tl.cdiv(M, BLOCK_M)
+    gemm = blocks * ((NUM_HEADS + 2 * NUM_KV) * D // BLOCK_N) * SPLIT
+    if pid >= gemm:
+        _row_program(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, cnt_ptr, pid - gemm, M,
+                     pos0, eps, scale, M_PAD, stride_out, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
+                     stride_vh, stride_cos, stride_sin, w_ptr.dtype.element_ty, NUM_HEADS, NUM_KV, D, T, SPLIT,
+                     ROUND, BLOCK_M, BLOCK_N, P, HOLD > 0, SPREAD)
+    else:
+        _gemm_program(x_ptr, ids_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, out_ptr,
+                      rows_out_ptr, part_ptr, cnt_ptr, pid, blocks, M, K, pos0, eps, scale, M_PAD, stride_xm,
+                      stride_ids, stride_w, stride_out, stride_rows_out, stride_kb, stride_kp, stride_kh, stride_vb,
+                      stride_vp, stride_vh, stride_cos, stride_sin, NUM_HEADS, NUM_KV, D, T, ROUND, BLOCK_M, BLOCK_N,
+                      BLOCK_K, SPLIT, DOT_PRECISION, ATT_ROWS, P, GATHER, HOLD, SPREAD)
 
 
 def qkv_candidates(qkv_weight: torch.Tensor, head_dim: int) -> list[GemmConfig]:
@@ -368,24 +467,32 @@ def qkv_candidates(qkv_weight: torch.Tensor, head_dim: int) -> list[GemmConfig]:
     return candidates(fits, qkv_weight.shape[1], qkv_weight.device)
 
 
+def spread(rows: int, tokens: int) -> bool:
+    """Whether a launch of `rows` rows of `tokens` tokens each runs its epilogues in row programs (`_row_program`,
+    one a row and kv group, after the GEMM programs): one token a row, and rows it does not hold (`held_rows`;
+    under `batch_invariant()` every launch of one token a row, so a row's arithmetic is one whatever the batch)."""
+    return tokens == 1 and held_rows(rows) == BLOCK_M
+
+
 def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache,
             v_cache, out, counters, pos0, tokens, eps, scale) -> None:
-    rows, num_heads, d = out.shape[0], out.shape[1] // k_cache.shape[3], k_cache.shape[3]
+    rows, num_heads, (num_kv, d) = out.shape[0], out.shape[1] // k_cache.shape[3], k_cache.shape[2:]
     m_pad = row_blocks(rows) * BLOCK_M
     part = torch.empty(cfg.split, m_pad, qkv_w.shape[0], dtype=torch.float32, device=x.device)
-    gather = ids is not None
-    _qkv_attention_kernel[(row_blocks(rows), qkv_w.shape[0] // cfg.block_n, cfg.split)](
+    gather, spreads = ids is not None, spread(rows, tokens)
+    programs = row_blocks(rows) * qkv_w.shape[0] // cfg.block_n * cfg.split + (rows * num_kv if spreads else 0)
+    _qkv_attention_kernel[(programs,)](
         x, ids if gather else x, norm_w, qkv_w, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, out,
         rows_out if gather else out, part, counters,
         rows, x.shape[1], pos0, eps, scale, m_pad,
         x.stride(0), ids.stride(0) if gather else 0, qkv_w.stride(0), out.stride(0),
         rows_out.stride(0) if gather else 0, *k_cache.stride()[:3], *v_cache.stride()[:3],
         cos.stride(0), sin.stride(0),
-        NUM_HEADS=num_heads, NUM_KV=k_cache.shape[2], D=d, T=tokens,
+        NUM_HEADS=num_heads, NUM_KV=num_kv, D=d, T=tokens,
         ROUND=cos.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
         DOT_PRECISION=dot_precision(qkv_w.dtype), ATT_ROWS=held_rows(rows),
-        P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather,
+        P=triton.next_power_of_2(k_cache.shape[1]), GATHER=gather, SPREAD=spreads,
         **held_launch(cfg, cfg.block_n, qkv_w.shape[1], x),
     )
 

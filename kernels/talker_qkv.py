@@ -24,7 +24,7 @@ from ._cast import cast
 from ._launch import device_guard
 from .autotune import pick
 from .code_predictor_attention import (_group_heads, _store_halves, _store_heads_in_turn, qkv_candidates,
-                                       qkv_group_partials)
+                                       qkv_group_partials, rope_halves)
 from .code_predictor_gemm import (BLOCK_M, GemmConfig, check_stats, counters_needed, dot_precision,
                                   held_launch, held_rows, interpret_config, row_blocks, stats_width)
 
@@ -46,13 +46,7 @@ def _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_
     pos = tl.load(pos_ptr + r64 * stride_pos, mask=row_mask, other=0).to(tl.int64)  # [R]: EPI_ROWS or BLOCK_M
     slot = tl.load(slot_ptr + r64 * stride_slot, mask=row_mask, other=-1).to(tl.int64)
     d = tl.arange(0, HALF)
-    c_offs = pos[:, None] * stride_cos + d[None, :]
-    s_offs = pos[:, None] * stride_sin + d[None, :]
-    mask = row_mask[:, None]
-    c1 = tl.load(cos_ptr + c_offs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + c_offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + s_offs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + s_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = rope_halves(cos_ptr, sin_ptr, pos, row_mask, stride_cos, stride_sin, HALF)
     keep = row_mask & (slot >= 0)
     page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE  # [R] each (junk where not kept)
     k_rows = page * stride_kp + offset * stride_ks + g * stride_kh
@@ -87,9 +81,9 @@ def _talker_qkv_kernel(
     HOLD: tl.constexpr, STATS: tl.constexpr,
 ):
     rows, row_mask, _, g, last = qkv_group_partials(
-        x_ptr, x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, st_ptr, M, K, eps, M_PAD, stride_xm, 0, stride_w,
-        stride_st, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, False, EPI_ROWS, HOLD,
-        STATS)
+        x_ptr, x_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, st_ptr, tl.program_id(0), tl.program_id(1),
+        tl.program_id(2), 0, M, K, eps, M_PAD, stride_xm, 0, stride_w, stride_st, NUM_HEADS, NUM_KV, D, BLOCK_M,
+        BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION, False, EPI_ROWS, HOLD, STATS)
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     if last:
         _group_epilogue(part_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr,

@@ -80,9 +80,11 @@ def test_the_multi_row_qkv_epilogues_move_nothing_through_shared_memory(usage):
     HALF] head halves in the layout its loads give: no layout conversion through shared memory (b47a5a2 ran it on
     [BLOCK_M, 1, HALF] halves from a reshape: 40 barriers and 13 shared stores after the ticket instead of 3 and 1,
     2.5x the global loads, and the 16-row qkv launches of both models took 9 us more each on the H200). What is left
-    is the ticket's broadcast (one shared store and load) and the attention's barrier."""
-    epilogues = {spec: k["after_ticket"] for spec, (k,) in usage.items() if "rows=4" in spec}
-    assert len(epilogues) == 20, epilogues  # 4 configs x (code predictor T = 1, T = 2, gathered; talker x 2)
+    is the ticket's broadcast (one shared store and load) and the attention's barrier. (The code predictor's
+    one-token launches of several rows run the one-row epilogue in row programs instead: `spread`.)"""
+    epilogues = {spec: k["after_ticket"] for spec, (k,) in usage.items()
+                 if "rows=4" in spec and "T=1" not in spec}
+    assert len(epilogues) == 12, epilogues  # 4 configs x (code predictor T = 2; talker x 2)
     moved = {spec: n for spec, n in epilogues.items() if n["BAR"] > 3 or n["STS"] > 1 or n["LDS"] > 1}
     assert not moved, moved
 
