@@ -33,6 +33,7 @@ from q3tts.models.code_predictor_fused import FusedCodePredictor  # noqa: E402 (
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from q3tts.kernels import code_predictor_reference as R  # noqa: E402
+from q3tts.kernels.code_predictor_attention import spread  # noqa: E402
 from q3tts.kernels.code_predictor_sampling import _kth_largest  # noqa: E402
 from q3tts.kernels.reference import rope_cos_sin  # noqa: E402
 GemmConfig = cpk.GemmConfig
@@ -128,11 +129,16 @@ def test_norm_gate_up_takes_the_row_statistics_it_is_given(rows):
     assert (own - scaled).abs().max() > 0.2 * own.abs().max(), "the statistics were not read"
 
 
-def test_one_row_attention_is_batch_invariant_under_the_switch(invariant):
+@pytest.mark.parametrize("switched", [False, True], ids=["default", "batch_invariant"])
+def test_a_rows_attention_alone_is_its_attention_among_others(switched, switch):
     """A one-row launch attends in one round of loads (`_attend_few`; checked against the references by
-    test_qkv_attention_over_a_frame at bsz 1), other launches in chunks of positions: under
-    `batch_invariant()` the one-row launch takes the chunked path too, so the row alone is bit-equal to the
-    same row among 3 (fp32, where another softmax order shows)."""
+    test_qkv_attention_over_a_frame at bsz 1); a one-token launch of more rows runs that same one-row epilogue in
+    its row programs (`spread`), a first pass (two tokens a row) the chunked epilogue over the row block. So a row
+    alone is bit-equal to the same row among 3 (fp32, where another softmax order shows: the chunked epilogue on
+    the one-token passes failed it), and under `batch_invariant()` too, where the one-row launch's first pass takes
+    the chunked path and its other passes the row programs."""
+    switch(switched)
+    assert spread(1, 1) == switched and spread(3, 1) and not spread(3, 2)
     inp, s = Inputs(DEVICE, 31), TINY
     weights = (inp.norm_weight(s.hidden, torch.float32),
                inp.weight((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, torch.float32),
