@@ -5,7 +5,11 @@ keys agree; a key the table lacks is tuned as usual. `perf/gpu_round.sh`'s `at` 
 commit's snapshot, so it needs of that tree's q3tts only `autotune.fingerprint` (hence plain pickle here, not
 `load_tuned` / `save_tuned`, whose checks and arguments an older tree may not share).
 
-    python3 perf/retag_table.py <table.pkl> <out.pkl> [--device cuda]
+    python3 perf/retag_table.py <table.pkl> <out.pkl> [--device cuda] [--drop-chain-marks]
+
+--drop-chain-marks leaves out the marks of the engine's chain tuning (keys "*_chain_tuned",
+backend/engine/chain_tuning.py), so an engine on the table chain-tunes its parts again from the table's picks: a
+kernel change that may want other launch configs, measured with its own.
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("table", help="a table saved by autotune.save_tuned")
     p.add_argument("out", help="where the retagged table goes")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--drop-chain-marks", action="store_true", help="leave out the chain tuning's marks")
     args = p.parse_args(argv)
     with open(args.table, "rb") as f:
         saved = pickle.load(f)
     saved["fingerprint"] = autotune.fingerprint(torch.device(args.device))
+    if args.drop_chain_marks:
+        saved["best"] = {k: v for k, v in saved["best"].items()
+                         if not (isinstance(k, tuple) and str(k[0]).endswith("_chain_tuned"))}
     with open(args.out, "wb") as f:
         pickle.dump(saved, f, protocol=5)
     print(f"{len(saved['best'])} entries, fingerprint {saved['fingerprint'][:3]}")

@@ -57,6 +57,20 @@ def test_a_retagged_table_loads_under_other_kernel_sources(tmp_path, monkeypatch
     assert autotune.load_tuned(out, CPU) == 1 and autotune.tuned_configs() == {SAVED: GemmConfig(32, 128, 2, 4, 4, 16)}
 
 
+def test_a_table_retagged_without_chain_marks_keeps_every_pick_but_the_marks(tmp_path, monkeypatch):
+    """--drop-chain-marks: the picks stay, the chain tuning's marks go, so an engine on the table chain-tunes again
+    (chain_tuning.needs_tuning) from those picks."""
+    from retag_table import main as retag
+
+    mark = ("cp_chain_tuned", (1024, 3072, 5, 2048, 16), torch.bfloat16, (1, 16), True)
+    monkeypatch.setattr(autotune, "_BEST", {SAVED: GemmConfig(32, 128, 2, 4, 4, 16), mark: {1: 2.1, 16: 3.0}})
+    path, out = tmp_path / "tuning.pkl", tmp_path / "retagged.pkl"
+    autotune.save_tuned(path, CPU)
+    assert retag([str(path), str(out), "--device", "cpu", "--drop-chain-marks"]) == 0
+    autotune._BEST.clear()
+    assert autotune.load_tuned(out, CPU) == 1 and autotune.tuned_configs() == {SAVED: GemmConfig(32, 128, 2, 4, 4, 16)}
+
+
 def test_the_kept_h200_table_loads_under_this_tree(tmp_path, monkeypatch):
     """Every entry of perf/results/tuning-h200-0d29c93.pkl unpickles into this tree's config classes and loads once
     retagged (a renamed or removed config class would leave the next device session to tune from scratch)."""
