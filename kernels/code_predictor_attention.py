@@ -392,7 +392,7 @@ def _gemm_program(x_ptr, ids_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_pt
         if (tile == 0) & (split == 0):
             _copy_rows(x_ptr, x_off, row_mask, rows_out_ptr, rows, stride_rows_out, K, BLOCK_M)
     if not SPREAD:
-        if last:  # a launch of at most ATT_ROWS < BLOCK_M rows: the epilogue holds only those
+        if last:  # the row block's rows, or (ATT_ROWS < BLOCK_M) the few rows a few-rows launch holds
             held = m * BLOCK_M + tl.arange(0, ATT_ROWS)
             _group_epilogue(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, cnt_ptr, 0,
                             held, held < M, g, pos0, eps, scale, M_PAD, NP,

@@ -5,8 +5,9 @@ program owns BLOCK_M rows x BLOCK_N weight rows x one of SPLIT slices of K (grid
 fastest, so the programs that share a weight tile run together and re-read it from L2). With
 SPLIT > 1 each program stores an fp32 partial and takes a ticket; the last program of a unit (a
 column tile, or a kv-head group for attention) sums the partials in split order 0..SPLIT-1 and runs
-the epilogue. No program waits on another, so any grid is safe (the interpreter runs programs one
-by one); the sums never depend on which program arrived last or on M.
+the epilogue. No GEMM program waits on another, so any grid is safe (the interpreter runs programs one
+by one); the sums never depend on which program arrived last or on M. (The code predictor's qkv launch of several
+rows adds programs that wait for their group's tickets, after the GEMM programs: code_predictor_attention.spread.)
 
 Launch configs (code_predictor_linear.select_config): with `autotune.batch_invariant()` on, BLOCK_M
 16 and a config chosen per weight shape (never per M), so a row's arithmetic does not depend on how
