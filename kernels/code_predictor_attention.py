@@ -369,6 +369,13 @@ def _group_programs(NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constex
 
 
 @triton.jit
+def _block_rows(M, m, BLOCK_M: tl.constexpr):
+    """The rows of row block m: a spread launch's row programs of that block, whose tickets its groups' counters
+    take after the GEMM programs'."""
+    return tl.minimum(M - m * BLOCK_M, BLOCK_M)
+
+
+@triton.jit
 def _gemm_program(x_ptr, ids_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, out_ptr,
                   rows_out_ptr, part_ptr, cnt_ptr, pid, blocks, M, K, pos0, eps, scale, M_PAD,
                   stride_xm, stride_ids, stride_w, stride_out, stride_rows_out, stride_kb, stride_kp, stride_kh,
@@ -383,7 +390,7 @@ def _gemm_program(x_ptr, ids_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, cos_ptr, sin_pt
     NP: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * D
     TILES: tl.constexpr = NP // BLOCK_N
     m, tile, split = pid % blocks, pid // blocks % TILES, pid // blocks // TILES
-    later = tl.minimum(M - m * BLOCK_M, BLOCK_M) if SPREAD else 0  # the row programs of row block m
+    later = _block_rows(M, m, BLOCK_M) if SPREAD else 0
     rows, row_mask, x_off, g, last = qkv_group_partials(  # the norm from the rows (no row statistics: STATS 0)
         x_ptr, ids_ptr, nw_ptr, w_ptr, part_ptr, cnt_ptr, x_ptr, m, tile, split, later, M, K, eps, M_PAD,
         stride_xm, stride_ids, stride_w, 0, NUM_HEADS, NUM_KV, D, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, DOT_PRECISION,
@@ -423,7 +430,7 @@ def _row_program(part_ptr, out_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_p
                         rows < M, g, pos0, eps, scale, M_PAD, NP, stride_out, stride_kb, stride_kp, stride_kh,
                         stride_vb, stride_vp, stride_vh, stride_cos, stride_sin, DT, NUM_HEADS, NUM_KV, D, T, SPLIT,
                         ROUND, BLOCK_M, True, P, True)
-        arrive(cnt, gemm + tl.minimum(M - m * BLOCK_M, BLOCK_M))
+        arrive(cnt, gemm + _block_rows(M, m, BLOCK_M))
 
 
 @triton.jit(do_not_specialize=["M", "pos0", "M_PAD"])
