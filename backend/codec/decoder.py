@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from q3tts import kernels
 from q3tts.kernels.reference import rope_cos_sin
-from q3tts.models.layers import MLP, FusedRows, Linear, linear
+from q3tts.models.layers import MLP, FusedRows, Linear, linear, rows_at
 
 from ..config import CodecConfig, CodecDecoderConfig
 from .layers import (AttentionProjections, CausalConv1d, CausalTransConv1d, LayerScale, RMSNorm, SnakeBeta, StateSpec, States,
@@ -66,7 +66,7 @@ class ResidualVQ(nn.Module):
     def forward(self, codes: Tensor) -> Tensor:  # [B, n, T] -> [B, out_dim, T]
         total = None
         for g, layer in enumerate(self.vq.layers):
-            emb = F.embedding(codes[:, g], layer._codebook.table())  # [B, T, dim]
+            emb = rows_at(layer._codebook.table(), codes[:, g])  # [B, T, dim]
             total = emb if total is None else total + emb
         if kernels.batch_invariant():  # the 1x1 conv as the linear layer it is (codec/layers.py)
             return linear(total, self.output_proj.weight[:, :, 0]).transpose(1, 2)

@@ -22,6 +22,7 @@ import contextlib
 import torch
 from torch import Tensor
 
+from q3tts.models.layers import rows_at
 from q3tts.models.transfer import upload
 
 from .decoder import CodecDecoder
@@ -90,7 +91,7 @@ class StreamingDecoder:
         the decoder: the packed ones gathered one launch per packed buffer (not one per state tensor), the resident
         ones the pool's own tensors, read and written in place at rows `slots`."""
         packed, resident = self.buffers[:self._packed], self.buffers[self._packed:]
-        return self.decoder.spec.views([rows.index_select(0, slots) for rows in packed], self.dtype, resident)
+        return self.decoder.spec.views([rows_at(rows, slots) for rows in packed], self.dtype, resident)
 
     def scatter_states(self, slots: Tensor, states: list[Tensor]) -> None:
         """Write `states` (`gather_states`' list after a decoder call) back into the pool rows of `slots`."""

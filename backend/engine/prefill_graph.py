@@ -34,6 +34,7 @@ import torch
 
 from q3tts.models import step
 from q3tts.models.attention import PackedPrefillContext, PagedKVCache
+from q3tts.models.layers import rows_at
 from q3tts.models.sampling import FULL, GRAPH_VARIANTS, SamplingTensors, UniformSource
 from q3tts.models.talker import Talker
 from q3tts.models.transfer import upload
@@ -73,7 +74,7 @@ def forward_packed(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, po
     ctx = PackedPrefillContext(cache, slot_mapping, cu_seqlens, talker.attn_scale, prefix_table, prefix_len)
     out = talker(embeds, positions, ctx)  # [T, H]
     last = (cu_seqlens[1:] - 1).clamp(min=0)  # [S] last row of each sequence
-    return out.index_select(0, last)
+    return rows_at(out, last)
 
 
 @dataclass

@@ -54,6 +54,15 @@ def refuse_in_capture(what: str) -> None:
                            f"(after any .to()) before capturing")
 
 
+def rows_at(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """table[ids]: the rows [*ids.shape, ...] of `table` at `ids` (an int tensor on its device), the bits of
+    `F.embedding` / `index_select`. Through indexing on purpose: on CUDA those two run torch's small-index kernel
+    for up to 16 ids, whose threads walk the ids one by one (a dependent load each); the H100's 16-row step graph
+    spent 26 µs a launch in it, where indexing's kernel took about 3 (perf/results/RESULTS.md, forty-seventh
+    session)."""
+    return table[ids]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]: `kernels.linear` under
     `kernels.batch_invariant()` (rows independent of the row count), else F.linear."""

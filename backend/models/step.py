@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from q3tts.models.attention import DecodeContext, PagedKVCache, PrefillContext
+from q3tts.models.layers import rows_at
 from q3tts.models.talker import Talker
 from q3tts.models.sampling import (SamplingTensors, SubtalkerSampler, TalkerRules, UniformSource,
                             sample_talker)
@@ -112,7 +113,7 @@ def prefill_batch(talker: Talker, cache: PagedKVCache, embeds: torch.Tensor, seq
         hidden = out[lens[0] - 1:lens[0]]  # [1, H]
     else:
         last = torch.tensor(lens).cumsum(0) - 1
-        hidden = out.index_select(0, last.to(device))  # [B, H]
+        hidden = rows_at(out, last.to(device))  # [B, H]
     if rows > len(lens):
         hidden = torch.cat((hidden, hidden.new_zeros(rows - len(lens), hidden.shape[1])))
     return first_c0(talker, hidden, params, seeds, uniform_source, faults), hidden

@@ -17,7 +17,7 @@ from q3tts import kernels
 from q3tts.config import TalkerConfig
 from q3tts.models.attention import AttentionContext, DecodeContext
 from q3tts.models.code_predictor import CodePredictor
-from q3tts.models.layers import DecoderStack, Linear
+from q3tts.models.layers import DecoderStack, Linear, rows_at
 
 if TYPE_CHECKING:
     from q3tts.models.talker_fused import FusedTalker
@@ -102,7 +102,7 @@ class Talker(nn.Module):
 
     def embed_codec(self, ids: torch.Tensor) -> torch.Tensor:
         """C(ids): ids [N] -> [N, H]."""
-        return self.model.codec_embedding(ids)
+        return rows_at(self.model.codec_embedding.weight, ids)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionContext) -> torch.Tensor:

@@ -118,9 +118,10 @@ def test_unpadded_batch_sizes_differ_only_by_gemm_blocking(codec, codes):
 
 
 def test_a_frame_gathers_the_states_one_launch_per_packed_buffer(codec, codes):
-    """decode_frame reads the streams' states with one index_select per packed buffer (dtype), not one per
-    state tensor (38 state tensors at the released size: 38 launches on every codec step), and neither
-    gathers nor scatters the resident ones (the transformer's windows: 2 per layer), which it uses in place."""
+    """decode_frame reads the streams' states with one gather per packed buffer (dtype), not one per state tensor
+    (38 state tensors at the released size: 38 launches on every codec step), and neither gathers nor scatters the
+    resident ones (the transformer's windows: 2 per layer), which it uses in place. Its gathers, the states' and the
+    codebooks', index (`rows_at`): no index_select or embedding, whose CUDA kernel walks up to 16 ids one by one."""
     from torch.profiler import ProfilerActivity, profile
 
     spec = codec.decoder.spec
@@ -128,11 +129,15 @@ def test_a_frame_gathers_the_states_one_launch_per_packed_buffer(codec, codes):
     stream = StreamingDecoder(codec.decoder, max_streams=3)
     slots = torch.arange(3)
     stream.reset(slots)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         stream.decode_frame(slots, codes[:, :, 0])
-    top = [e.name for e in prof.events() if e.cpu_parent is None]  # not inside other ops
-    assert resident == 2 * len(codec.decoder.pre_transformer.layers) and spec.num_packed(torch.float32) == 2
-    assert top.count("aten::index_select") == 2 and top.count("aten::index_copy_") == len(stream.pool) - resident
+    top = [e for e in prof.events() if e.cpu_parent is None]  # not inside other ops
+    names = [e.name for e in top]
+    packed = [list(rows.shape) for rows in stream.buffers[:spec.num_packed(torch.float32)]]
+    gathers = [e for e in top if e.name == "aten::index" and e.input_shapes[0] in packed]
+    assert resident == 2 * len(codec.decoder.pre_transformer.layers) and len(packed) == 2
+    assert len(gathers) == 2 and names.count("aten::index_copy_") == len(stream.pool) - resident
+    assert "aten::index_select" not in names and "aten::embedding" not in names
 
 
 def test_a_code_past_the_codebook_decodes_as_the_last_one(codec, codes):
