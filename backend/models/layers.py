@@ -57,9 +57,9 @@ def refuse_in_capture(what: str) -> None:
 def rows_at(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """table[ids]: the rows [*ids.shape, ...] of `table` at `ids` (an int tensor on its device), the bits of
     `F.embedding` / `index_select`. Through indexing on purpose: on CUDA those two run torch's small-index kernel
-    for up to 16 ids, whose threads walk the ids one by one (a dependent load each); the H100's 16-row step graph
-    spent 26 µs a launch in it, where indexing's kernel took about 3 (perf/results/RESULTS.md, forty-seventh
-    session)."""
+    for up to 16 ids, whose threads walk the ids one by one (a dependent load each). In the H100's 16-row step graph
+    that kernel took 26 µs a launch (17 a step; 2.8 at one row), indexing's kernel about 3 (the sampling
+    parameters' gathers; perf/results/RESULTS.md, forty-seventh session)."""
     return table[ids]
 
 
