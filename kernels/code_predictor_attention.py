@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ._cast import cast
 from ._launch import device_guard
-from .autotune import pick
+from .autotune import batch_invariant, choose, pick
 from .code_predictor_gemm import (BLOCK_M, GATHER, NORM, GemmConfig, arrive, interpret_config,
                                   candidates, counters_needed, dot_precision, held_launch, held_rows,
                                   held_rstd, k_slice, load_sum, mainloop, row_blocks, row_offsets,
@@ -504,6 +504,29 @@ def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w
     )
 
 
+def _tuned(args: tuple, gather: bool, spreads: bool) -> GemmConfig:
+    """The launch config of `_launch(cfg, *args)`. One key per weight shape (and gathering or not: its own
+    kernel), timed on the launch's first row block, or on its first batch row when the launch runs row programs
+    (so the key's config is the one-row step's); a launch with row programs (`spread`) outside
+    `batch_invariant()` takes its own config among the key's and the candidates, timed on the launch's first row
+    block inside `autotune.tuning()` (the CUDA-graph warm-up; before it, the key's): at 16 rows the row programs
+    sit beside the GEMM programs, so the tile that fills the GPU alone need not be theirs (forty-eighth session).
+    Under `batch_invariant()` one config serves every launch of one token a row."""
+    x, ids, rows_out, *weights, out, counters, pos0, t, eps, scale = args
+    qkv_w, d = weights[1], weights[6].shape[3]
+    first = lambda m: (x if gather else x[:m], ids[:m] if gather else None,  # noqa: E731
+                       rows_out[:m] if gather else None, *weights, out[:m], counters, pos0, t, eps, scale)
+    rows, cands = out.shape[0], qkv_candidates(qkv_w, d)
+    key = ("cp_qkv_attention" + ("/gather" if gather else ""), qkv_w.shape, weights[6].shape[2], qkv_w.dtype)
+    one = first(t if spreads else min(rows, BLOCK_M))
+    config = pick(key, cands, lambda c: _launch(c, *one), x.device)
+    if not spreads or batch_invariant():
+        return config
+    block = first(min(rows, BLOCK_M))
+    return choose(key + ("rows",), [config, *(c for c in cands if c != config)], lambda c: _launch(c, *block),
+                  x.device, default=config)
+
+
 def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,
                   q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int,
@@ -559,16 +582,8 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
     weights = (norm_weight, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, k_cache, v_cache)
     args = (x, ids, rows_out, *weights, out, counters, pos0, t, eps, scale)
     with device_guard(x):
-        if config is None and x.is_cuda:  # timed on the first row block (the batch-1 shape)
-            # NOTE: the gathering launch is its own kernel: its own key (see code_predictor_linear._run)
-            key = ("cp_qkv_attention" + ("/gather" if ids is not None else ""), qkv_weight.shape, num_kv,
-                   qkv_weight.dtype)
-            m = min(rows, BLOCK_M)
-            one_block = (x if ids is not None else x[:m], None if ids is None else ids[:m],
-                         None if ids is None else rows_out[:m], *weights, out[:m], counters, pos0, t, eps,
-                         scale)
-            config = pick(key, qkv_candidates(qkv_weight, d),
-                          lambda c: _launch(c, *one_block), x.device)
+        if config is None and x.is_cuda:
+            config = _tuned(args, ids is not None, spread(rows, t))
         config = config or interpret_config(d)
         assert d % config.block_n == 0, f"qkv_attention: block_n {config.block_n} must divide {d}"
         _launch(config, *args)

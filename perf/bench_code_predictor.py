@@ -108,8 +108,8 @@ def gemm_config_table() -> list[str]:
     for key, c in sorted(tuned_configs().items(), key=str):
         if not isinstance(c, cpk.GemmConfig):
             continue
-        if key[0].startswith("cp_qkv_attention"):  # (name, weight shape, kv heads, dtype): one config (/gather too)
-            name, (n, k), rows = key[0], key[1], "all"
+        if key[0].startswith("cp_qkv_attention"):  # (name, weight shape, kv heads, dtype[, "rows"]): /gather too
+            name, (n, k), rows = key[0], key[1], "row programs" if key[-1] == "rows" else "all"
         elif key[0].startswith(("cp_", "linear/")):
             name, n, k, _, rows = key[:5]
         else:

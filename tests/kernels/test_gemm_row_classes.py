@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from code_predictor_cases import TINY, Inputs, check_gemms
+from code_predictor_cases import EPS, TINY, Inputs, check_gemms
 from kernel_checks import DEVICE, assert_close_3way, kernel_module
 
 cpl = kernel_module("code_predictor_linear")  # skips the module without triton
@@ -91,6 +91,64 @@ def test_batch_invariant_switch_picks_one_config_for_every_batch(monkeypatch):
     finally:
         autotune.set_batch_invariant(False)
     assert _select(weight, 64) == wide
+
+
+def _qkv_tunings(monkeypatch, rows: int, tokens: int, gather: bool = False) -> list[tuple]:
+    """(key, candidates, rows launched) for each config `_tuned` asks `pick` / `choose` for, on a launch of `rows`
+    rows of `tokens` tokens (TINY shapes); pick and choose time nothing here and return their first candidate."""
+    cpa = kernel_module("code_predictor_attention")
+    asked, launched = [], []
+    monkeypatch.setattr(cpa, "_launch", lambda cfg, *args: launched.append(args[-6].shape[0]))
+
+    def first(key, cands, launch, device, default=None):
+        launch(cands[0])
+        asked.append((key, list(cands), launched[-1]))
+        return cands[0]
+
+    monkeypatch.setattr(cpa, "pick", first)
+    monkeypatch.setattr(cpa, "choose", first)
+    s, inp = TINY, Inputs("cpu", 0)
+    table = inp.randn(64 if gather else rows, s.hidden)
+    weights = (inp.norm_weight(s.hidden, torch.float32),
+               inp.weight((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, torch.float32),
+               inp.norm_weight(s.head_dim, torch.float32), inp.norm_weight(s.head_dim, torch.float32),
+               *(inp.randn(s.positions, s.head_dim) for _ in range(2)),
+               *(inp.randn(rows, s.positions, s.kv_heads, s.head_dim) for _ in range(2)))
+    ids, rows_out = (inp.ids(rows, 64), inp.randn(rows, s.hidden)) if gather else (None, None)
+    out = inp.randn(rows, s.heads * s.head_dim)
+    cpa._tuned((table, ids, rows_out, *weights, out, inp.counters(), 0, tokens, EPS, 0.25), gather,
+               cpa.spread(rows, tokens))
+    return asked
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered"])
+def test_qkv_launches_with_row_programs_take_a_config_of_their_own(monkeypatch, gather):
+    """A one-token launch over 16 rows (row programs) takes its own key, tuned on its 16 rows among the shape's
+    config (first) and the candidates; the shape's config is timed on one row, as the one-row step runs it."""
+    name = "cp_qkv_attention" + ("/gather" if gather else "")
+    (base, base_cands, base_rows), (own, own_cands, own_rows) = _qkv_tunings(monkeypatch, 16, 1, gather)
+    assert base[0] == name and own == base + ("rows",)
+    assert (base_rows, own_rows) == (1, 16)
+    assert own_cands[0] == base_cands[0] and sorted(map(str, own_cands)) == sorted(map(str, base_cands))
+
+
+@pytest.mark.parametrize("rows, tokens, timed", [(1, 1, 1), (32, 2, 16), (4, 2, 4)])
+def test_qkv_launches_without_row_programs_take_the_shapes_config(monkeypatch, rows, tokens, timed):
+    """One row, or two tokens a row (the first pass): the shape's one key, timed on the launch's first row block."""
+    asked = _qkv_tunings(monkeypatch, rows, tokens)
+    assert [(key[0], n) for key, _, n in asked] == [("cp_qkv_attention", timed)]
+
+
+def test_qkv_launches_take_one_config_under_the_switch(monkeypatch):
+    """Under batch_invariant() every one-token launch runs row programs, and all of them one config: no key of
+    their own, whatever the rows."""
+    autotune.set_batch_invariant(True)
+    try:
+        for rows in (1, 16):
+            assert [key for key, _, _ in _qkv_tunings(monkeypatch, rows, 1)] == \
+                [("cp_qkv_attention", torch.Size([128, 48]), 2, torch.float32)]
+    finally:
+        autotune.set_batch_invariant(False)
 
 
 def test_paged_attention_split_count_under_the_switch(invariant):

@@ -63,16 +63,19 @@ def test_the_config_table_lists_gemms_and_passes_over_the_chain_tuning_marks(mon
     """An engine's table holds the chain-tuned marks (engine/chain_tuning.py `Part.mark`: the code predictor's
     a "cp_..." key, whose values are not launch configs); the report lists the GEMMs' configs, the qkv launches'
     (one config per weight shape, the gathering launch's under a key of its own: a 4-part key, which the H100 run
-    of the thirty-fifth session failed on) and passes over the marks."""
+    of the thirty-fifth session failed on; the launches with row programs under a 5-part one) and passes over the marks."""
     gemm = ("cp_test/plain", 7, 9, torch.float32, 16)
     qkv = ("cp_qkv_attention", (4096, 1024), 8, torch.bfloat16)
     gather = ("cp_qkv_attention/gather", (4096, 1024), 8, torch.bfloat16)
+    spread = ("cp_qkv_attention", (4096, 1024), 8, torch.bfloat16, "rows")
     mark = ("cp_chain_tuned", (1024, 3072, 5, 2048, 16), torch.bfloat16, (1, 16))
     talker = ("talker_chain_tuned", (2048, 6144, 28, 16, 8), torch.bfloat16, (1, 16), 300, 640)
     monkeypatch.setattr(autotune, "_BEST", {gemm: GemmConfig(32, 128, 2, 4, 4, 16), mark: {1: 2.9, 16: 3.8},
                                             talker: {1: 1.7, 16: 2.0}, qkv: GemmConfig(16, 128, 4, 4, 4, 16),
-                                            gather: GemmConfig(32, 128, 2, 4, 4, 16)})
+                                            gather: GemmConfig(32, 128, 2, 4, 4, 16),
+                                            spread: GemmConfig(32, 128, 1, 4, 4, 16)})
     rows = bench_code_predictor.gemm_config_table()[2:]
     assert rows == ["| cp_qkv_attention | 4096 | 1024 | all | 16 | 16 | 128 | 4 | 4 | 4 |",
+                    "| cp_qkv_attention | 4096 | 1024 | row programs | 16 | 32 | 128 | 1 | 4 | 4 |",
                     "| cp_qkv_attention/gather | 4096 | 1024 | all | 16 | 32 | 128 | 2 | 4 | 4 |",
                     "| cp_test/plain | 7 | 9 | 16 | 16 | 32 | 128 | 2 | 4 | 4 |"]
