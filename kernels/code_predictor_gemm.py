@@ -13,7 +13,8 @@ Launch configs (code_predictor_linear.select_config): with `autotune.batch_invar
 16 and a config chosen per weight shape (never per M), so a row's arithmetic does not depend on how
 many rows share the call. Off (the default), batches of 17+ rows take the config tuned for their
 row class (rows rounded up to a power of 2, ROW_CLASSES), BLOCK_M up to 64: one weight tile feeds
-more rows (fewer L2 re-reads, wgmma-sized dots) at the price of per-class split counts and tiles.
+more rows (fewer L2 re-reads, wgmma-sized dots) at the price of per-class split counts and tiles; a
+launch of one row takes its own BLOCK_M 16 config (class 1).
 Prologues: rows of X as they are, or RMS-normalised (fp32 statistics over the whole row, rounded like
 `rms_norm_ref`); the rows are X's, or a table's gathered by id (`row_offsets`: the code predictor's qkv
 launch gathers and normalises).

@@ -24,7 +24,7 @@ import triton.language as tl
 from ._cast import cast
 from ._launch import device_guard
 from .autotune import batch_invariant, choose, pick
-from .code_predictor_gemm import (BLOCK_M, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
+from .code_predictor_gemm import (BLOCK_M, FEW_ROWS, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
                                   interpret_config, arrive, candidates, counters_needed, dot_precision, held_launch,
                                   held_rows, held_rstd, k_slice, load_sum, mainloop, row_blocks, row_class,
                                   row_offsets, check_stats, stats_width, store_partial, store_stats, weights_before_wait)
@@ -138,8 +138,10 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
 
 def tuning_key(name: str, weight: torch.Tensor, n: int, rows: int) -> tuple:
     """The tuning-cache key of a launch of `name` on `weight` with n output columns and `rows` rows:
-    (name, N, K, dtype, row class); the class is BLOCK_M's for every M under batch_invariant()."""
-    rc = BLOCK_M if batch_invariant() else row_class(rows)
+    (name, N, K, dtype, row class); the class is BLOCK_M's for every M under batch_invariant(), else 1 for a
+    launch of one row (FEW_ROWS: it holds only its row, `held_rows`, a kernel of its own beside the row block's,
+    and the chain tuner need not trade the one-row step against the 16-row one) and `row_class(rows)` above."""
+    rc = BLOCK_M if batch_invariant() else rows if rows <= FEW_ROWS else row_class(rows)
     return name, n, weight.shape[1], weight.dtype, rc
 
 
@@ -149,7 +151,7 @@ def select_config(name: str, weight: torch.Tensor, n: int, rows: int,
 
     The row class 16 config is tuned per weight shape at its first call on CUDA, on one row block
     (the batch-1 shape), whatever batch comes first; it serves every M under batch_invariant().
-    Otherwise a larger row class takes its own config, tuned (among the class's candidates and
+    Otherwise another row class (one row, or 17+) takes its own config, tuned (among the class's candidates and
     the class-16 config) only inside `autotune.tuning()` (the CUDA-graph warm-up of each bucket),
     on the call's rows; untuned, the class-16 config."""
     fits = lambda bn: n // bn if n % bn == 0 else None  # noqa: E731
@@ -159,7 +161,7 @@ def select_config(name: str, weight: torch.Tensor, n: int, rows: int,
     key = tuning_key(name, weight, n, rows)
     if key[-1] == BLOCK_M:
         return base
-    return choose(key, [base, *candidates(fits, k, device, key[-1], split_k)],
+    return choose(key, [base, *(c for c in candidates(fits, k, device, key[-1], split_k) if c != base)],
                   lambda c: launch(c, rows), device, default=base)
 
 

@@ -151,6 +151,23 @@ def test_qkv_launches_take_one_config_under_the_switch(monkeypatch):
         autotune.set_batch_invariant(False)
 
 
+def test_a_launch_of_one_row_takes_the_one_row_class(monkeypatch):
+    """Class 1 tuned (planted): a launch of one row takes it, 2 and 16 rows the class-16 config; under the switch
+    one row takes the class-16 config too. Untuned, one row takes the class-16 config."""
+    weight = torch.empty(1024, 2048)
+    base = _select(weight, 1)
+    assert cpl.tuning_key("cp_linear_residual", weight, 1024, 1)[-1] == 1
+    one = GemmConfig(64, 128, 4, 4, 4, 16)
+    monkeypatch.setitem(autotune._BEST, cpl.tuning_key("cp_linear_residual", weight, 1024, 1), one)
+    assert one != base and _select(weight, 1) == one
+    assert _select(weight, 2) == base and _select(weight, 16) == base
+    autotune.set_batch_invariant(True)
+    try:
+        assert _select(weight, 1) == base
+    finally:
+        autotune.set_batch_invariant(False)
+
+
 def test_paged_attention_split_count_under_the_switch(invariant):
     """Batch 1's split count for every batch under the switch (off, it shrinks with the batch)."""
     args = (8, 64, 16, 64, torch.device("cpu"))  # KVH, max_pages, page size, BLOCK_N

@@ -31,6 +31,7 @@ def test_gemm_kernels_tuned_per_row_class(rows):
         check_gemms(cpk, REAL, rows, BF16, Inputs("cuda", 21, rows), None)
     tuned = [k for k in tuned_configs() if k[0] == "cp_norm_gate_up/norm+swiglu"]
     assert any(k[-1] == row_class(rows) for k in tuned), f"row class of {rows} not tuned: {tuned}"
+    assert any(k[-1] == 1 for k in tuned) == (rows == 1), f"one-row class: {tuned}"  # a launch of one row's own
 
 
 @pytest.mark.parametrize("rows", [1, 16, 64, 256, 2000])
