@@ -221,6 +221,21 @@ def test_the_tuning_key_holds_the_table_width_and_not_the_batch():
     assert key(2, 640) == ("paged_decode", 128, 16, 2, torch.float32, torch.float32, 10240) != key(2, 1)
 
 
+def test_the_talkers_one_row_launch_takes_a_key_of_its_own(monkeypatch):
+    """The talker's one launch: the one-row step's key is its own, 2 and 16 rows share one (the table width still
+    apart); under the switch one key for every batch (its split count is batch 1's there)."""
+    ta = kernel_module("talker_attention")
+
+    def key(bsz, pages=40):
+        q, k_cache, _, tables, _, _ = make_inputs(bsz, 16, 8, 128, 16, pages, [1] * bsz, torch.float32)
+        return ta.talker_key(q, k_cache, tables)
+
+    assert key(1) == ("talker_attention", 128, 16, 2, torch.float32, torch.float32, 640, "one row")
+    assert key(2) == key(16) == key(1)[:-1] != key(2, 41)
+    monkeypatch.setattr(ta, "batch_invariant", lambda: True)
+    assert key(1) == key(16)
+
+
 def test_warmup_tunes_over_a_serving_context_not_the_whole_table(monkeypatch):
     """kernels.warmup times the configs over rows of `tuning_context(width)` keys: the default talker table's
     10,240 keys are tuned at TUNING_KEYS, the code predictor's one page of 16 in full; every launch fits its
