@@ -75,6 +75,14 @@ def held_rows(rows: int, block_m: int = BLOCK_M) -> int:
     return rows if rows <= FEW_ROWS and not batch_invariant() else block_m
 
 
+def few_rows(rows: int) -> bool:
+    """Whether a launch of `rows` rows holds only them (`held_rows` below BLOCK_M: the one-row step's kernels,
+    compiled apart from the row blocks'). Such launches take tuning keys of their own (code_predictor_linear's row
+    class FEW_ROWS, the talker attention's key), so the engine's chain tuner need not trade the one-row step against
+    the 16-row one. Never under `batch_invariant()`."""
+    return held_rows(rows) < BLOCK_M
+
+
 def counters_needed(rows: int, units_per_block: int, block_m: int = BLOCK_M) -> int:
     """Tickets one launch uses: one per (row block, unit). The default BLOCK_M, the smallest,
     gives the most: enough for any config."""

@@ -25,7 +25,8 @@ from ._cast import cast
 from ._launch import device_guard
 from .autotune import batch_invariant, choose, pick
 from .code_predictor_gemm import (BLOCK_M, FEW_ROWS, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
-                                  interpret_config, arrive, candidates, counters_needed, dot_precision, held_launch,
+                                  interpret_config, arrive, candidates, counters_needed, dot_precision, few_rows,
+                                  held_launch,
                                   held_rows, held_rstd, k_slice, load_sum, mainloop, row_blocks, row_class,
                                   row_offsets, check_stats, stats_width, store_partial, store_stats, weights_before_wait)
 from .swiglu import silu_times
@@ -138,10 +139,9 @@ def _launch(cfg: GemmConfig, *, x, w, out, counters, prologue, epilogue, rows, n
 
 def tuning_key(name: str, weight: torch.Tensor, n: int, rows: int) -> tuple:
     """The tuning-cache key of a launch of `name` on `weight` with n output columns and `rows` rows:
-    (name, N, K, dtype, row class); the class is BLOCK_M's for every M under batch_invariant(), else 1 for a
-    launch of one row (FEW_ROWS: it holds only its row, `held_rows`, a kernel of its own beside the row block's,
-    and the chain tuner need not trade the one-row step against the 16-row one) and `row_class(rows)` above."""
-    rc = BLOCK_M if batch_invariant() else rows if rows <= FEW_ROWS else row_class(rows)
+    (name, N, K, dtype, row class); the class is BLOCK_M's for every M under batch_invariant(), else FEW_ROWS for a
+    launch that holds only its rows (`few_rows`) and `row_class(rows)` above."""
+    rc = FEW_ROWS if few_rows(rows) else BLOCK_M if batch_invariant() else row_class(rows)
     return name, n, weight.shape[1], weight.dtype, rc
 
 

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from ._launch import device_guard, programmatic_launch
-from .autotune import batch_invariant, pick
-from .code_predictor_gemm import arrive, wait_for_previous
+from .autotune import pick
+from .code_predictor_gemm import arrive, few_rows, wait_for_previous
 from .paged_attention import (_CANDIDATES, _INTERPRET_CONFIG, DecodeConfig, _attend_split, _normalised,
                               check_inputs, merge_splits, split_launch, store_head, store_output,
                               store_partial, tuning_key, used_splits)
@@ -77,11 +77,10 @@ def _launch(cfg: DecodeConfig, q, k_cache, v_cache, block_tables, context_lens, 
 
 def talker_key(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple:
     """The `pick` key of a launch: paged_attention's (the shape class and the table's width), and whether it is
-    the one-row step's, which takes a config of its own (its split count follows the batch, and one config for
-    both let the engine's chain tuner trade the one-row talker, +0.05 ms, for the 16-row one: forty-eighth
-    session). Under `batch_invariant()` one key for every batch, as its split count."""
-    one_row = q.shape[0] == 1 and not batch_invariant()
-    return tuning_key("talker_attention", q, k_cache, block_tables) + (("one row",) if one_row else ())
+    the one-row step's (`few_rows`), which takes a config of its own (its split count follows the batch, and one
+    config for both let the engine's chain tuner trade the one-row talker, +0.05 ms, for the 16-row one:
+    forty-eighth session). Under `batch_invariant()` one key for every batch, as its split count."""
+    return tuning_key("talker_attention", q, k_cache, block_tables) + (("one row",) if few_rows(q.shape[0]) else ())
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
