@@ -504,7 +504,7 @@ def _launch(cfg: GemmConfig, x, ids, rows_out, norm_w, qkv_w, q_norm_w, k_norm_w
     )
 
 
-def _tuned(args: tuple, gather: bool, spreads: bool) -> GemmConfig:
+def _tuned(args: tuple) -> GemmConfig:
     """The launch config of `_launch(cfg, *args)`. One key per weight shape (and gathering or not: its own
     kernel), timed on the launch's first row block, or on its first batch row when the launch runs row programs
     (so the key's config is the one-row step's); a launch with row programs (`spread`) outside
@@ -513,11 +513,12 @@ def _tuned(args: tuple, gather: bool, spreads: bool) -> GemmConfig:
     sit beside the GEMM programs, so the tile that fills the GPU alone need not be theirs (forty-eighth session).
     Under `batch_invariant()` one config serves every launch of one token a row."""
     x, ids, rows_out, *weights, out, counters, pos0, t, eps, scale = args
-    qkv_w, d = weights[1], weights[6].shape[3]
+    (_, qkv_w, *_, k_cache, _), rows = weights, out.shape[0]
+    (num_kv, d), gather, spreads = k_cache.shape[2:], ids is not None, spread(rows, t)
     first = lambda m: (x if gather else x[:m], ids[:m] if gather else None,  # noqa: E731
                        rows_out[:m] if gather else None, *weights, out[:m], counters, pos0, t, eps, scale)
-    rows, cands = out.shape[0], qkv_candidates(qkv_w, d)
-    key = ("cp_qkv_attention" + ("/gather" if gather else ""), qkv_w.shape, weights[6].shape[2], qkv_w.dtype)
+    cands = qkv_candidates(qkv_w, d)
+    key = ("cp_qkv_attention" + ("/gather" if gather else ""), qkv_w.shape, num_kv, qkv_w.dtype)
     one = first(t if spreads else min(rows, BLOCK_M))
     config = pick(key, cands, lambda c: _launch(c, *one), x.device)
     if not spreads or batch_invariant():
@@ -583,7 +584,7 @@ def qkv_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
     args = (x, ids, rows_out, *weights, out, counters, pos0, t, eps, scale)
     with device_guard(x):
         if config is None and x.is_cuda:
-            config = _tuned(args, ids is not None, spread(rows, t))
+            config = _tuned(args)
         config = config or interpret_config(d)
         assert d % config.block_n == 0, f"qkv_attention: block_n {config.block_n} must divide {d}"
         _launch(config, *args)

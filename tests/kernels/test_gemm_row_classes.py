@@ -116,8 +116,7 @@ def _qkv_tunings(monkeypatch, rows: int, tokens: int, gather: bool = False) -> l
                *(inp.randn(rows, s.positions, s.kv_heads, s.head_dim) for _ in range(2)))
     ids, rows_out = (inp.ids(rows, 64), inp.randn(rows, s.hidden)) if gather else (None, None)
     out = inp.randn(rows, s.heads * s.head_dim)
-    cpa._tuned((table, ids, rows_out, *weights, out, inp.counters(), 0, tokens, EPS, 0.25), gather,
-               cpa.spread(rows, tokens))
+    cpa._tuned((table, ids, rows_out, *weights, out, inp.counters(), 0, tokens, EPS, 0.25))
     return asked
 
 
