@@ -59,8 +59,10 @@ def rows_at(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     `F.embedding` / `index_select`. Through indexing on purpose: on CUDA those two run torch's small-index kernel
     for up to 16 ids, whose threads walk the ids one by one (a dependent load each). In the H100's 16-row step graph
     that kernel took 26 µs a launch (17 a step; 2.8 at one row), indexing's kernel about 3 (the sampling
-    parameters' gathers; perf/results/RESULTS.md, forty-seventh session)."""
-    return table[ids]
+    parameters' gathers; perf/results/RESULTS.md, forty-seventh session).
+    The ids index as one flat tensor: a 0-dim tensor index is read back to the host as a Python int (`item()`), on
+    CUDA a sync on the caller's stream (the CustomVoice prompt's speaker row, at the first admission of each voice)."""
+    return table[ids.reshape(-1)].view(*ids.shape, *table.shape[1:])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

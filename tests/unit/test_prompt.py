@@ -1,14 +1,16 @@
-"""Prompt builder: voice validation (InvalidRequest), name handling, text modes and lengths."""
+"""Prompt builder: voice validation (InvalidRequest), name handling, text modes and lengths, no host reads."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from q3tts.checkpoint.loader import load_checkpoint
 from q3tts.checkpoint.maker import make_checkpoint
 from q3tts.core import InvalidRequest, VoiceSpec
+from q3tts.models.layers import rows_at
 from q3tts.models.tts_model import Qwen3TTS
 from q3tts.models.prompt import PromptBuilder
 
@@ -135,3 +137,35 @@ def test_icl_split_matches_the_engine_text_feed(builders, ref_text, frames):
     assert feed.trailing[-1] == b.config.tts_eos_id and prompt.trailing.shape[0] == len(feed.trailing)
     rows = torch.cat((b.embed_text(feed.trailing[:-1]), b.special_embeds()[1]))  # the feed's ids, embedded
     torch.testing.assert_close(rows, prompt.trailing, rtol=0, atol=1e-6)
+
+
+class HostReads(TorchDispatchMode):
+    """The ops that read a tensor back to the host as a Python number (`item()`): on CUDA each is a sync on the
+    caller's stream, which on the admission path holds the engine's step loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (2, 3)])
+def test_rows_at_is_the_embedding_and_reads_nothing_back(shape):
+    table, ids = torch.randn(10, 4), torch.randint(0, 10, shape)
+    with HostReads() as host:
+        rows = rows_at(table, ids)
+    assert host.reads == []  # a 0-dim index through table[ids] was an item()
+    assert torch.equal(rows, torch.nn.functional.embedding(ids, table))
+
+
+def test_building_a_prompt_reads_nothing_back(tmp_path):
+    """The CustomVoice speaker row came from a 0-dim id: a host read (a CUDA sync) on the first admission of each
+    voice (a fresh builder: the prompt heads are cached per voice)."""
+    builder = _builder(tmp_path, "custom_voice", "1.7b", 1)
+    with HostReads() as host:
+        builder.build(TEXT, VoiceSpec(speaker="ryan", language="english"))
+    assert host.reads == []
