@@ -60,9 +60,12 @@ def rows_at(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     for up to 16 ids, whose threads walk the ids one by one (a dependent load each). In the H100's 16-row step graph
     that kernel took 26 µs a launch (17 a step; 2.8 at one row), indexing's kernel about 3 (the sampling
     parameters' gathers; perf/results/RESULTS.md, forty-seventh session).
-    The ids index as one flat tensor: a 0-dim tensor index is read back to the host as a Python int (`item()`), on
-    CUDA a sync on the caller's stream (the CustomVoice prompt's speaker row, at the first admission of each voice)."""
-    return table[ids.reshape(-1)].view(*ids.shape, *table.shape[1:])
+    A 0-dim `ids` indexes as one id of shape [1]: as a 0-dim tensor index it is read back to the host as a Python
+    int (`item()`), on CUDA a sync on the caller's stream (the CustomVoice prompt's speaker row, at the first admission
+    of each voice). Other ids index as they are (a strided column too: flattening it would copy it)."""
+    if ids.dim() == 0:
+        return table[ids.view(1)][0]
+    return table[ids]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

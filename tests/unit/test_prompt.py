@@ -140,25 +140,30 @@ def test_icl_split_matches_the_engine_text_feed(builders, ref_text, frames):
 
 
 class HostReads(TorchDispatchMode):
-    """The ops that read a tensor back to the host as a Python number (`item()`): on CUDA each is a sync on the
-    caller's stream, which on the admission path holds the engine's step loop."""
+    """The ops dispatched, and those that read a tensor back to the host as a Python number (`item()`): on CUDA each
+    is a sync on the caller's stream, which on the admission path holds the engine's step loop."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.ops: list[str] = []
         self.reads: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
         if func is torch.ops.aten._local_scalar_dense.default:
             self.reads.append(str(func))
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("shape", [(), (3,), (2, 3)])
-def test_rows_at_is_the_embedding_and_reads_nothing_back(shape):
-    table, ids = torch.randn(10, 4), torch.randint(0, 10, shape)
+@pytest.mark.parametrize("ids", [torch.tensor(3), torch.tensor([3, 7, 3]), torch.randint(0, 10, (2, 16, 3))[:, 5]],
+                         ids=["0-dim", "1-dim", "strided column"])
+def test_rows_at_is_the_embedding_reads_nothing_back_and_copies_no_ids(ids):
+    table = torch.randn(10, 4)
     with HostReads() as host:
         rows = rows_at(table, ids)
     assert host.reads == []  # a 0-dim index through table[ids] was an item()
+    if ids.dim():
+        assert host.ops == ["aten.index.Tensor"]  # one gather, the codec's strided code columns not copied first
     assert torch.equal(rows, torch.nn.functional.embedding(ids, table))
 
 
