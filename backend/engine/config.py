@@ -75,17 +75,19 @@ class EngineConfig:
                          next frame's work (engine/audio_pipeline.py), instead of inside the step beside its
                          talker half. None (default): where the decode step is a CUDA graph with one step in
                          flight; True: also with two, eager and on the CPU (same bits; tests); False: never.
-                         With two steps in flight the codec in the step is as fast or faster (H200, served,
-                         audio-s/s: 12.44, 12.43 against 11.91, 11.91 at 1 stream; 160.5 against 154.1, 155.2
-                         at 16; 457.2, 457.8, 475.2 against 459.5, 455.7, 471.7 at 64; bench step 6.14 / 7.64 /
-                         9.87 against 6.41 / 7.83 / 9.81 ms at batch 1 / 16 / 64; perf/results/RESULTS.md)
+                         With two steps in flight the codec in the step serves as much or more: H200, 12.4 against
+                         11.9 audio-s/s at 1 stream, 160.5 against 154-155 at 16, equal at 64 (twentieth session);
+                         H100 at 68b0161, 519.4 against 495.8 at 64 streams, though the bench step one step behind
+                         is 5.46 against 5.53 ms at 16 rows (8.53 against 8.38 at 64; forty-ninth session,
+                         perf/results/RESULTS.md)
     codec_sms            the SMs the pipelined codec may run on: 0 (default) all of them; N > 0 a CUDA green
                          context of N SMs (engine/audio_pipeline.py), so the codec's kernels cannot hold the
                          SMs the next frame's chain of small kernels waits for. For the pipelined codec only
                          (refused where the codec runs in the step; ignored on the CPU). On the H200
                          (profile_step's overlap probe, frame work and codec forked in one graph at 64 rows):
-                         64 SMs 8.14 against 8.98 ms per frame; no gain at 1 and 16 rows
-                         (perf/results/RESULTS.md)
+                         64 SMs 8.14 against 8.98 ms per frame; no gain at 1 and 16 rows. On an H100 at 68b0161
+                         (bench, two steps in flight) 66 SMs took the 64-row step to 7.94 ms from 8.53 on all SMs
+                         and 8.38 with the codec in the step; not yet served (perf/results/RESULTS.md)
     fused_code_predictor the largest decode bucket whose code predictor runs its 15 passes through the fused
                          kernels (kernels/code_predictor.py, 22-23 launches a pass; where the kernels serve the
                          device); larger buckets run the eager passes; 0: never. 16: on the H200 (1.7B, bf16,
