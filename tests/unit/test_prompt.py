@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from host_reads import HostReads  # tests/ is on sys.path
 from q3tts.checkpoint.loader import load_checkpoint
 from q3tts.checkpoint.maker import make_checkpoint
 from q3tts.core import InvalidRequest, VoiceSpec
@@ -137,22 +137,6 @@ def test_icl_split_matches_the_engine_text_feed(builders, ref_text, frames):
     assert feed.trailing[-1] == b.config.tts_eos_id and prompt.trailing.shape[0] == len(feed.trailing)
     rows = torch.cat((b.embed_text(feed.trailing[:-1]), b.special_embeds()[1]))  # the feed's ids, embedded
     torch.testing.assert_close(rows, prompt.trailing, rtol=0, atol=1e-6)
-
-
-class HostReads(TorchDispatchMode):
-    """The ops dispatched, and those that read a tensor back to the host as a Python number (`item()`): on CUDA each
-    is a sync on the caller's stream, which on the admission path holds the engine's step loop."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-        self.reads: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.reads.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("ids", [torch.tensor(3), torch.tensor([3, 7, 3]), torch.randint(0, 10, (2, 16, 3))[:, 5]],
