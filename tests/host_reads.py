@@ -10,9 +10,9 @@ HOST_READ = torch.ops.aten._local_scalar_dense.default  # item(), int(t), a 0-di
 
 
 class HostReads(TorchDispatchMode):
-    """`with HostReads() as host:` records every op dispatched inside (`host.ops`) and the host reads among them
-    (`host.reads`). On CUDA a host read waits for the caller's stream: on the step or admission path it stalls the
-    engine's loop behind the work queued there."""
+    """`with HostReads() as host:` records every op dispatched inside (`host.ops`) and the device of each tensor read
+    back to the host among them (`host.reads`, e.g. "cpu", "cuda:0"). On CUDA a host read waits for the caller's
+    stream: on the step or admission path it stalls the engine's loop behind the work queued there."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -22,5 +22,5 @@ class HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         if func is HOST_READ:
-            self.reads.append(str(func))
+            self.reads.append(str(args[0].device))
         return func(*args, **(kwargs or {}))
