@@ -284,8 +284,7 @@ class PromptBuilder:
                 else [t.codec_think_id, t.codec_think_bos_id, lang_id, t.codec_think_eos_id])
         parts = [self._codec(tags)]
         if self.config.variant == "custom_voice":
-            spk = self._ids(t.speaker_ids[speaker])  # scalar id
-            parts.append(self.talker.embed_codec(spk)[None])
+            parts.append(self._codec([t.speaker_ids[speaker]]))  # [1, H]
         elif self.config.variant == "base":
             parts.append(xvector[None])
         parts.append(self._codec([t.codec_pad_id, t.codec_bos_id]))
