@@ -163,8 +163,7 @@ ENGINE_CSV_COLUMNS = ("batch", "ms_per_step", "audio_s_per_s", "kernels_per_step
 
 def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
-    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_pipeline", "codec_sms", "frame_priority",
-                                                "fused_code_predictor",
+    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_pipeline", "codec_sms", "fused_code_predictor",
                                                 "fused_talker", "fp32_residual", "batch_invariant",
                                                 "programmatic_launch", "steps_in_flight", "launch_at_frames", "chain_tune")
                if getattr(args, n) != getattr(EngineConfig, n)]
@@ -185,9 +184,6 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
                         "and one step in flight)")
     p.add_argument("--codec-sms", type=int, default=EngineConfig.codec_sms,
                    help="EngineConfig.codec_sms (the pipelined codec on a green context of N SMs; 0: all)")
-    p.add_argument("--frame-priority", action=argparse.BooleanOptionalAction, default=EngineConfig.frame_priority,
-                   help="EngineConfig.frame_priority (the step's graphs captured at the most urgent stream priority, "
-                        "its codec branch at the least)")
     p.add_argument("--steps-in-flight", type=int, choices=(1, 2), default=EngineConfig.steps_in_flight,
                    help="EngineConfig.steps_in_flight (2: the next decode step launched before the last one lands)")
     p.add_argument("--launch-at-frames", action=argparse.BooleanOptionalAction,
@@ -268,7 +264,6 @@ def build_engine(args, frames: int) -> Engine:
                        num_pages=None if args.device.startswith("cuda") else 2 * max_b * (frames + 300) // 16,
                        use_cuda_graphs=not args.no_cuda_graphs, codec_kernels=args.codec_kernels,
                        codec_pipeline=args.codec_pipeline, codec_sms=args.codec_sms,
-                       frame_priority=args.frame_priority,
                        fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker,
                        fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant,
                        programmatic_launch=args.programmatic_launch, steps_in_flight=args.steps_in_flight,

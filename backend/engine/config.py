@@ -88,12 +88,6 @@ class EngineConfig:
                          64 SMs 8.14 against 8.98 ms per frame; no gain at 1 and 16 rows. On an H100 at 68b0161
                          (bench, two steps in flight) 66 SMs took the 64-row step to 7.94 ms from 8.53 on all SMs
                          and 8.38 with the codec in the step; not yet served (perf/results/RESULTS.md)
-    frame_priority       capture the decode step's graphs on a stream of the device's most urgent priority, its codec
-                         branch (the in-step codec's own stream) at the least urgent, as the pipelined codec's graphs
-                         are: torch runs a graph's kernel nodes at the priority they were captured at, so when a
-                         frame's small kernel (talker, code predictor) and the codec's wait for an SM together, the
-                         block scheduler starts the frame's first. Same bits either way; CUDA graphs only. Off
-                         until measured (perf/results/RESULTS.md)
     fused_code_predictor the largest decode bucket whose code predictor runs its 15 passes through the fused
                          kernels (kernels/code_predictor.py, 22-23 launches a pass; where the kernels serve the
                          device); larger buckets run the eager passes; 0: never. 16: on the H200 (1.7B, bf16,
@@ -208,7 +202,6 @@ class EngineConfig:
     codec_kernels: bool = True
     codec_pipeline: bool | None = None
     codec_sms: int = 0
-    frame_priority: bool = False
     fused_code_predictor: int = 16
     fused_talker: int = 16
     fp32_residual: bool = False
@@ -260,7 +253,7 @@ class EngineConfig:
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
                  f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
-                     "programmatic_launch", "run_ahead", "launch_at_frames", "chain_tune", "frame_priority"):
+                     "programmatic_launch", "run_ahead", "launch_at_frames", "chain_tune"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         # the pipelined codec's own settings, refused where the codec runs in the step even on CUDA
         in_step = not self._pipelines_codec("cuda")

@@ -179,25 +179,21 @@ class GraphBuffers:
 class GraphRunner:
     """Captured steps keyed by bucket; `step_fn(bucket)` runs one step on rows [:bucket].
 
-    what / switch: the captured work and the EngineConfig flag that turns it off (capture errors).
-    priority: the priority of the stream the steps are captured on (CUDA: 0 the least urgent, torch's default;
-    lower is more urgent). torch instantiates its graphs to run each kernel node at the priority it was
-    captured at, not the launch stream's, so a branch forked onto a stream of another priority keeps its own."""
+    what / switch: the captured work and the EngineConfig flag that turns it off (capture errors)."""
 
     def __init__(self, step_fn: Callable[[int], None], fill_padding: Callable[[int, int], None],
                  batch_sizes: tuple[int, ...], what: str = "the decode step",
-                 switch: str = "use_cuda_graphs", priority: int = 0) -> None:
+                 switch: str = "use_cuda_graphs") -> None:
         self.step_fn = step_fn
         self.what, self.switch = what, switch
         self.fill_padding = fill_padding  # (start, stop): make rows [start, stop) padding rows
         self.batch_sizes = batch_sizes
-        self.priority = priority
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.num_replays = 0
 
     def capture(self) -> None:
-        stream = torch.cuda.Stream(priority=self.priority)
+        stream = torch.cuda.Stream()
         for bs in sorted(self.batch_sizes, reverse=True):
             self.fill_padding(0, bs)
             stream.wait_stream(torch.cuda.current_stream())
@@ -207,7 +203,7 @@ class GraphRunner:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                with torch.cuda.graph(graph, pool=self.pool):
                     self.step_fn(bs)
             except RuntimeError as exc:
                 raise RuntimeError(

@@ -161,7 +161,7 @@ class ModelRunner:
             for mode in GRAPH_VARIANTS:
                 with startup.phase(f"decode graphs {mode}"):
                     graphs = GraphRunner(lambda bs, mode=mode: self.decode_rows(bs, mode), self._fill_padding,
-                                         self.buckets, priority=self._frame_priority())
+                                         self.buckets)
                     graphs.pool = pool  # one variant replays at a time: they share one pool
                     graphs.capture()
                 pool = graphs.pool
@@ -169,11 +169,6 @@ class ModelRunner:
         if self.audio is not None:
             with startup.phase("codec graphs"):
                 self.audio.capture(self.buckets)
-
-    def _frame_priority(self) -> int:
-        """The decode graphs' capture priority (`EngineConfig.frame_priority`): the device's most urgent, or
-        torch's default, the least urgent, at which the codec's stream captures its branch either way."""
-        return torch.cuda.Stream.priority_range()[1] if self.config.frame_priority else 0
 
     def _chain_tune(self, startup: Startup) -> None:
         """`EngineConfig.chain_tune`: tune the launch configs of the fused code predictor's passes, then of the

@@ -288,8 +288,6 @@ def test_codec_pipeline_setting():
     for bad in (0, 3, 2.0, True):
         with pytest.raises(ValueError, match="steps_in_flight must be 1 or 2"):
             EngineConfig(steps_in_flight=bad)
-    with pytest.raises(ValueError, match="frame_priority must be true or false, got 1"):
-        EngineConfig(frame_priority=1)
     with pytest.raises(ValueError, match="launch_at_frames must be true or false"):
         EngineConfig(launch_at_frames=1)
     # the pipelined codec's settings where the codec runs in the step: one error naming the setting
@@ -439,29 +437,3 @@ def test_codec_on_a_green_context_makes_the_same_codes_and_audio(tiny_ckpt_dir, 
     total = torch.cuda.get_device_properties(0).multi_processor_count
     with pytest.raises(ValueError, match=f"codec_sms={total + 1} exceeds the {total} SMs"):
         Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, codec_sms=total + 1))
-
-
-@pytest.mark.gpu
-@pytest.mark.usefixtures("switch")  # the batch-invariance switch off at the start, restored after
-@pytest.mark.parametrize("pipelined", [False, True], ids=["in_step", "pipelined"])
-def test_frame_priority_makes_the_same_codes_and_audio(tiny_ckpt_dir, speaker, pipelined):
-    """EngineConfig.frame_priority: the decode graphs captured on a stream of the device's most urgent priority
-    (the codec's branch in the step, or its pipelined graphs, on streams of the least) join the codec as before:
-    bit for bit the codes and audio of frame_priority off (batch_invariant: the same kernels either way)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    cfg = dataclasses.replace(CFG, device="cuda", dtype="bfloat16", use_cuda_graphs=True, codec_pipeline=pipelined,
-                              graph_batch_sizes=(1, 2, 4, 8), batch_invariant=True)
-    least, most = torch.cuda.Stream.priority_range()
-    assert most < least  # the device has more than one priority, or the switch could change nothing
-    results = {}
-    for on in (False, True):
-        engine = Engine(str(tiny_ckpt_dir), dataclasses.replace(cfg, frame_priority=on))
-        assert {g.priority for g in engine.runner.graphs.values()} == {most if on else least}
-        results[on] = run(engine, _requests(speaker))
-        assert engine.runner.num_graph_replays > 0
-        baseline(engine)
-        del engine
-    for rid, (codes, pcm, reason) in results[False].items():
-        got = results[True][rid]
-        assert np.array_equal(got[0], codes) and np.array_equal(got[1], pcm) and got[2] == reason, rid
