@@ -26,8 +26,9 @@ from ._launch import device_guard
 from .autotune import batch_invariant, choose, pick
 from .code_predictor_gemm import (BLOCK_M, FEW_ROWS, MIN_BLOCK_N, NORM, PLAIN, GemmConfig,
                                   interpret_config, arrive, candidates, counters_needed, dot_precision, few_rows,
-                                  held_launch, held_rows, held_rstd, k_slice, load_sum, mainloop, row_blocks, row_class,
-                                  row_offsets, check_stats, stats_width, store_partial, store_stats, weights_before_wait)
+                                  held_launch, held_rows, held_rstd, k_slice, load_sum, mainloop, row_blocks,
+                                  row_class, row_offsets, check_stats, stats_width, store_partial, store_stats,
+                                  weights_before_wait)
 from .swiglu import silu_times
 
 BIAS, RESIDUAL, SWIGLU, ROUND = 0, 1, 2, 3  # epilogues (ROUND: the product in the weight dtype)
