@@ -77,9 +77,10 @@ class EngineConfig:
                          flight; True: also with two, eager and on the CPU (same bits; tests); False: never.
                          With two steps in flight the codec in the step serves as much or more: H200, 12.4 against
                          11.9 audio-s/s at 1 stream, 160.5 against 154-155 at 16, equal at 64 (twentieth session);
-                         H100 at 68b0161, 519.4 against 495.8 at 64 streams, though the bench step one step behind
-                         is 5.46 against 5.53 ms at 16 rows (8.53 against 8.38 at 64; forty-ninth session,
-                         perf/results/RESULTS.md)
+                         H100 at 68b0161, 519.4 against 495.8 at 64 streams (one server each: inside the ±8 % a
+                         server's 64-stream figure moves on one machine, fiftieth session), though the bench step
+                         one step behind is 5.46 against 5.53 ms at 16 rows (8.53 against 8.38 at 64; forty-ninth
+                         session, perf/results/RESULTS.md)
     codec_sms            the SMs the pipelined codec may run on: 0 (default) all of them; N > 0 a CUDA green
                          context of N SMs (engine/audio_pipeline.py), so the codec's kernels cannot hold the
                          SMs the next frame's chain of small kernels waits for. For the pipelined codec only
