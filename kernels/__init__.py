@@ -49,6 +49,7 @@ try:
     from . import ring_attention as _ra
     from . import rmsnorm as _rn
     from . import rotary as _rt
+    from . import rvq as _rv
     from . import snake as _sn
     from . import store_kv as _kv
     from . import swiglu as _sw
@@ -62,7 +63,7 @@ except ImportError:  # CPU-only install without triton: the references serve eve
 
 __all__ = ["HAS_TRITON", "PagedPrefix", "QKNorm", "apply_rotary", "batch_invariant", "causal_conv1d",
            "linear", "paged_decode_attention", "prefill_attention", "programmatic_launch", "ring_attention",
-           "rms_norm", "conv_kernel_weight",
+           "rms_norm", "conv_kernel_weight", "rvq_sum",
            "set_batch_invariant", "set_programmatic_launch", "silu_mul", "snake_beta", "store_kv", "tuning",
            "uniforms", "use_triton", "warmup"]
 
@@ -191,6 +192,14 @@ def tuning():
     if not HAS_TRITON:
         return contextlib.nullcontext()
     return _tuning()
+
+
+def rvq_sum(codes: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """A residual VQ's codebook lookups summed: codes [B, n, T], tables [n, size, dim] -> [B, T, dim], each add
+    rounded as torch rounds it (one launch on the kernel path). See kernels/rvq.py."""
+    if use_triton(tables):
+        return _rv.rvq_sum(codes, tables)
+    return reference.rvq_sum_ref(codes, tables)
 
 
 def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, channels_last: bool = False) -> torch.Tensor:

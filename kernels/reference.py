@@ -195,6 +195,15 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out if residual is None else residual + out
 
 
+def rvq_sum_ref(codes: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """A residual VQ's lookups summed: codes [B, n, T], tables [n, size, dim] -> [B, T, dim], Σ_g tables[g][codes[:,
+    g]] in codebook order, one torch add (rounded to the tables' dtype) per codebook after the first."""
+    total = tables[0][codes[:, 0]]
+    for g in range(1, tables.shape[0]):
+        total = total + tables[g][codes[:, g]]
+    return total
+
+
 def snake_beta_ref(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """SnakeBeta `x + sin(x·e^α)² / (e^β + 1e-9)` of x [B, C, T], log-parameters alpha, beta [C]."""
     alpha = torch.exp(alpha[None, :, None])

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from q3tts import kernels
 from q3tts.kernels.reference import rope_cos_sin
-from q3tts.models.layers import MLP, FusedRows, Linear, linear, rows_at
+from q3tts.models.layers import MLP, FusedRows, Linear, linear, refuse_in_capture, rows_at
 
 from ..config import CodecConfig, CodecDecoderConfig
 from .layers import (AttentionProjections, CausalConv1d, CausalTransConv1d, LayerScale, RMSNorm, SnakeBeta, StateSpec, States,
@@ -55,19 +55,33 @@ class _VQStack(nn.Module):
 
 
 class ResidualVQ(nn.Module):
-    """Sum of codebook entries of `n` quantizers, projected by a 1×1 conv (dim -> out_dim)."""
+    """Sum of codebook entries of `n` quantizers, projected by a 1×1 conv (dim -> out_dim). `use_kernels` (from
+    `CodecDecoder.use_kernels`): the lookups and their sum in one launch (`kernels.rvq_sum`, the same bits)."""
+
+    use_kernels = False
 
     def __init__(self, n: int, dim: int, out_dim: int, size: int) -> None:
         super().__init__()
         self.input_proj = nn.Conv1d(out_dim, dim, 1, bias=False)  # encoder side only; kept for the layout
         self.output_proj = nn.Conv1d(dim, out_dim, 1, bias=False)
         self.vq = _VQStack(n, dim, size)
+        self._stacked: Tensor | None = None
+
+    def tables(self) -> Tensor:
+        """The codebooks' tables stacked [n, size, dim], built once per dtype/device (outside CUDA graph capture)."""
+        first = self.vq.layers[0]._codebook.table()
+        if self._stacked is None or self._stacked.dtype != first.dtype or self._stacked.device != first.device:
+            refuse_in_capture("stacking the codebook tables")
+            self._stacked = torch.stack([layer._codebook.table() for layer in self.vq.layers])
+        return self._stacked
 
     def forward(self, codes: Tensor) -> Tensor:  # [B, n, T] -> [B, out_dim, T]
-        total = None
-        for g, layer in enumerate(self.vq.layers):
-            emb = rows_at(layer._codebook.table(), codes[:, g])  # [B, T, dim]
-            total = emb if total is None else total + emb
+        if self.use_kernels:
+            total = kernels.rvq_sum(codes, self.tables())  # [B, T, dim]
+        else:
+            total = rows_at(self.vq.layers[0]._codebook.table(), codes[:, 0])  # [B, T, dim]
+            for g in range(1, len(self.vq.layers)):
+                total = total + rows_at(self.vq.layers[g]._codebook.table(), codes[:, g])
         if kernels.batch_invariant():  # the 1x1 conv as the linear layer it is (codec/layers.py)
             return linear(total, self.output_proj.weight[:, :, 0]).transpose(1, 2)
         return self.output_proj(total.transpose(1, 2))
@@ -270,12 +284,12 @@ class CodecDecoder(nn.Module):
         return model
 
     def use_kernels(self, on: bool) -> None:
-        """Route the convs, SnakeBeta activations, RMSNorms and one-frame attention through `q3tts.kernels` (on) or
-        torch (off). Call after the decoder's last `.to()` (the convs copy their weights into the kernel layout)."""
+        """Route the convs, SnakeBeta activations, RMSNorms, one-frame attention and codebook lookups through
+        `q3tts.kernels` (on) or torch (off). Call after the decoder's last `.to()` (the convs copy their weights into the kernel layout)."""
         for m in self.modules():
             if isinstance(m, CausalConv1d):
                 m.set_use_kernels(on)
-            elif isinstance(m, (SnakeBeta, Attention, RMSNorm, CausalTransConv1d)):
+            elif isinstance(m, (SnakeBeta, Attention, RMSNorm, CausalTransConv1d, ResidualVQ)):
                 m.use_kernels = on
 
     def zero_states(self, batch: int) -> States:

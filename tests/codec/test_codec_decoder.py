@@ -252,6 +252,30 @@ def test_kernel_chunks_on_one_states_list_match_the_streaming_pool(codec, codes,
     assert torch.equal(torch.cat(pcm, dim=1), torch.cat(want, dim=1))
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_quantizer_kernel_gives_the_lookups_bits_without_gathers(codec, codes, monkeypatch, dtype):
+    """With the kernels, each residual VQ's codebook lookups and their sum are one `rvq_sum` launch: the quantizer's
+    output is the gathers' and adds' bit for bit, and no gather or add of the lookups runs (the two halves' sum is
+    the one add left)."""
+    import copy
+
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
+    quantizer = copy.deepcopy(codec.decoder.quantizer).to(dtype)
+    frame = codes[:, :, :2]
+    want = quantizer(frame)
+    for half in (quantizer.rvq_first, quantizer.rvq_rest):
+        half.use_kernels = True
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = quantizer(frame)
+    names = [e.name for e in prof.events() if e.cpu_parent is None]
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert "aten::index" not in names and names.count("aten::add") == 1, names
+
+
 def test_reset_zeroes_exactly_the_given_slots(codec):
     stream = StreamingDecoder(codec.decoder, max_streams=3)
     for state in stream.pool:

@@ -22,7 +22,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
 
-_KERNEL_MODULES = ("_cast", "rmsnorm", "rotary", "store_kv", "paged_attention", "conv1d", "snake", "swiglu",
+_KERNEL_MODULES = ("_cast", "rmsnorm", "rotary", "store_kv", "paged_attention", "conv1d", "snake", "swiglu", "rvq",
                    "ring_attention")
 
 
