@@ -16,6 +16,16 @@ from ._launch import device_guard
 
 
 @triton.jit
+def snake_values(x, alpha_ptr, beta_ptr, c, c_ok):
+    """SnakeBeta of x [BLOCK_C, N] (fp32) at channels c [BLOCK_C] (c_ok: in range), in fp32: the one formula of this
+    kernel and of the conv kernel's epilogue (kernels/conv1d.py, `causal_conv1d(snake=)`), hence their same bits."""
+    alpha = tl.exp(tl.load(alpha_ptr + c, mask=c_ok, other=0.0).to(tl.float32))
+    inv_beta = 1.0 / (tl.exp(tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(tl.float32)) + 1e-9)
+    s = tl.sin(x * alpha[:, None])
+    return x + inv_beta[:, None] * s * s
+
+
+@triton.jit
 def _snake_kernel(x_ptr, alpha_ptr, beta_ptr, out_ptr, channels, length, stride_xb, stride_xc, stride_ob, stride_oc,
                   stride_ot, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
     """Program (channel block, time block, batch row): loads along time, stores along time or channels."""
@@ -25,10 +35,7 @@ def _snake_kernel(x_ptr, alpha_ptr, beta_ptr, out_ptr, channels, length, stride_
     c_ok = c < channels
     mask = c_ok[:, None] & (t < length)[None, :]
     x = tl.load(x_ptr + b * stride_xb + c[:, None] * stride_xc + t[None, :], mask=mask, other=0.0).to(tl.float32)
-    alpha = tl.exp(tl.load(alpha_ptr + c, mask=c_ok, other=0.0).to(tl.float32))
-    inv_beta = 1.0 / (tl.exp(tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(tl.float32)) + 1e-9)
-    s = tl.sin(x * alpha[:, None])
-    out = x + inv_beta[:, None] * s * s
+    out = snake_values(x, alpha_ptr, beta_ptr, c, c_ok)
     tl.store(out_ptr + b * stride_ob + c[:, None] * stride_oc + t[None, :] * stride_ot,
              cast(out, out_ptr.dtype.element_ty), mask=mask)
 

@@ -218,7 +218,8 @@ class ConvNeXtBlock(nn.Module):
 
 
 class ResidualUnit(nn.Module):
-    """x + conv1x1(Snake(causal conv k7 dilated(Snake(x))))."""
+    """x + conv1x1(Snake(causal conv k7 dilated(Snake(x)))); the second Snake made by the k7 conv
+    (`CausalConv1d(snake=)`: in its epilogue on the kernel path)."""
 
     def __init__(self, spec: StateSpec, dim: int, dilation: int) -> None:
         super().__init__()
@@ -227,23 +228,32 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv1d(spec, dim, dim, 1)
 
-    def forward(self, x: Tensor, states: States) -> Tensor:
-        return self.conv2(self.act2(self.conv1(self.act1(x), states)), states, residual=x)
+    def forward(self, x: Tensor, states: States, x_act: Tensor | None = None, then: SnakeBeta | None = None,
+                keep: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """x [B, C, T] -> [B, C, T]. x_act: act1(x), made by the layer before (None: made here); then: the next
+        layer's SnakeBeta, which the last conv applies to the output (keep: (output, activated))."""
+        h = self.conv1(self.act1(x) if x_act is None else x_act, states, snake=self.act2)
+        return self.conv2(h, states, residual=x, snake=then, keep=keep)
 
 
 class DecoderBlock(nn.Module):
-    """SnakeBeta -> causal ConvTranspose (×rate) -> ResidualUnits with dilations 1, 3, 9 (`block.*`)."""
+    """SnakeBeta -> causal ConvTranspose (×rate) -> ResidualUnits with dilations 1, 3, 9 (`block.*`). Each
+    SnakeBeta after a conv is made by that conv (in its epilogue on the kernel path): the block's first by the layer
+    before the block, a unit's first by the unit before it, the next layer's by the last unit."""
 
     def __init__(self, spec: StateSpec, c_in: int, c_out: int, rate: int) -> None:
         super().__init__()
         self.block = nn.ModuleList([SnakeBeta(c_in), CausalTransConv1d(spec, c_in, c_out, 2 * rate, rate),
                                     *(ResidualUnit(spec, c_out, d) for d in (1, 3, 9))])
 
-    def forward(self, x: Tensor, states: States) -> Tensor:
-        x = self.block[0](x)
-        for layer in self.block[1:]:
-            x = layer(x, states)
-        return x
+    def forward(self, x_act: Tensor, states: States, then: SnakeBeta | None = None) -> Tensor:
+        """x_act: block[0](x) [B, C, T], made by the layer before -> [B, C', T·rate] (`then`: through that SnakeBeta,
+        the next layer's)."""
+        units = self.block[2:]
+        x, act = self.block[1](x_act, states), None  # act: the next unit's act1(x), made by the unit before it
+        for unit, nxt in zip(units[:-1], units[1:]):
+            x, act = unit(x, states, x_act=act, then=nxt.act1, keep=True)
+        return units[-1](x, states, x_act=act, then=then)
 
 
 class CodecDecoder(nn.Module):
@@ -319,10 +329,21 @@ class CodecDecoder(nn.Module):
                  ("pre_transformer", transformer)]
         steps += [(f"upsample {i} (transposed conv + ConvNeXt)", lambda x, u=up, c=convnext: c(u(x, states), states))
                   for i, (up, convnext) in enumerate(self.upsample)]  # [B, latent, T·r]
-        steps += [(f"decoder {i} ({type(layer).__name__})",
-                   layer if isinstance(layer, SnakeBeta) else (lambda x, m=layer: m(x, states)))
-                  for i, layer in enumerate(self.decoder)]
+        steps += self._decoder_steps(states)
         return steps + [("clamp", lambda x: x.clamp(-1.0, 1.0)[:, 0])]  # [B, T·1920]
+
+    def _decoder_steps(self, states: States) -> list[tuple[str, Callable[[Tensor], Tensor]]]:
+        """The decoder's layers as steps, each SnakeBeta made by the layer before it (a conv's epilogue on the kernel
+        path): the conv's, the blocks' first and the one before the output conv. [B, latent, T] -> [B, 1, T·1920]."""
+        layers = list(self.decoder)
+        steps = []
+        for i, (layer, nxt) in enumerate(zip(layers, [*layers[1:], None])):
+            then = nxt.block[0] if isinstance(nxt, DecoderBlock) else nxt if isinstance(nxt, SnakeBeta) else None
+            if isinstance(layer, DecoderBlock):
+                steps.append((f"decoder {i} (DecoderBlock)", lambda x, m=layer, t=then: m(x, states, then=t)))
+            elif isinstance(layer, CausalConv1d):
+                steps.append((f"decoder {i} (CausalConv1d)", lambda x, m=layer, t=then: m(x, states, snake=t)))
+        return steps
 
     @torch.inference_mode()
     def decode(self, codes: Tensor) -> Tensor:

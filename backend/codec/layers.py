@@ -127,8 +127,11 @@ class CausalConv1d(nn.Module):
         """Set this conv's history in `states` to `history` [B, C, history] (kept as a view)."""
         states[self.state] = history.transpose(1, 2) if self._state_cl else history
 
-    def forward(self, x: Tensor, states: States, residual: Tensor | None = None) -> Tensor:
-        """[B, C, T] -> [B, C', T] (+ residual [B, C', T], fused into the conv when it is a kernel)."""
+    def forward(self, x: Tensor, states: States, residual: Tensor | None = None, snake: SnakeBeta | None = None,
+                keep: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """[B, C, T] -> [B, C', T] (+ residual [B, C', T], fused into the conv when it is a kernel). snake: that
+        output through the SnakeBeta `snake` instead (keep: (output, activated)), made in the conv kernel's epilogue
+        when the conv is a kernel (`kernels.causal_conv1d(snake=)`: the bits of the two kernels)."""
         if self.conv.groups == 1 and (self.use_kernels or kernels.batch_invariant()):
             # the kernel reads the state in front of x in place: no cat of the history (cuDNN, if the
             # tuner picks it, does the cat); the new state is the last `history` samples of cat(state, x)
@@ -139,7 +142,8 @@ class CausalConv1d(nn.Module):
                 self.keep_history(states, x[..., -self.history:] if t >= self.history else
                                   torch.cat([history[..., t:].transpose(1, 2), x.transpose(1, 2)], 1).transpose(1, 2))
             return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual,
-                                         self.weight_oik, history=history)
+                                         self.weight_oik, history=history, keep_conv=keep,
+                                         snake=None if snake is None else (snake.alpha, snake.beta))
         if self.history:
             x = torch.cat([self.history_of(states), x], dim=-1)  # [B, C, hist + T]
             self.keep_history(states, x[..., -self.history:])
@@ -147,7 +151,11 @@ class CausalConv1d(nn.Module):
             out = depthwise_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0])
         else:
             out = self.conv(x)
-        return out if residual is None else residual + out
+        out = out if residual is None else residual + out
+        if snake is None:
+            return out
+        act = snake(out)
+        return (out, act) if keep else act
 
     def set_use_kernels(self, on: bool) -> None:
         """Route this conv through `kernels.causal_conv1d` (groups 1 only) with a copy of the weight in the

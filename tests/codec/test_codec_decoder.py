@@ -200,14 +200,15 @@ def test_kernel_convs_reading_the_history_in_place_match_concatenating_it(codec,
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
     split_forward = CausalConv1d.forward
 
-    def cat_forward(self, x, states, residual=None):  # CausalConv1d.forward's kernel branch before `history=`
+    def cat_forward(self, x, states, residual=None, snake=None, keep=False):  # the kernel branch before `history=`
         if self.conv.groups != 1:
-            return split_forward(self, x, states, residual)
+            return split_forward(self, x, states, residual, snake, keep)
         if self.history:
             x = torch.cat([self.history_of(states), x], dim=-1)
             self.keep_history(states, x[..., -self.history:])
         return kernels.causal_conv1d(channels_last(x), self.conv.weight, self.conv.bias, self.conv.dilation[0],
-                                     residual, self.weight_oik)
+                                     residual, self.weight_oik, snake=snake and (snake.alpha, snake.beta),
+                                     keep_conv=keep)
 
     def run(frames=2):
         stream = StreamingDecoder(codec.decoder, max_streams=3, use_kernels=True)
@@ -229,6 +230,50 @@ def test_kernel_convs_reading_the_history_in_place_match_concatenating_it(codec,
     assert pcm.shape == (1, 2 * SPF) and torch.equal(pcm, want_pcm)
     for got, want in zip(states, want_states):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+def test_snakes_made_in_the_conv_epilogues_give_the_snake_kernels_bits(codec, codes, monkeypatch):
+    """With the kernels, every SnakeBeta that follows a conv is made in that conv's epilogue (`snake=`): 4 snake
+    launches a frame are left (each block's first unit's, after the transposed conv) of the decoder's 1 + 7 a block,
+    and the pcm and states are those of the conv kernel followed by the snake kernel, bit for bit."""
+    from q3tts import kernels
+
+    monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
+    conv, snake = kernels.causal_conv1d, kernels.snake_beta
+    launches = []
+
+    def counted_snake(*args, **kwargs):
+        launches.append(1)
+        return snake(*args, **kwargs)
+
+    def unfused(*args, snake=None, keep_conv=False, **kwargs):  # the conv kernel, then the snake kernel
+        out = conv(*args, **kwargs)
+        if snake is None:
+            return out
+        act = counted_snake(out, *snake, channels_last=True)
+        return (out, act) if keep_conv else act
+
+    def run():
+        stream = StreamingDecoder(codec.decoder, max_streams=3, use_kernels=True)
+        slots = torch.tensor([1])  # one stream: the interpreter runs a program per batch row
+        stream.reset(slots)
+        launches.clear()
+        pcm = torch.cat([stream.decode_frame(slots, codes[1:2, :, t]) for t in range(2)], dim=1)
+        return pcm, [buf.clone() for buf in stream.buffers], len(launches) // 2
+
+    monkeypatch.setattr(kernels, "snake_beta", counted_snake)
+    blocks = len(codec.decoder.decoder) - 3
+    try:
+        pcm, states, fused_snakes = run()
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "causal_conv1d", unfused)
+            want_pcm, want_states, snakes = run()
+    finally:
+        codec.decoder.use_kernels(False)  # the session's codec fixture is shared
+    assert (fused_snakes, snakes) == (blocks, 1 + 7 * blocks)
+    assert torch.equal(pcm, want_pcm) and all(torch.equal(g, w) for g, w in zip(states, want_states))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")

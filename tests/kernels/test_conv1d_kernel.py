@@ -377,3 +377,35 @@ def test_every_candidate_at_the_codec_frame_shapes_batch64(shape):
         for impl in conv1d.candidates(c_in, c_out, t, channels_last):
             out = conv1d.causal_conv1d(x, w, b, d, r, oik, impl=impl, history=h)
             assert_close_3way(out, out_pt, out_ref, dtype, f"conv1d {impl} {shape}")
+
+
+def _tilings(case) -> list:
+    """Every launch form of a case: the row tiling's default and other configs, the flat tiling, cuDNN (time-contiguous
+    x), and the channels-last tilings (x stored channels-last)."""
+    _, c_in, c_out, _, _, t = case
+    rows = ["triton", *conv1d._row_configs(c_in, c_out, t), conv1d.FlatTiles(*conv1d._blocks(c_in, c_out, t)[:2], 16),
+            "cudnn"]
+    return [(False, impl) for impl in rows] + [(True, impl) for impl in conv1d._cl_configs(c_in, c_out)]
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("case", [(2, 24, 20, 7, 3, 9), (1, 17, 33, 1, 1, 70)],
+                         ids=lambda c: "b{}_ci{}_co{}_k{}_d{}_t{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_snake_in_the_epilogue_gives_the_two_calls_bits(dtype, case, residual):
+    """`snake=` (and `keep_conv=`) on every tiling: the conv's output and the snake kernel's channels-last output of
+    it, bit for bit, the activation stored channels-last. The snake is of the rounded output, residual included (one
+    of the unrounded sum differs in bf16)."""
+    snake = kernel_module("snake")
+    x, w, b, d, r = _inputs(case, dtype, residual)
+    gen = torch.Generator().manual_seed(7)
+    alpha, beta = ((0.5 * torch.randn(case[2], generator=gen)).to(DEVICE, dtype) for _ in range(2))
+    for cl, impl in _tilings(case):
+        xi = _channels_last(x) if cl else x
+        out = conv1d.causal_conv1d(xi, w, b, d, r, impl=impl)
+        want = snake.snake_beta(out, alpha, beta, channels_last=True)
+        act = conv1d.causal_conv1d(xi, w, b, d, r, impl=impl, snake=(alpha, beta))
+        kept, act2 = conv1d.causal_conv1d(xi, w, b, d, r, impl=impl, snake=(alpha, beta), keep_conv=True)
+        assert act.stride(1) == 1 and act2.stride(1) == 1 and kept.stride(-1) == 1, impl
+        assert torch.equal(act, want) and torch.equal(act2, want) and torch.equal(kept, out), impl
+
