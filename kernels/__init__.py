@@ -170,19 +170,22 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1,
                   residual: torch.Tensor | None = None, weight_oik: torch.Tensor | None = None,
                   history: torch.Tensor | None = None, snake: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  keep_conv: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  keep_conv: bool = False, phases: int = 1) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Valid conv1d of x [B, C_in, L] (history included), weight [C_out, C_in, K], bias [C_out] or None
     -> [B, C_out, L - (K-1)·dilation] (+ residual); weight_oik: `conv_kernel_weight(weight)`, optional.
     history [B, C_in, (K-1)·dilation]: the samples before x (then new samples only): the conv of
     cat(history, x) -> [B, C_out, L], the same bits, without the cat on the kernel path.
     snake (alpha, beta) [C_out]: `snake_beta` of that output instead (keep_conv: (output, snake)), on the kernel
-    path made in the conv's epilogue. See kernels/conv1d.py."""
+    path made in the conv's epilogue. phases: channel o·phases + r is phase r of output channel o, interleaved in
+    time -> [B, C_out / phases, L'·phases] (a transposed conv). See kernels/conv1d.py."""
     if use_triton(x):
         return _cv.causal_conv1d(x, weight, bias, dilation, residual, weight_oik, history=history, snake=snake,
-                                 keep_conv=keep_conv)
+                                 keep_conv=keep_conv, phases=phases)
     if history is not None:
         x = torch.cat([history, x], dim=-1)
     out = reference.causal_conv1d_ref(x, weight, bias, dilation, residual)
+    b, c, t = out.shape
+    out = out.view(b, c // phases, phases, t).transpose(2, 3).reshape(b, -1, t * phases)
     if snake is None:
         return out
     act = reference.snake_beta_ref(out, *snake)

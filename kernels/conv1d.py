@@ -112,11 +112,15 @@ def _cl_x_tile(x_rows, h_rows, p, n_ok, i, i_ok, stride_xt, stride_ht, HIST: tl.
 
 @triton.jit
 def _epilogue(acc, b_ptr, r_cols, out_cols, o, o_ok, n_ok, stride_rc, stride_oc, a_ptr, be_ptr, s_cols, stride_sc,
-              HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SNAKE: tl.constexpr, KEEP: tl.constexpr):
-    """Store acc [BLOCK_O, BLOCK_N] (+ bias, + residual) at output channels o of the columns, rounded once; SNAKE:
-    the SnakeBeta (log-parameters at a_ptr, be_ptr) of that rounded value, stored at s_cols + o·stride_sc instead
-    (KEEP: as well). r_cols / out_cols / s_cols [BLOCK_N]: each column's address in the residual / output / snake
-    output at channel 0."""
+              stride_st, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SNAKE: tl.constexpr, KEEP: tl.constexpr,
+              PHASES: tl.constexpr):
+    """Store acc [BLOCK_O, BLOCK_N] (+ bias, + residual) at conv channels o of the columns, rounded once; SNAKE:
+    the SnakeBeta (log-parameters at a_ptr, be_ptr) of that rounded value, stored in the snake output instead (KEEP:
+    as well). Conv channel o is output channel o // PHASES at phase o % PHASES: position t·PHASES + o % PHASES of
+    the output's time (a transposed conv's phases, interleaved). r_cols / out_cols / s_cols [BLOCK_N]: each column's
+    address in the residual / output / snake output at channel 0 and its first phase."""
+    ch = o // PHASES  # [BLOCK_O] output channel
+    ph = o - ch * PHASES  # [BLOCK_O] its phase
     if HAS_BIAS:
         acc += tl.load(b_ptr + o, mask=o_ok, other=0.0).to(tl.float32)[:, None]
     mask = o_ok[:, None] & n_ok[None, :]
@@ -124,10 +128,11 @@ def _epilogue(acc, b_ptr, r_cols, out_cols, o, o_ok, n_ok, stride_rc, stride_oc,
         acc += tl.load(r_cols[None, :] + o[:, None] * stride_rc, mask=mask, other=0.0).to(tl.float32)
     y = cast(acc, out_cols.dtype.element_ty)
     if KEEP or not SNAKE:
-        tl.store(out_cols[None, :] + o[:, None] * stride_oc, y, mask=mask)
+        tl.store(out_cols[None, :] + (ch * stride_oc + ph)[:, None], y, mask=mask)
     if SNAKE:  # from the rounded conv output, as the snake kernel reads it
-        act = snake_values(y.to(tl.float32), a_ptr, be_ptr, o, o_ok)
-        tl.store(s_cols[None, :] + o[:, None] * stride_sc, cast(act, s_cols.dtype.element_ty), mask=mask)
+        act = snake_values(y.to(tl.float32), a_ptr, be_ptr, ch, o_ok)
+        tl.store(s_cols[None, :] + (ch * stride_sc + ph * stride_st)[:, None], cast(act, s_cols.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit
@@ -137,7 +142,7 @@ def _conv1d_kernel(
     stride_xb, stride_xc, stride_hb, stride_hc, stride_wo, stride_wi, stride_wk,
     stride_rb, stride_rc, stride_ob, stride_oc, stride_sb, stride_sc, stride_st,
     K: tl.constexpr, DILATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    SNAKE: tl.constexpr, KEEP: tl.constexpr, HIST: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_T: tl.constexpr,
+    SNAKE: tl.constexpr, KEEP: tl.constexpr, PHASES: tl.constexpr, HIST: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """The row tiling: program (time tile, output channel tile, batch row)."""
@@ -161,9 +166,9 @@ def _conv1d_kernel(
         else:
             acc = _tap(acc, x_cols, h_cols, w_ptr, o, o_ok, t, t_ok, c_in, stride_xc, stride_hc, stride_wo,
                        stride_wi, stride_wk, k, DILATION, HIST, False, BLOCK_I, DOT_PRECISION)
-    _epilogue(acc, b_ptr, r_ptr + b * stride_rb + t, out_ptr + b * stride_ob + t, o, o_ok, t_ok, stride_rc,
-              stride_oc, a_ptr, be_ptr, s_ptr + b * stride_sb + t * stride_st, stride_sc, HAS_BIAS, HAS_RESIDUAL,
-              SNAKE, KEEP)
+    _epilogue(acc, b_ptr, r_ptr + b * stride_rb + t, out_ptr + b * stride_ob + t * PHASES, o, o_ok, t_ok, stride_rc,
+              stride_oc, a_ptr, be_ptr, s_ptr + b * stride_sb + t * PHASES * stride_st, stride_sc, stride_st, HAS_BIAS,
+              HAS_RESIDUAL, SNAKE, KEEP, PHASES)
 
 
 @triton.jit
@@ -199,7 +204,7 @@ def _conv1d_flat_kernel(
     stride_xb, stride_xc, stride_hb, stride_hc, stride_wo, stride_wi, stride_wk,
     stride_rb, stride_rc, stride_ob, stride_oc, stride_sb, stride_sc, stride_st,
     K: tl.constexpr, DILATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    SNAKE: tl.constexpr, KEEP: tl.constexpr, HIST: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr,
+    SNAKE: tl.constexpr, KEEP: tl.constexpr, PHASES: tl.constexpr, HIST: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """The flat tiling: program (column tile, output channel tile), column = b·t_out + t of n_cols = B·t_out."""
@@ -220,9 +225,9 @@ def _conv1d_flat_kernel(
                               DILATION, HIST, BLOCK_I)
         acc += dot(w, x, DOT_PRECISION)
         x = x_next
-    _epilogue(acc, b_ptr, r_ptr + b * stride_rb + t, out_ptr + b * stride_ob + t, o, o_ok, n_ok, stride_rc,
-              stride_oc, a_ptr, be_ptr, s_ptr + b * stride_sb + t * stride_st, stride_sc, HAS_BIAS, HAS_RESIDUAL,
-              SNAKE, KEEP)
+    _epilogue(acc, b_ptr, r_ptr + b * stride_rb + t, out_ptr + b * stride_ob + t * PHASES, o, o_ok, n_ok, stride_rc,
+              stride_oc, a_ptr, be_ptr, s_ptr + b * stride_sb + t * PHASES * stride_st, stride_sc, stride_st, HAS_BIAS,
+              HAS_RESIDUAL, SNAKE, KEEP, PHASES)
 
 
 @triton.jit
@@ -232,7 +237,7 @@ def _conv1d_cl_kernel(
     stride_xb, stride_xt, stride_hb, stride_ht, stride_wo, stride_wi, stride_wk,
     stride_rb, stride_rc, stride_ob, stride_oc, stride_sb, stride_sc, stride_st,
     K: tl.constexpr, DILATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    SNAKE: tl.constexpr, KEEP: tl.constexpr, HIST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+    SNAKE: tl.constexpr, KEEP: tl.constexpr, PHASES: tl.constexpr, HIST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """The channels-last tiling: program (column tile, output channel tile), column = b·t_out + t of n_cols =
@@ -247,9 +252,9 @@ def _conv1d_cl_kernel(
         x = _cl_x_tile(x_rows, h_rows, t + k * DILATION, n_ok, i, i_ok, stride_xt, stride_ht, HIST)  # [M, I]
         w = _w_tile(w_ptr, o, o_ok, i, i_ok, k, stride_wo, stride_wi, stride_wk)  # [BLOCK_O, BLOCK_I]
         acc += dot(x, tl.trans(w), DOT_PRECISION)
-    _epilogue(tl.trans(acc), b_ptr, r_ptr + b * stride_rb + t, out_ptr + b * stride_ob + t, o, o_ok, n_ok,
-              stride_rc, stride_oc, a_ptr, be_ptr, s_ptr + b * stride_sb + t * stride_st, stride_sc, HAS_BIAS,
-              HAS_RESIDUAL, SNAKE, KEEP)
+    _epilogue(tl.trans(acc), b_ptr, r_ptr + b * stride_rb + t, out_ptr + b * stride_ob + t * PHASES, o, o_ok, n_ok,
+              stride_rc, stride_oc, a_ptr, be_ptr, s_ptr + b * stride_sb + t * PHASES * stride_st, stride_sc, stride_st,
+              HAS_BIAS, HAS_RESIDUAL, SNAKE, KEEP, PHASES)
 
 
 class RowTiles(NamedTuple):
@@ -362,7 +367,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   residual: torch.Tensor | None = None, weight_oik: torch.Tensor | None = None,
                   impl: str | RowTiles | FlatTiles | ChannelsLastTiles | None = None,
                   history: torch.Tensor | None = None, snake: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  keep_conv: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  keep_conv: bool = False, phases: int = 1) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Valid (unpadded) conv1d of x [B, C_in, L] (history included) with weight [C_out, C_in, K],
     bias [C_out] or None -> [B, C_out, L - (K-1)·dilation] in x.dtype, plus residual (same shape as the
     output) when given. x and history either both time-contiguous or both channels-last (`is_channels_last`:
@@ -382,7 +387,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     snake: SnakeBeta log-parameters (alpha, beta) [C_out]: the call returns `snake_beta(out, alpha, beta,
     channels_last=True)` of the rounded output instead, made in the conv's epilogue (cuDNN: the snake kernel after
     it), the same bits as the two calls; keep_conv: (out, that) -- the codec's residual units, whose output is the
-    next one's residual and, activated, its conv's input."""
+    next one's residual and, activated, its conv's input.
+
+    phases: conv channel o·phases + r is phase r of output channel o (a transposed conv as a conv,
+    `CausalTransConv1d.as_conv`): the output is [B, C_out / phases, T·phases], position t·phases + r, the phases
+    interleaved by the epilogue's stores (cuDNN: a copy after it); snake parameters are then [C_out / phases]."""
     bsz, c_in, length = x.shape
     c_out, w_in, k = weight.shape
     hist = (k - 1) * dilation
@@ -404,8 +413,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if residual is not None:
         assert residual.shape == (bsz, c_out, t_out) and residual.stride(-1) == 1, \
             f"residual {tuple(residual.shape)} != output {(bsz, c_out, t_out)} or not contiguous in time"
+    assert c_out % phases == 0 and (phases == 1 or residual is None), "phases divide C_out, without a residual"
     if snake is not None:
-        assert all(p.shape == (c_out,) for p in snake), f"snake parameters must be [{c_out}] (output channels)"
+        assert all(p.shape == (c_out // phases,) for p in snake), \
+            f"snake parameters must be [{c_out // phases}] (output channels)"
     assert snake is not None or not keep_conv, "keep_conv keeps the conv output beside its snake"
     if weight_oik is not None:
         assert weight_oik.shape == weight.shape and weight_oik.dtype == weight.dtype and \
@@ -416,17 +427,18 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if impl == "cudnn":
             full = x if history is None else torch.cat([history, x], dim=-1)
             out = causal_conv1d_ref(full, weight, bias, dilation, residual)
+            out = out.view(bsz, c_out // phases, phases, t_out).transpose(2, 3).reshape(bsz, -1, t_out * phases)
             if snake is None:
                 return out
             act = snake_beta(out, *snake, channels_last=True)
             return (out, act) if keep_conv else act
         if impl == "triton":
             impl = _cl_configs(c_in, c_out)[0] if cl else _blocks(c_in, c_out, t_out)
-        return _launch(x, w_kernel, bias, dilation, residual, t_out, history, impl, snake, keep_conv)
+        return _launch(x, w_kernel, bias, dilation, residual, t_out, history, impl, snake, keep_conv, phases)
 
     key = ("conv1d", tuple(x.shape), tuple(weight.shape), dilation, x.dtype, bias is not None,
            residual is not None, weight_oik is not None, history is not None) + (("channels_last",) if cl else ()) \
-        + ((("snake", keep_conv),) if snake is not None else ())
+        + ((("snake", keep_conv),) if snake is not None else ()) + ((("phases", phases),) if phases > 1 else ())
     with device_guard(x):  # the tuning launches too: x may sit on another GPU than the current one
         if impl is not None or not x.is_cuda or batch_invariant():
             return launch(impl or "triton")
@@ -436,13 +448,15 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int,
             residual: torch.Tensor | None, t_out: int, history: torch.Tensor | None,
             tiles: RowTiles | FlatTiles | ChannelsLastTiles, snake: tuple[torch.Tensor, torch.Tensor] | None = None,
-            keep_conv: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Run the row, flat or channels-last tiling with `tiles`' config -> [B, C_out, t_out]; snake: its SnakeBeta
-    instead, stored channels-last (keep_conv: both)."""
+            keep_conv: bool = False, phases: int = 1) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run the row, flat or channels-last tiling with `tiles`' config -> [B, C_out / phases, t_out · phases]; snake:
+    its SnakeBeta instead, stored channels-last (keep_conv: both)."""
     bsz, c_in, _ = x.shape
     c_out, _, k = weight.shape
-    act = None if snake is None else torch.empty(bsz, t_out, c_out, dtype=x.dtype, device=x.device).transpose(1, 2)
-    out = torch.empty(bsz, c_out, t_out, dtype=x.dtype, device=x.device) if act is None or keep_conv else act
+    shape = (bsz, c_out // phases, t_out * phases)
+    act = None if snake is None else torch.empty(shape[0], shape[2], shape[1], dtype=x.dtype,
+                                                 device=x.device).transpose(1, 2)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device) if act is None or keep_conv else act
     r = residual if residual is not None else out
     h = history if history is not None else x  # unread without history
     s = act if act is not None else out  # unwritten without a snake
@@ -454,7 +468,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, di
                weight.stride(2), r.stride(0), r.stride(1), out.stride(0), out.stride(1), s.stride(0), s.stride(1),
                s.stride(2))
     meta = dict(K=k, DILATION=dilation, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-                SNAKE=snake is not None, KEEP=keep_conv,
+                SNAKE=snake is not None, KEEP=keep_conv, PHASES=phases,
                 HIST=(k - 1) * dilation if history is not None else 0,
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                 BLOCK_O=tiles.block_o, BLOCK_I=tiles.block_i, num_warps=tiles.num_warps, num_stages=tiles.num_stages)

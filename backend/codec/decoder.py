@@ -218,8 +218,8 @@ class ConvNeXtBlock(nn.Module):
 
 
 class ResidualUnit(nn.Module):
-    """x + conv1x1(Snake(causal conv k7 dilated(Snake(x)))); the second Snake made by the k7 conv
-    (`CausalConv1d(snake=)`: in its epilogue on the kernel path)."""
+    """x + conv1x1(Snake(causal conv k7 dilated(Snake(x)))): the first Snake (`act1`) made by the layer before the
+    unit, the second by the k7 conv (`CausalConv1d(snake=)`: in its epilogue on the kernel path)."""
 
     def __init__(self, spec: StateSpec, dim: int, dilation: int) -> None:
         super().__init__()
@@ -228,18 +228,19 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv1d(spec, dim, dim, 1)
 
-    def forward(self, x: Tensor, states: States, x_act: Tensor | None = None, then: SnakeBeta | None = None,
+    def forward(self, x: Tensor, x_act: Tensor, states: States, then: SnakeBeta | None = None,
                 keep: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """x [B, C, T] -> [B, C, T]. x_act: act1(x), made by the layer before (None: made here); then: the next
-        layer's SnakeBeta, which the last conv applies to the output (keep: (output, activated))."""
-        h = self.conv1(self.act1(x) if x_act is None else x_act, states, snake=self.act2)
+        """x [B, C, T], x_act = act1(x) -> [B, C, T]. then: the next layer's SnakeBeta, which the last conv applies to
+        the output (keep: (output, activated))."""
+        h = self.conv1(x_act, states, snake=self.act2)
         return self.conv2(h, states, residual=x, snake=then, keep=keep)
 
 
 class DecoderBlock(nn.Module):
     """SnakeBeta -> causal ConvTranspose (×rate) -> ResidualUnits with dilations 1, 3, 9 (`block.*`). Each
     SnakeBeta after a conv is made by that conv (in its epilogue on the kernel path): the block's first by the layer
-    before the block, a unit's first by the unit before it, the next layer's by the last unit."""
+    before the block, the first unit's first by the transposed conv, a later unit's first by the unit before it, the
+    next layer's by the last unit."""
 
     def __init__(self, spec: StateSpec, c_in: int, c_out: int, rate: int) -> None:
         super().__init__()
@@ -250,10 +251,10 @@ class DecoderBlock(nn.Module):
         """x_act: block[0](x) [B, C, T], made by the layer before -> [B, C', T·rate] (`then`: through that SnakeBeta,
         the next layer's)."""
         units = self.block[2:]
-        x, act = self.block[1](x_act, states), None  # act: the next unit's act1(x), made by the unit before it
+        x, act = self.block[1](x_act, states, snake=units[0].act1, keep=True)  # act: the next unit's act1(x)
         for unit, nxt in zip(units[:-1], units[1:]):
-            x, act = unit(x, states, x_act=act, then=nxt.act1, keep=True)
-        return units[-1](x, states, x_act=act, then=then)
+            x, act = unit(x, act, states, then=nxt.act1, keep=True)
+        return units[-1](x, act, states, then=then)
 
 
 class CodecDecoder(nn.Module):

@@ -200,25 +200,33 @@ class CausalTransConv1d(nn.Module):
         self.state = spec.add((c_in, 1)) if kernel == 2 * stride else -1
         self._conv_form: tuple[Tensor, Tensor] | None = None  # (weight, bias) of `as_conv`, per dtype/device
 
-    def forward(self, x: Tensor, states: States) -> Tensor:  # [B, C, T] -> [B, C', T·s]
+    def forward(self, x: Tensor, states: States, snake: SnakeBeta | None = None,
+                keep: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """[B, C, T] -> [B, C', T·s]; snake: through the SnakeBeta `snake` instead (keep: (output, activated)), made
+        in the conv kernel's epilogue on the kernel path (`as_conv`)."""
         history = states[self.state] if self.state >= 0 else None  # [B, C, 1]
         if history is not None:
             states[self.state] = x[..., -1:]
         if (self.use_kernels and kernels.use_triton(x)) or kernels.batch_invariant():
-            return self.as_conv(x, history)
+            return self.as_conv(x, history, snake, keep)
         if history is None:
-            return self.conv(x)
-        y = self.conv(torch.cat([history, x], dim=-1))  # [B, C', (T + 2)·s]
-        return y[..., self.stride: y.shape[-1] - self.stride]
+            y = self.conv(x)
+        else:
+            y = self.conv(torch.cat([history, x], dim=-1))  # [B, C', (T + 2)·s]
+            y = y[..., self.stride: y.shape[-1] - self.stride]
+        if snake is None:
+            return y
+        act = snake(y)
+        return (y, act) if keep else act
 
-    def as_conv(self, x: Tensor, history: Tensor | None = None) -> Tensor:
+    def as_conv(self, x: Tensor, history: Tensor | None = None, snake: SnakeBeta | None = None,
+                keep: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """The trimmed transposed conv of x [B, C, T] after `history` [B, C, taps - 1] (taps = k/s; None: taps = 1)
-        as one `kernels.causal_conv1d` of taps taps into C'·s channels, channel (o, r) = output
-        phase r of channel o, then the phases interleaved in time -> [B, C', T·s]."""
+        as one `kernels.causal_conv1d` of taps taps into C'·s channels, channel (o, r) = output phase r of channel
+        o, the phases interleaved in time by its stores -> [B, C', T·s] (`snake`, `keep`: as `forward`)."""
         weight, bias = self._conv_weights()
-        y = kernels.causal_conv1d(channels_last(x), weight, bias, history=history)  # [B, C'·s, T]
-        b, _, t = y.shape
-        return y.view(b, self.conv.out_channels, self.stride, t).transpose(2, 3).reshape(b, -1, t * self.stride)
+        return kernels.causal_conv1d(channels_last(x), weight, bias, history=history, phases=self.stride,
+                                     snake=None if snake is None else (snake.alpha, snake.beta), keep_conv=keep)
 
     def _conv_weights(self) -> tuple[Tensor, Tensor]:
         """(weight [C'·s, C, taps], bias [C'·s]) of `as_conv`: output phase r of block t is

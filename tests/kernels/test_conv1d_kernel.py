@@ -409,3 +409,26 @@ def test_a_snake_in_the_epilogue_gives_the_two_calls_bits(dtype, case, residual)
         assert act.stride(1) == 1 and act2.stride(1) == 1 and kept.stride(-1) == 1, impl
         assert torch.equal(act, want) and torch.equal(act2, want) and torch.equal(kept, out), impl
 
+
+
+@pytest.mark.parametrize("phases", [2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_phases_interleave_a_transposed_convs_outputs_in_the_epilogue(dtype, phases):
+    """`phases=`: conv channel o·phases + r stored at position t·phases + r of output channel o, on every tiling, bit
+    for bit the plain conv's output interleaved; with a snake of the output channels (`keep_conv`), the snake
+    kernel's channels-last output of the interleaved conv."""
+    snake = kernel_module("snake")
+    case = (2, 24, 4 * phases, 2, 1, 6)  # a k = 2s transposed conv as a conv: 2 taps over (history, x)
+    x, w, b, d, _ = _inputs(case, dtype, False)
+    bsz, t, c_out = case[0], case[-1], case[2] // phases
+    gen = torch.Generator().manual_seed(phases)
+    alpha, beta = ((0.5 * torch.randn(c_out, generator=gen)).to(DEVICE, dtype) for _ in range(2))
+    for cl, impl in _tilings(case):
+        xi = _channels_last(x) if cl else x
+        plain = conv1d.causal_conv1d(xi, w, b, d, impl=impl)
+        want = plain.view(bsz, c_out, phases, t).transpose(2, 3).reshape(bsz, c_out, t * phases)
+        got = conv1d.causal_conv1d(xi, w, b, d, impl=impl, phases=phases)
+        kept, act = conv1d.causal_conv1d(xi, w, b, d, impl=impl, phases=phases, snake=(alpha, beta), keep_conv=True)
+        assert got.shape == kept.shape == act.shape == (bsz, c_out, t * phases) and act.stride(1) == 1, impl
+        assert torch.equal(got, want) and torch.equal(kept, want), impl
+        assert torch.equal(act, snake.snake_beta(want, alpha, beta, channels_last=True)), impl
