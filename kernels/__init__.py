@@ -10,7 +10,7 @@ depends neither on how many rows share a launch nor on what they hold. Per kerne
   by construction  rms_norm (a row's statistics inside one program, tiles set by the feature dim), silu_mul,
                    apply_rotary (with its QK-norm) and store_kv (one program per token, no reduction
                    across tokens),
-                   snake_beta (elementwise), the code predictor's sample (one program per row),
+                   snake_beta (elementwise), rvq_sum and the code predictor's sample (one program per row),
                    prefill_attention (a program takes rows of one prompt only; key blocks start at
                    the prompt's first row, so a prompt's rows never see where it sits in the pack),
                    qkv_attention / talker_qkv (BLOCK_M 16, config per weight shape; attention over

@@ -30,6 +30,13 @@ Two tilings of the GEMM [C_out, K·C_in] x [K·C_in, columns]:
   kernel is 2-4x faster than the row kernel and cuDNN, at 1 and 64 streams (H200,
   perf/results/RESULTS.md, twenty-first session). Output and residual stay time-contiguous.
 
+Epilogue options, the same on every tiling: `snake=` stores the SnakeBeta of the rounded output (the snake
+kernel's formula, `snake.snake_values`) channels-last instead of the output, `keep_conv=` both (the codec's
+residual units: a unit's output is the next one's residual and, activated, its conv's input); `phases=` stores
+conv channel o·phases + r at position t·phases + r of output channel o (a transposed conv's phases, interleaved).
+The codec frame's 29 SnakeBetas and 4 phase interleaves were launches of their own (155 µs of the 16-row frame's
+1.47 ms on the H200, perf/results/RESULTS.md, fifty-first session).
+
 Why a kernel: cuDNN's heuristics pick a non-tensor-core implicit GEMM for some of the codec's layer and
 batch shapes (~1 ms per conv at batch 64 on the H200, 10x its neighbours), and the pointwise (K=1)
 convs are 2-3x faster here. On CUDA `causal_conv1d` times `candidates()` (cuDNN, row tiling configs and
