@@ -163,8 +163,8 @@ ENGINE_CSV_COLUMNS = ("batch", "ms_per_step", "audio_s_per_s", "kernels_per_step
 
 def config_name(args) -> str:
     """The EngineConfig switches a row ran with (default = today's defaults)."""
-    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_pipeline", "codec_sms", "fused_code_predictor",
-                                                "fused_talker", "fp32_residual", "batch_invariant",
+    changed = [(n, getattr(args, n)) for n in ("codec_kernels", "codec_fusion", "codec_pipeline", "codec_sms",
+                                                "fused_code_predictor", "fused_talker", "fp32_residual", "batch_invariant",
                                                 "programmatic_launch", "steps_in_flight", "launch_at_frames", "chain_tune")
                if getattr(args, n) != getattr(EngineConfig, n)]
     return "+".join(n if v is True else f"no_{n}" if v is False else f"{n}={v}" for n, v in changed) or "default"
@@ -179,6 +179,9 @@ def add_model_arguments(p: argparse.ArgumentParser, batches: list[int]) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=batches)
     p.add_argument("--codec-kernels", action=argparse.BooleanOptionalAction, default=EngineConfig.codec_kernels,
                    help="EngineConfig.codec_kernels (Triton conv/SnakeBeta)")
+    p.add_argument("--codec-fusion", action=argparse.BooleanOptionalAction, default=EngineConfig.codec_fusion,
+                   help="EngineConfig.codec_fusion (SnakeBeta and phase interleaves in conv epilogues, one-launch "
+                        "codebook lookups)")
     p.add_argument("--codec-pipeline", action=argparse.BooleanOptionalAction, default=EngineConfig.codec_pipeline,
                    help="EngineConfig.codec_pipeline (each frame's audio one step behind; default: with graphs "
                         "and one step in flight)")
@@ -263,6 +266,7 @@ def build_engine(args, frames: int) -> Engine:
                        kv_memory_fraction=0.5, graph_batch_sizes=buckets,
                        num_pages=None if args.device.startswith("cuda") else 2 * max_b * (frames + 300) // 16,
                        use_cuda_graphs=not args.no_cuda_graphs, codec_kernels=args.codec_kernels,
+                       codec_fusion=args.codec_fusion,
                        codec_pipeline=args.codec_pipeline, codec_sms=args.codec_sms,
                        fused_code_predictor=args.fused_code_predictor, fused_talker=args.fused_talker,
                        fp32_residual=args.fp32_residual, batch_invariant=args.batch_invariant,

@@ -56,7 +56,8 @@ class _VQStack(nn.Module):
 
 class ResidualVQ(nn.Module):
     """Sum of codebook entries of `n` quantizers, projected by a 1×1 conv (dim -> out_dim). `use_kernels` (from
-    `CodecDecoder.use_kernels`): the lookups and their sum in one launch (`kernels.rvq_sum`, the same bits)."""
+    `CodecDecoder.use_kernels(fuse=True)`): the lookups and their sum in one launch (`kernels.rvq_sum`, the same
+    bits)."""
 
     use_kernels = False
 
@@ -294,14 +295,21 @@ class CodecDecoder(nn.Module):
             layer.mlp.fuse_()  # gate/up as one GEMM
         return model
 
-    def use_kernels(self, on: bool) -> None:
-        """Route the convs, SnakeBeta activations, RMSNorms, one-frame attention and codebook lookups through
-        `q3tts.kernels` (on) or torch (off). Call after the decoder's last `.to()` (the convs copy their weights into the kernel layout)."""
+    def use_kernels(self, on: bool, fuse: bool = False) -> None:
+        """Route the convs, SnakeBeta activations, RMSNorms and one-frame attention through `q3tts.kernels` (on) or
+        torch (off). Call after the decoder's last `.to()` (the convs copy their weights into the kernel layout).
+        fuse (with on; EngineConfig.codec_fusion): each SnakeBeta made in the epilogue of the conv before it, the
+        transposed convs' phases interleaved there, and each residual VQ's lookups summed in one launch
+        (`kernels.rvq_sum`): the same bits, fewer launches."""
         for m in self.modules():
             if isinstance(m, CausalConv1d):
                 m.set_use_kernels(on)
-            elif isinstance(m, (SnakeBeta, Attention, RMSNorm, CausalTransConv1d, ResidualVQ)):
+            elif isinstance(m, (SnakeBeta, Attention, RMSNorm, CausalTransConv1d)):
                 m.use_kernels = on
+            if isinstance(m, (CausalConv1d, CausalTransConv1d)):
+                m.fuse = on and fuse
+            elif isinstance(m, ResidualVQ):
+                m.use_kernels = on and fuse
 
     def zero_states(self, batch: int) -> States:
         """Fresh per-stream state (all zeros = causal zero padding, frame counter 0) for `batch` streams."""

@@ -107,6 +107,7 @@ class CausalConv1d(nn.Module):
     history channels-last too (state [history, C]; `history_of` gives it as [B, C, history]), whichever path runs."""
 
     use_kernels = False
+    fuse = False  # `snake=` made in the conv kernel's epilogue (`CodecDecoder.use_kernels(fuse=)`)
 
     def __init__(self, spec: StateSpec, c_in: int, c_out: int, kernel: int, dilation: int = 1,
                  groups: int = 1) -> None:
@@ -131,7 +132,7 @@ class CausalConv1d(nn.Module):
                 keep: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """[B, C, T] -> [B, C', T] (+ residual [B, C', T], fused into the conv when it is a kernel). snake: that
         output through the SnakeBeta `snake` instead (keep: (output, activated)), made in the conv kernel's epilogue
-        when the conv is a kernel (`kernels.causal_conv1d(snake=)`: the bits of the two kernels)."""
+        when the conv is a kernel and `fuse` is set (`kernels.causal_conv1d(snake=)`: the bits of the two kernels)."""
         if self.conv.groups == 1 and (self.use_kernels or kernels.batch_invariant()):
             # the kernel reads the state in front of x in place: no cat of the history (cuDNN, if the
             # tuner picks it, does the cat); the new state is the last `history` samples of cat(state, x)
@@ -141,9 +142,12 @@ class CausalConv1d(nn.Module):
                 t = x.shape[-1]
                 self.keep_history(states, x[..., -self.history:] if t >= self.history else
                                   torch.cat([history[..., t:].transpose(1, 2), x.transpose(1, 2)], 1).transpose(1, 2))
-            return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual,
-                                         self.weight_oik, history=history, keep_conv=keep,
-                                         snake=None if snake is None else (snake.alpha, snake.beta))
+            if self.fuse and snake is not None:
+                return kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0], residual,
+                                             self.weight_oik, history=history, snake=(snake.alpha, snake.beta),
+                                             keep_conv=keep)
+            return activated(kernels.causal_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0],
+                                                   residual, self.weight_oik, history=history), snake, keep)
         if self.history:
             x = torch.cat([self.history_of(states), x], dim=-1)  # [B, C, hist + T]
             self.keep_history(states, x[..., -self.history:])
@@ -151,17 +155,21 @@ class CausalConv1d(nn.Module):
             out = depthwise_conv1d(x, self.conv.weight, self.conv.bias, self.conv.dilation[0])
         else:
             out = self.conv(x)
-        out = out if residual is None else residual + out
-        if snake is None:
-            return out
-        act = snake(out)
-        return (out, act) if keep else act
+        return activated(out if residual is None else residual + out, snake, keep)
 
     def set_use_kernels(self, on: bool) -> None:
         """Route this conv through `kernels.causal_conv1d` (groups 1 only) with a copy of the weight in the
         kernel's layout, made now from the current weight: call after the module's last `.to()`."""
         self.use_kernels = on
         self.weight_oik = kernels.conv_kernel_weight(self.conv.weight) if on and self.conv.groups == 1 else None
+
+
+def activated(out: Tensor, snake: SnakeBeta | None, keep: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """A conv's `snake=` / `keep=` contract outside its epilogue: out, or snake(out), or (keep) (out, snake(out))."""
+    if snake is None:
+        return out
+    act = snake(out)
+    return (out, act) if keep else act
 
 
 def depthwise_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int) -> Tensor:
@@ -190,6 +198,7 @@ class CausalTransConv1d(nn.Module):
     """
 
     use_kernels = False
+    fuse = False  # the phases interleaved and `snake=` made in the conv kernel's epilogue (as CausalConv1d.fuse)
 
     def __init__(self, spec: StateSpec, c_in: int, c_out: int, kernel: int, stride: int) -> None:
         super().__init__()
@@ -203,30 +212,31 @@ class CausalTransConv1d(nn.Module):
     def forward(self, x: Tensor, states: States, snake: SnakeBeta | None = None,
                 keep: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """[B, C, T] -> [B, C', T·s]; snake: through the SnakeBeta `snake` instead (keep: (output, activated)), made
-        in the conv kernel's epilogue on the kernel path (`as_conv`)."""
+        in the conv kernel's epilogue on the kernel path with `fuse` (`as_conv`)."""
         history = states[self.state] if self.state >= 0 else None  # [B, C, 1]
         if history is not None:
             states[self.state] = x[..., -1:]
         if (self.use_kernels and kernels.use_triton(x)) or kernels.batch_invariant():
             return self.as_conv(x, history, snake, keep)
         if history is None:
-            y = self.conv(x)
-        else:
-            y = self.conv(torch.cat([history, x], dim=-1))  # [B, C', (T + 2)·s]
-            y = y[..., self.stride: y.shape[-1] - self.stride]
-        if snake is None:
-            return y
-        act = snake(y)
-        return (y, act) if keep else act
+            return activated(self.conv(x), snake, keep)
+        y = self.conv(torch.cat([history, x], dim=-1))  # [B, C', (T + 2)·s]
+        return activated(y[..., self.stride: y.shape[-1] - self.stride], snake, keep)
 
     def as_conv(self, x: Tensor, history: Tensor | None = None, snake: SnakeBeta | None = None,
                 keep: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """The trimmed transposed conv of x [B, C, T] after `history` [B, C, taps - 1] (taps = k/s; None: taps = 1)
         as one `kernels.causal_conv1d` of taps taps into C'·s channels, channel (o, r) = output phase r of channel
-        o, the phases interleaved in time by its stores -> [B, C', T·s] (`snake`, `keep`: as `forward`)."""
+        o, the phases interleaved in time -> [B, C', T·s] (`snake`, `keep`: as `forward`); with `fuse`, by the
+        kernel's stores, which also make the snake, else by a copy after it."""
         weight, bias = self._conv_weights()
-        return kernels.causal_conv1d(channels_last(x), weight, bias, history=history, phases=self.stride,
-                                     snake=None if snake is None else (snake.alpha, snake.beta), keep_conv=keep)
+        if self.fuse:
+            return kernels.causal_conv1d(channels_last(x), weight, bias, history=history, phases=self.stride,
+                                         snake=None if snake is None else (snake.alpha, snake.beta), keep_conv=keep)
+        y = kernels.causal_conv1d(channels_last(x), weight, bias, history=history)  # [B, C'·s, T]
+        b, _, t = y.shape
+        y = y.view(b, self.conv.out_channels, self.stride, t).transpose(2, 3).reshape(b, -1, t * self.stride)
+        return activated(y, snake, keep)
 
     def _conv_weights(self) -> tuple[Tensor, Tensor]:
         """(weight [C'·s, C, taps], bias [C'·s]) of `as_conv`: output phase r of block t is

@@ -32,12 +32,14 @@ class StreamingDecoder:
     """Per-stream state pool around a `CodecDecoder` (moved to `dtype` / `device`)."""
 
     def __init__(self, decoder: CodecDecoder, max_streams: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", pad_to: tuple[int, ...] = (), use_kernels: bool = False) -> None:
+                 device: torch.device | str = "cpu", pad_to: tuple[int, ...] = (), use_kernels: bool = False,
+                 fuse: bool = False) -> None:
         """`pad_to`: batch sizes every call is padded up to (with scratch rows), so a stream's bits
         never depend on how many streams share the call (GEMM kernels differ by row count).
-        `use_kernels`: convs and SnakeBeta through `q3tts.kernels` (see EngineConfig.codec_kernels)."""
+        `use_kernels`: convs and SnakeBeta through `q3tts.kernels` (see EngineConfig.codec_kernels); `fuse`: their
+        fusions too (`CodecDecoder.use_kernels`, EngineConfig.codec_fusion)."""
         self.decoder = decoder.to(device=device, dtype=dtype).eval()
-        self.decoder.use_kernels(use_kernels)
+        self.decoder.use_kernels(use_kernels, fuse)
         self.pad_to = tuple(sorted(pad_to))
         self.max_streams = max_streams
         self.scratch_slot = max_streams

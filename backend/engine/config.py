@@ -71,6 +71,10 @@ class EngineConfig:
                          against cuDNN per shape in the graph warm-up, fused SnakeBeta; on CPU their torch
                          references). On the H200 served at 64 streams: 247-249 audio-s/s against 198-199
                          off, first audio no later (two interleaved A/B rounds, perf/results/RESULTS.md)
+    codec_fusion         with the codec's kernels: each SnakeBeta made in the epilogue of the conv before it, the
+                         transposed convs' phases interleaved there, the codebook lookups summed in one launch
+                         (CodecDecoder.use_kernels: the same bits, about 60 fewer launches a frame). Off until an
+                         A/B on a GPU measures it served (perf/results/RESULTS.md, fifty-second session)
     codec_pipeline       decode each frame's audio one step behind, on the codec's own stream beside the
                          next frame's work (engine/audio_pipeline.py), instead of inside the step beside its
                          talker half. None (default): where the decode step is a CUDA graph with one step in
@@ -201,6 +205,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     prefill_graphs: bool = True
     codec_kernels: bool = True
+    codec_fusion: bool = False
     codec_pipeline: bool | None = None
     codec_sms: int = 0
     fused_code_predictor: int = 16
@@ -253,8 +258,8 @@ class EngineConfig:
         for name in ("fused_code_predictor", "fused_talker", "codec_sms"):
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0,
                  f"{name} must be an int >= 0, got {getattr(self, name)!r}")
-        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "fp32_residual", "batch_invariant",
-                     "programmatic_launch", "run_ahead", "launch_at_frames", "chain_tune"):
+        for name in ("use_cuda_graphs", "prefill_graphs", "codec_kernels", "codec_fusion", "fp32_residual",
+                     "batch_invariant", "programmatic_launch", "run_ahead", "launch_at_frames", "chain_tune"):
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         # the pipelined codec's own settings, refused where the codec runs in the step even on CUDA
         in_step = not self._pipelines_codec("cuda")

@@ -15,7 +15,7 @@ def make_codec(ckpt, config: EngineConfig):
 
     decoder = CodecDecoder.from_weights(ckpt.codec_config, ckpt.codec_weights)
     return StreamingDecoder(decoder, config.max_slots, getattr(torch, config.dtype), config.device,
-                            use_kernels=config.codec_kernels or config.batch_invariant)
+                            use_kernels=config.codec_kernels or config.batch_invariant, fuse=config.codec_fusion)
 
 
 def resolve_config(model, config: EngineConfig) -> EngineConfig:

@@ -195,7 +195,7 @@ def test_kernel_convs_reading_the_history_in_place_match_concatenating_it(codec,
     Frame by frame, both branches of the state update run: T < history (pre-conv, first conv) and
     T >= history."""
     from q3tts import kernels
-    from q3tts.codec.layers import CausalConv1d, channels_last
+    from q3tts.codec.layers import CausalConv1d, activated, channels_last
 
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
     split_forward = CausalConv1d.forward
@@ -206,9 +206,8 @@ def test_kernel_convs_reading_the_history_in_place_match_concatenating_it(codec,
         if self.history:
             x = torch.cat([self.history_of(states), x], dim=-1)
             self.keep_history(states, x[..., -self.history:])
-        return kernels.causal_conv1d(channels_last(x), self.conv.weight, self.conv.bias, self.conv.dilation[0],
-                                     residual, self.weight_oik, snake=snake and (snake.alpha, snake.beta),
-                                     keep_conv=keep)
+        return activated(kernels.causal_conv1d(channels_last(x), self.conv.weight, self.conv.bias,
+                                               self.conv.dilation[0], residual, self.weight_oik), snake, keep)
 
     def run(frames=2):
         stream = StreamingDecoder(codec.decoder, max_streams=3, use_kernels=True)
@@ -234,47 +233,41 @@ def test_kernel_convs_reading_the_history_in_place_match_concatenating_it(codec,
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-def test_snakes_made_in_the_conv_epilogues_give_the_snake_kernels_bits(codec, codes, monkeypatch):
-    """With the kernels, every SnakeBeta is made in the epilogue of the conv before it (`snake=`), the transposed
-    convs' phases interleaved there too (`phases=`): none of the decoder's 1 + 7 a block snake launches is left, and
-    the pcm and states are those of the conv kernel followed by the interleave and the snake kernel, bit for bit."""
+def test_the_fused_codec_gives_the_unfused_kernels_bits(codec, codes, monkeypatch):
+    """`fuse` (EngineConfig.codec_fusion): every SnakeBeta made in the epilogue of the conv before it (`snake=`), the
+    transposed convs' phases interleaved there (`phases=`), the codebook lookups in one launch: none of the decoder's
+    1 + 7 a block snake launches and no codebook gather is left, and the pcm and states are the unfused kernels',
+    bit for bit."""
     from q3tts import kernels
+    from q3tts.codec import decoder
 
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
-    conv, snake = kernels.causal_conv1d, kernels.snake_beta
-    launches = []
+    launches = {"snake": 0, "gather": 0}
 
-    def counted_snake(*args, **kwargs):
-        launches.append(1)
-        return snake(*args, **kwargs)
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            launches[name] += 1
+            return fn(*args, **kwargs)
+        return call
 
-    def unfused(*args, snake=None, keep_conv=False, phases=1, **kwargs):  # the conv kernel, interleave, snake kernel
-        out = conv(*args, **kwargs)
-        b, c, t = out.shape
-        out = out.view(b, c // phases, phases, t).transpose(2, 3).reshape(b, -1, t * phases)
-        if snake is None:
-            return out
-        act = counted_snake(out, *snake, channels_last=True)
-        return (out, act) if keep_conv else act
+    monkeypatch.setattr(kernels, "snake_beta", counted("snake", kernels.snake_beta))
+    monkeypatch.setattr(decoder, "rows_at", counted("gather", decoder.rows_at))  # the codebook lookups
 
-    def run():
-        stream = StreamingDecoder(codec.decoder, max_streams=3, use_kernels=True)
+    def run(fuse: bool):
+        stream = StreamingDecoder(codec.decoder, max_streams=3, use_kernels=True, fuse=fuse)
         slots = torch.tensor([1])  # one stream: the interpreter runs a program per batch row
         stream.reset(slots)
-        launches.clear()
+        launches.update(snake=0, gather=0)
         pcm = torch.cat([stream.decode_frame(slots, codes[1:2, :, t]) for t in range(2)], dim=1)
-        return pcm, [buf.clone() for buf in stream.buffers], len(launches) // 2
+        return pcm, [buf.clone() for buf in stream.buffers], dict(launches)
 
-    monkeypatch.setattr(kernels, "snake_beta", counted_snake)
-    blocks = len(codec.decoder.decoder) - 3
+    blocks, books = len(codec.decoder.decoder) - 3, codec.decoder.config.num_quantizers
     try:
-        pcm, states, fused_snakes = run()
-        with monkeypatch.context() as m:
-            m.setattr(kernels, "causal_conv1d", unfused)
-            want_pcm, want_states, snakes = run()
+        pcm, states, fused = run(True)
+        want_pcm, want_states, unfused = run(False)
     finally:
         codec.decoder.use_kernels(False)  # the session's codec fixture is shared
-    assert (fused_snakes, snakes) == (0, 1 + 7 * blocks)
+    assert unfused == {"snake": 2 * (1 + 7 * blocks), "gather": 2 * books} and fused == {"snake": 0, "gather": 0}
     assert torch.equal(pcm, want_pcm) and all(torch.equal(g, w) for g, w in zip(states, want_states))
 
 
