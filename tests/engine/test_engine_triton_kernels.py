@@ -46,10 +46,10 @@ def test_triton_kernels_in_the_engine_match_the_references(tiny_ckpt_dir, speake
     assert got == want
 
 
-def _audio(ckpt_dir, speaker, codec_kernels: bool) -> dict[str, np.ndarray]:
+def _audio(ckpt_dir, speaker, codec_kernels: bool, codec_fusion: bool = False) -> dict[str, np.ndarray]:
     cfg = EngineConfig(device="cpu", dtype="float32", num_pages=64, max_slots=2, max_frames=4,
                        max_prompt_tokens=128, max_text_tokens=64, graph_batch_sizes=(2,),
-                       use_cuda_graphs=False, codec_kernels=codec_kernels)
+                       use_cuda_graphs=False, codec_kernels=codec_kernels, codec_fusion=codec_fusion)
     engine = Engine(str(ckpt_dir), cfg)
     for i, text in enumerate(TEXTS[:2]):
         engine.add(f"s{i}", VoiceSpec(speaker=speaker), SamplingParams(greedy=True, max_frames=3), text, True)
@@ -63,7 +63,7 @@ def _audio(ckpt_dir, speaker, codec_kernels: bool) -> dict[str, np.ndarray]:
 def test_codec_kernels_config_runs_the_codec_through_the_kernels(tiny_ckpt_dir, speaker, monkeypatch):
     """EngineConfig.codec_kernels: the same audio as the torch codec (conv/SnakeBeta kernels, interpreter).
     The reference run keeps every op in torch (fast); the codes match (see the test above), so the
-    audio differs by the codec's kernels only."""
+    audio differs by the codec's kernels only. With EngineConfig.codec_fusion, the unfused kernels' audio."""
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "0")
     want = _audio(tiny_ckpt_dir, speaker, codec_kernels=False)
     monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1")
@@ -73,3 +73,5 @@ def test_codec_kernels_config_runs_the_codec_through_the_kernels(tiny_ckpt_dir, 
         assert got[k].shape == want[k].shape == (3 * 1920,)
         assert np.abs(got[k] - want[k]).max() <= 1e-5
         assert not np.array_equal(got[k], want[k])  # the kernels did run: fp32 sums in another order
+    fused = _audio(tiny_ckpt_dir, speaker, codec_kernels=True, codec_fusion=True)
+    assert all(np.array_equal(fused[k], got[k]) for k in want), "EngineConfig.codec_fusion changed the audio"
