@@ -166,10 +166,7 @@ def per_row(op):
     blocking by shape) and the Triton interpreter would take minutes per step."""
 
     def run(x, *args, **kwargs):
-        rows = [op(x[i:i + 1], *args, **kwargs) for i in range(x.shape[0])]
-        if isinstance(rows[0], tuple):  # causal_conv1d(keep_conv=True): (conv output, its snake)
-            return tuple(torch.cat(parts) for parts in zip(*rows))
-        return torch.cat(rows)
+        return torch.cat([op(x[i:i + 1], *args, **kwargs) for i in range(x.shape[0])])
 
     return run
 
