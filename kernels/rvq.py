@@ -25,16 +25,17 @@ def _row(codes, table_ptr, g, d, d_ok, size, stride_cn, stride_tn, stride_ts):
 
 
 @triton.jit
-def _rvq_sum_kernel(codes_ptr, table_ptr, out_ptr, n, size, dim, stride_cb, stride_cn, stride_ct, stride_tn,
-                    stride_ts, stride_ob, stride_ot, BLOCK_D: tl.constexpr):
-    """Program (position t, batch row b): the sum of table[g, codes[b, g, t]] over g, rounded after each add."""
+def _rvq_sum_kernel(codes_ptr, table_ptr, out_ptr, size, dim, stride_cb, stride_cn, stride_ct, stride_tn,
+                    stride_ts, stride_ob, stride_ot, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (position t, batch row b): the sum of table[g, codes[b, g, t]] over the N codebooks, rounded after each
+    add. The loop is unrolled (N constexpr): the N code and row loads do not wait on each other, only the adds do."""
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < dim
     codes = codes_ptr + b * stride_cb + t * stride_ct
     total = _row(codes, table_ptr, 0, d, d_ok, size, stride_cn, stride_tn, stride_ts)
-    for g in range(1, n):
+    for g in tl.static_range(1, N):
         row = _row(codes, table_ptr, g, d, d_ok, size, stride_cn, stride_tn, stride_ts)
         total = cast(total + row, out_ptr.dtype.element_ty).to(tl.float32)  # rounded as a torch add rounds
     tl.store(out_ptr + b * stride_ob + t * stride_ot + d, cast(total, out_ptr.dtype.element_ty), mask=d_ok)
@@ -50,7 +51,7 @@ def rvq_sum(codes: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     out = torch.empty(bsz, length, dim, dtype=tables.dtype, device=tables.device)
     if out.numel():
         with device_guard(tables):
-            _rvq_sum_kernel[(length, bsz)](codes, tables, out, n, size, dim, codes.stride(0), codes.stride(1),
+            _rvq_sum_kernel[(length, bsz)](codes, tables, out, size, dim, codes.stride(0), codes.stride(1),
                                            codes.stride(2), tables.stride(0), tables.stride(1), out.stride(0),
-                                           out.stride(1), BLOCK_D=triton.next_power_of_2(dim), num_warps=1)
+                                           out.stride(1), N=n, BLOCK_D=triton.next_power_of_2(dim), num_warps=1)
     return out
