@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from . import reference
 from ._launch import programmatic_launch, set_programmatic_launch
 from .autotune import batch_invariant, set_batch_invariant
-from .reference import PagedPrefix, QKNorm
+from .reference import PagedPrefix, QKNorm, interleave_phases
 
 try:
     from . import code_predictor_linear as _cpl
@@ -63,7 +63,7 @@ except ImportError:  # CPU-only install without triton: the references serve eve
 
 __all__ = ["HAS_TRITON", "PagedPrefix", "QKNorm", "apply_rotary", "batch_invariant", "causal_conv1d",
            "linear", "paged_decode_attention", "prefill_attention", "programmatic_launch", "ring_attention",
-           "rms_norm", "conv_kernel_weight", "rvq_sum",
+           "interleave_phases", "rms_norm", "conv_kernel_weight", "rvq_sum",
            "set_batch_invariant", "set_programmatic_launch", "silu_mul", "snake_beta", "store_kv", "tuning",
            "uniforms", "use_triton", "warmup"]
 
@@ -183,9 +183,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                  keep_conv=keep_conv, phases=phases)
     if history is not None:
         x = torch.cat([history, x], dim=-1)
-    out = reference.causal_conv1d_ref(x, weight, bias, dilation, residual)
-    b, c, t = out.shape
-    out = out.view(b, c // phases, phases, t).transpose(2, 3).reshape(b, -1, t * phases)
+    out = reference.interleave_phases(reference.causal_conv1d_ref(x, weight, bias, dilation, residual), phases)
     if snake is None:
         return out
     act = reference.snake_beta_ref(out, *snake)

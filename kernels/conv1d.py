@@ -57,7 +57,7 @@ import triton.language as tl
 from ._cast import cast, dot
 from ._launch import device_guard
 from .autotune import batch_invariant, choose
-from .reference import causal_conv1d_ref
+from .reference import causal_conv1d_ref, interleave_phases
 from .snake import snake_beta, snake_values
 
 
@@ -433,8 +433,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     def launch(impl: str | RowTiles | FlatTiles) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if impl == "cudnn":
             full = x if history is None else torch.cat([history, x], dim=-1)
-            out = causal_conv1d_ref(full, weight, bias, dilation, residual)
-            out = out.view(bsz, c_out // phases, phases, t_out).transpose(2, 3).reshape(bsz, -1, t_out * phases)
+            out = interleave_phases(causal_conv1d_ref(full, weight, bias, dilation, residual), phases)
             if snake is None:
                 return out
             act = snake_beta(out, *snake, channels_last=True)

@@ -195,6 +195,15 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out if residual is None else residual + out
 
 
+def interleave_phases(y: torch.Tensor, phases: int) -> torch.Tensor:
+    """A transposed conv run as a conv, y [B, C·phases, T] (channel o·phases + r = phase r of channel o), with its
+    phases interleaved in time -> [B, C, T·phases] (position t·phases + r); a copy unless phases is 1."""
+    if phases == 1:
+        return y
+    b, c, t = y.shape
+    return y.view(b, c // phases, phases, t).transpose(2, 3).reshape(b, -1, t * phases)
+
+
 def rvq_sum_ref(codes: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """A residual VQ's lookups summed: codes [B, n, T], tables [n, size, dim] -> [B, T, dim], Σ_g tables[g][codes[:,
     g]] in codebook order, one torch add (rounded to the tables' dtype) per codebook after the first."""

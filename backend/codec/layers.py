@@ -234,9 +234,7 @@ class CausalTransConv1d(nn.Module):
             return kernels.causal_conv1d(channels_last(x), weight, bias, history=history, phases=self.stride,
                                          snake=None if snake is None else (snake.alpha, snake.beta), keep_conv=keep)
         y = kernels.causal_conv1d(channels_last(x), weight, bias, history=history)  # [B, C'·s, T]
-        b, _, t = y.shape
-        y = y.view(b, self.conv.out_channels, self.stride, t).transpose(2, 3).reshape(b, -1, t * self.stride)
-        return activated(y, snake, keep)
+        return activated(kernels.interleave_phases(y, self.stride), snake, keep)
 
     def _conv_weights(self) -> tuple[Tensor, Tensor]:
         """(weight [C'·s, C, taps], bias [C'·s]) of `as_conv`: output phase r of block t is
