@@ -304,9 +304,15 @@ class ChannelsLastTiles(NamedTuple):
 
 # the channels-last configs, each the fastest at some codec frame shape on the H200 (perf/results/RESULTS.md,
 # twenty-first session): the first at every shape at one stream (the default: batch-invariant calls run it), the
-# others at 64 streams (768, 384, 96-192 channels)
+# next three at 64 streams (768, 384, 96-192 channels). Those stage their tiles through the pipeliner's async
+# copies, which Triton issues as cp.async.cg (cached in L2 only, whatever the load's cache modifier), so each of a
+# k7 conv's taps reads its input tile from L2 again, though tap k + 1's tile is tap k's shifted by the dilation.
+# The last three are not pipelined (num_stages 1): their loads are plain ld.global, cached in L1, where the next
+# tap finds most of its rows (tests/kernels/test_conv1d_sm90.py checks both forms).
 _CL_CONFIGS = (ChannelsLastTiles(64, 32, 64, 4, 3), ChannelsLastTiles(64, 64, 64, 4, 4),
-               ChannelsLastTiles(128, 128, 64, 8, 3), ChannelsLastTiles(128, 64, 32, 4, 3))
+               ChannelsLastTiles(128, 128, 64, 8, 3), ChannelsLastTiles(128, 64, 32, 4, 3),
+               ChannelsLastTiles(128, 64, 32, 4, 1), ChannelsLastTiles(128, 128, 32, 8, 1),
+               ChannelsLastTiles(64, 64, 32, 4, 1))
 
 
 def _cl_configs(c_in: int, c_out: int) -> list[ChannelsLastTiles]:

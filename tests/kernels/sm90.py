@@ -61,11 +61,12 @@ def _code(sass: str) -> str:
 
 
 def _after_ticket(sass: str) -> dict[str, int]:
-    """`_usage`'s after_ticket counts, from cuobjdump's SASS listing."""
+    """`_usage`'s after_ticket counts, from cuobjdump's SASS listing (LDGSTS: the pipeliner's async copies, cp.async;
+    LDG: loads into registers)."""
     ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     if "ATOMG" in ops:
         ops = ops[ops.index("ATOMG") + 1:]
-    return {op: ops.count(op) for op in ("BAR", "STS", "LDS", "LDG")}
+    return {op: ops.count(op) for op in ("BAR", "STS", "LDS", "LDG", "LDGSTS")}
 
 
 def _compile_run(fn: JITFunction, records: list):
@@ -144,7 +145,8 @@ def _qkv_specs():
 
 def _conv_specs():
     """(name, launch) of the channels-last conv at the codec frame's 96-channel k7 shape, 64 rows (the config the
-    H200's tuner picked there), with the input's history split off as the streaming decoder keeps it, and without."""
+    H200's tuner picked there), with the input's history split off as the streaming decoder keeps it, and without;
+    and that config unpipelined (num_stages 1, " L1")."""
     import torch
 
     from q3tts.kernels import conv1d
@@ -159,6 +161,7 @@ def _conv_specs():
     bias = torch.zeros(c, **bf)
     yield "cl k7 history", lambda: conv1d._launch(x, w, bias, 1, None, t, history, tiles)
     yield "cl k7", lambda: conv1d._launch(whole, w, bias, 1, None, t, None, tiles)
+    yield "cl k7 history L1", lambda: conv1d._launch(x, w, bias, 1, None, t, history, tiles._replace(num_stages=1))
 
 
 def _sample_specs():

@@ -21,3 +21,13 @@ def test_a_split_history_stages_no_more_than_one_input(usage):
     assert split["kernel"] == whole["kernel"] == "_conv1d_cl_kernel"
     assert split["shared"] == whole["shared"], usage
     assert split["stack"] == 0, usage
+
+
+def test_an_unpipelined_config_loads_its_tiles_through_l1(usage):
+    """The pipelined config copies its tiles asynchronously (LDGSTS: cp.async.cg, L2 only, so each tap reads its input
+    tile from L2 again); num_stages 1 loads them into registers (LDG, cached in L1, where the next tap, the same rows
+    shifted by the dilation, finds most of them: the `_CL_CONFIGS` that are not pipelined)."""
+    (staged,), (plain,) = usage["cl k7 history"], usage["cl k7 history L1"]
+    assert staged["after_ticket"]["LDGSTS"] > 0 and plain["after_ticket"]["LDGSTS"] == 0, usage
+    assert plain["after_ticket"]["LDG"] > staged["after_ticket"]["LDG"], usage
+    assert plain["stack"] == 0, usage
