@@ -11,6 +11,7 @@ depends neither on how many rows share a launch nor on what they hold. Per kerne
                    apply_rotary (with its QK-norm) and store_kv (one program per token, no reduction
                    across tokens),
                    snake_beta (elementwise), rvq_sum and the code predictor's sample (one program per row),
+                   scatter_rows (a copy),
                    prefill_attention (a program takes rows of one prompt only; key blocks start at
                    the prompt's first row, so a prompt's rows never see where it sits in the pack),
                    qkv_attention / talker_qkv (BLOCK_M 16, config per weight shape; attention over
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,7 @@ try:
     from . import rmsnorm as _rn
     from . import rotary as _rt
     from . import rvq as _rv
+    from . import scatter as _sc
     from . import snake as _sn
     from . import store_kv as _kv
     from . import swiglu as _sw
@@ -63,7 +66,7 @@ except ImportError:  # CPU-only install without triton: the references serve eve
 
 __all__ = ["HAS_TRITON", "PagedPrefix", "QKNorm", "apply_rotary", "batch_invariant", "causal_conv1d",
            "linear", "paged_decode_attention", "prefill_attention", "programmatic_launch", "ring_attention",
-           "interleave_phases", "rms_norm", "conv_kernel_weight", "rvq_sum",
+           "interleave_phases", "rms_norm", "conv_kernel_weight", "rvq_sum", "scatter_rows",
            "set_batch_invariant", "set_programmatic_launch", "silu_mul", "snake_beta", "store_kv", "tuning",
            "uniforms", "use_triton", "warmup"]
 
@@ -208,6 +211,14 @@ def rvq_sum(codes: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     if use_triton(tables):
         return _rv.rvq_sum(codes, tables)
     return reference.rvq_sum_ref(codes, tables)
+
+
+def scatter_rows(dsts: Sequence[torch.Tensor], rows: torch.Tensor, srcs: Sequence[torch.Tensor]) -> None:
+    """dsts[i][rows[b]] = srcs[i][b] for each pair (dsts[i] [S, ...], srcs[i] [B, ...], rows of at most 2 dims, one
+    dtype): one launch on the kernel path, one `index_copy_` a pair on the reference's. See kernels/scatter.py."""
+    if use_triton(dsts[0]):
+        return _sc.scatter_rows(dsts, rows, srcs)
+    return reference.scatter_rows_ref(dsts, rows, srcs)
 
 
 def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, channels_last: bool = False) -> torch.Tensor:

@@ -6,6 +6,7 @@ dtype before the weight multiply; softmax in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -211,6 +212,12 @@ def rvq_sum_ref(codes: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     for g in range(1, tables.shape[0]):
         total = total + tables[g][codes[:, g]]
     return total
+
+
+def scatter_rows_ref(dsts: Sequence[torch.Tensor], rows: torch.Tensor, srcs: Sequence[torch.Tensor]) -> None:
+    """dsts[i][rows[b]] = srcs[i][b] for each pair (dsts[i] [S, ...], srcs[i] [B, ...]): one `index_copy_` a pair."""
+    for dst, src in zip(dsts, srcs):
+        dst.index_copy_(0, rows, src)
 
 
 def snake_beta_ref(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import contextlib
 import torch
 from torch import Tensor
 
+from q3tts import kernels
 from q3tts.models.layers import rows_at
 from q3tts.models.transfer import upload
 
@@ -96,10 +97,16 @@ class StreamingDecoder:
         return self.decoder.spec.views([rows_at(rows, slots) for rows in packed], self.dtype, resident)
 
     def scatter_states(self, slots: Tensor, states: list[Tensor]) -> None:
-        """Write `states` (`gather_states`' list after a decoder call) back into the pool rows of `slots`."""
+        """Write `states` (`gather_states`' list after a decoder call) back into the pool rows of `slots`: one
+        `kernels.scatter_rows` per dtype (21 states at the released size, one launch each as `index_copy_`)."""
+        by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
         for state, new in zip(self.pool, states):
             if new is not state:  # a resident state is its pool tensor, already written
-                state.index_copy_(0, slots, new)
+                dsts, srcs = by_dtype.setdefault(state.dtype, ([], []))
+                dsts.append(state)
+                srcs.append(new)
+        for dsts, srcs in by_dtype.values():
+            kernels.scatter_rows(dsts, slots, srcs)
 
     def decode_frame(self, slots: Tensor, codes: Tensor) -> Tensor:
         """Decode the newest frame of each stream: slots [B], codes [B, 16] -> pcm [B, 1920]."""

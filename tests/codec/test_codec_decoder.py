@@ -140,6 +140,33 @@ def test_a_frame_gathers_the_states_one_launch_per_packed_buffer(codec, codes):
     assert "aten::index_select" not in names and "aten::embedding" not in names
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+def test_the_kernel_path_scatters_the_states_one_launch_per_dtype(codec, codes, monkeypatch):
+    """After a frame the kernel path writes the streams' states back with one `scatter_rows` launch per dtype (the
+    model's, and the int64 frame counter's), no `index_copy_`: the pool then holds the torch path's bits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from q3tts.kernels import scatter
+
+    launches, scatter_rows = [], scatter.scatter_rows
+    monkeypatch.setattr(scatter, "scatter_rows", lambda d, r, s: launches.append(len(d)) or scatter_rows(d, r, s))
+    slots, pools = torch.tensor([2, 0]), []
+    for kernel_path in (False, True):
+        stream = StreamingDecoder(codec.decoder, max_streams=3)
+        stream.reset(slots)
+        states = stream.gather_states(slots)
+        with torch.no_grad():
+            codec.decoder.forward_chunk(codes[:2, :, :1], states, rows=slots)  # the torch path both times
+        monkeypatch.setenv("Q3TTS_TRITON_ON_CPU", "1" if kernel_path else "0")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            stream.scatter_states(slots, states)
+        assert ("aten::index_copy_" in [e.name for e in prof.events()]) != kernel_path
+        pools.append([buf.clone() for buf in stream.buffers])
+    resident = sum(res for _, _, res in codec.decoder.spec.entries)
+    assert sorted(launches) == [1, len(stream.pool) - resident - 1]  # the counter, the model dtype's states
+    assert all(torch.equal(a, b) for a, b in zip(*pools))
+
+
 def test_a_code_past_the_codebook_decodes_as_the_last_one(codec, codes):
     """A frame whose c0 is the talker's EOS id, past the codebook (the frame of a row that runs once more after its
     sequence ended, two decode steps in flight), decodes as the codebook's last code: no index out of range, which

@@ -188,15 +188,20 @@ def _sample_specs():
 
 def _small_specs():
     """(name, launch) of the decode step's small kernels: the talker's next input (`embed_sum`) at the 1.7B's
-    shapes, 4 rows (a tuple argument of 15 tables), and the uniforms (uint64 arithmetic)."""
+    shapes, 4 rows (a tuple argument of 15 tables), the uniforms (uint64 arithmetic), and the codec's state scatter
+    (`scatter_rows`: tuple arguments of the released codec's 21 bf16 states, 4 rows)."""
     import torch
 
-    from q3tts.kernels import code_predictor_embed as ce, splitmix
+    from q3tts.kernels import code_predictor_embed as ce, scatter, splitmix
 
     bf, rows = dict(dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int64)
     tables = tuple(torch.zeros(2048, 2048, **bf) for _ in range(15))
     yield "embed_sum", lambda: ce.embed_sum(torch.zeros(4, 2048, **bf), tables, torch.zeros(4, 15, dtype=torch.int64))
     yield "uniforms", lambda: splitmix.uniforms(rows, rows.clone(), 16)
+    states = [(2, 512), (1024, 6), (1024, 6), (6, 1024), (1536, 1)] + [
+        (c, 1) if k == 1 else (k, c) for c in (768, 384, 192, 96) for k in (6, 18, 54, 1)] + [(6, 96)]
+    srcs = [torch.zeros(4, *shape, **bf) for shape in states]
+    yield "scatter_rows", lambda: scatter.scatter_rows([torch.zeros(65, *shape, **bf) for shape in states], rows, srcs)
 
 
 def _attention_specs():
