@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ._cast import cast
 from ._launch import device_guard
+from .autotune import choose
 
 
 @triton.jit
@@ -40,9 +41,16 @@ def _snake_kernel(x_ptr, alpha_ptr, beta_ptr, out_ptr, channels, length, stride_
              cast(out, out_ptr.dtype.element_ty), mask=mask)
 
 
-def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
+# positions a channels-last program takes (with 1024 // that channels): 8 channels, 16 bytes stored a position (bf16), or
+# 32 channels, 64 bytes; timed per shape on CUDA inside `autotune.tuning()`, the first where untuned
+_CL_POSITIONS = (128, 32)
+
+
+def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, channels_last: bool = False,
+               positions: int | None = None) -> torch.Tensor:
     """SnakeBeta of x [B, C, T] with per-channel log-parameters alpha, beta [C] -> [B, C, T], contiguous, or
-    (`channels_last`) a view of a contiguous [B, T, C]."""
+    (`channels_last`) a view of a contiguous [B, T, C]. positions: a channels-last program's positions (one of
+    `_CL_POSITIONS`; None: the tuned or first one). Elementwise: every tiling gives the same bits."""
     bsz, channels, length = x.shape
     assert alpha.shape == (channels,) and beta.shape == (channels,), "alpha/beta must be [C]"
     assert x.stride(-1) == 1, "x's time dim must be contiguous"
@@ -50,13 +58,22 @@ def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, channel
         out = torch.empty(bsz, length, channels, dtype=x.dtype, device=x.device).transpose(1, 2)
     else:
         out = torch.empty(bsz, channels, length, dtype=x.dtype, device=x.device)
-    # 1024 elements a program: short rows (early stages) many channels each; channels-last at least 32 channels,
-    # so that each position's outputs are stored 64 contiguous bytes (bf16) at a time
-    block_t = triton.next_power_of_2(min(length, 128 if channels_last else 1024))
-    block_c = min(max(1, 1024 // block_t), triton.next_power_of_2(channels))
-    grid = (triton.cdiv(channels, block_c), triton.cdiv(length, block_t), bsz)
+
+    def launch(most: int) -> None:
+        # 1024 elements a program: short rows (early stages) many channels each
+        block_t = triton.next_power_of_2(min(length, most))
+        block_c = min(max(1, 1024 // block_t), triton.next_power_of_2(channels))
+        grid = (triton.cdiv(channels, block_c), triton.cdiv(length, block_t), bsz)
+        _snake_kernel[grid](x, alpha, beta, out, channels, length, x.stride(0), x.stride(1), out.stride(0),
+                            out.stride(1), out.stride(2), BLOCK_C=block_c, BLOCK_T=block_t, num_warps=4)
+
     if out.numel():
         with device_guard(x):
-            _snake_kernel[grid](x, alpha, beta, out, channels, length, x.stride(0), x.stride(1), out.stride(0),
-                                out.stride(1), out.stride(2), BLOCK_C=block_c, BLOCK_T=block_t, num_warps=4)
+            if not channels_last:
+                launch(1024)
+            elif positions is not None or not x.is_cuda:
+                launch(positions or _CL_POSITIONS[0])
+            else:
+                key = ("snake", tuple(x.shape), x.dtype, "channels_last")
+                launch(choose(key, _CL_POSITIONS, launch, x.device, default=_CL_POSITIONS[0]))
     return out
