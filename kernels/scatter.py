@@ -1,13 +1,13 @@
 """Rows of many tensors scattered in one launch: dsts[i][rows[b]] = srcs[i][b] for every pair i.
 
-The streaming codec writes each stream's new states back into its pool after a frame: 20 conv and transposed-conv
-histories of the model dtype and a frame counter, one `index_copy_` each (21 launches a frame: 75 µs of the 16-row
-frame's 1.47 ms on the H200, perf/results/RESULTS.md, fifty-first session). Here one launch per dtype copies them
-all. Program (chunk, batch row): the chunks are BLOCK elements of one pair's row, the pairs' chunks laid end to end
-(`_layout`), so a launch has as many programs a row as its pairs' rows have chunks, none idle. Each program finds its
-pair among the N (unrolled, N and the layout constexpr) and copies its elements; a copy is exact, so the pool holds
-the bits `index_copy_` would write (`reference.scatter_rows_ref`). The pointers are kernel arguments (a tuple of
-tensors), which a CUDA graph holds as captured: no table of addresses to upload.
+The streaming codec writes each stream's new states back into its pool after a frame: at the released size 21 conv
+and transposed-conv histories of the model dtype and a frame counter, one `index_copy_` each (22 launches a frame; 21
+of them took 75 µs of the 16-row frame's 1.47 ms on the H200, perf/results/RESULTS.md, fifty-first session). Here one
+launch per dtype copies them all. Program (chunk, batch row): the chunks are BLOCK elements of one pair's row, the
+pairs' chunks laid end to end (`_layout`), so a launch has as many programs a row as its pairs' rows have chunks,
+none idle. Each program finds its pair among the N (unrolled, N and the layout constexpr) and copies its elements; a
+copy is exact, so the pool holds the bits `index_copy_` would write (`reference.scatter_rows_ref`). The pointers are
+kernel arguments (a tuple of tensors), which a CUDA graph holds as captured: no table of addresses to upload.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def _layout(sizes: Sequence[int]) -> tuple[int, ...]:
 
 def scatter_rows(dsts: Sequence[torch.Tensor], rows: torch.Tensor, srcs: Sequence[torch.Tensor]) -> None:
     """dsts[i][rows[b]] = srcs[i][b] for each pair in one launch: dsts[i] [S, *shape_i], srcs[i] [B, *shape_i] (rows
-    of at most 2 dims, any strides), one dtype and device for all; rows [B] int (distinct, as `index_copy_` needs:
-    rows that repeat get one of their sources, which)."""
+    of at most 2 dims, any strides), one dtype and device for all; rows [B] int, distinct as for `index_copy_` (a
+    row that repeats gets one of its sources)."""
     assert len(dsts) == len(srcs) and dsts, "one source a destination, at least one pair"
     assert all(d.shape[1:] == s.shape[1:] and s.shape[0] == rows.shape[0] for d, s in zip(dsts, srcs)), \
         "each source [B, *shape] for a destination [S, *shape], B = len(rows)"
@@ -80,5 +80,6 @@ def scatter_rows(dsts: Sequence[torch.Tensor], rows: torch.Tensor, srcs: Sequenc
     first = _layout(sizes)
     with device_guard(rows):
         _scatter_kernel[(first[-1], rows.shape[0])](
-            tuple(dsts), tuple(srcs), rows, rows.stride(0), tuple(d[1] for d, _ in lines), tuple(s[1] for _, s in lines),
+            tuple(dsts), tuple(srcs), rows, rows.stride(0), tuple(d[1] for d, _ in lines),
+            tuple(s[1] for _, s in lines),
             COLS=tuple(d[0] for d, _ in lines), SIZES=sizes, FIRST=first, N=len(dsts), BLOCK=BLOCK, num_warps=4)

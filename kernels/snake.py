@@ -41,8 +41,8 @@ def _snake_kernel(x_ptr, alpha_ptr, beta_ptr, out_ptr, channels, length, stride_
              cast(out, out_ptr.dtype.element_ty), mask=mask)
 
 
-# positions a channels-last program takes (with 1024 // that channels): 8 channels, 16 bytes stored a position (bf16), or
-# 32 channels, 64 bytes; timed per shape on CUDA inside `autotune.tuning()`, the first where untuned
+# positions a channels-last program takes (with 1024 // that channels): 8 channels, 16 bytes stored a position
+# (bf16), or 32 channels, 64 bytes; timed per shape on CUDA inside `autotune.tuning()`, the first where untuned
 _CL_POSITIONS = (128, 32)
 
 

@@ -98,7 +98,7 @@ class StreamingDecoder:
 
     def scatter_states(self, slots: Tensor, states: list[Tensor]) -> None:
         """Write `states` (`gather_states`' list after a decoder call) back into the pool rows of `slots`: one
-        `kernels.scatter_rows` per dtype (21 states at the released size, one launch each as `index_copy_`)."""
+        `kernels.scatter_rows` per dtype (22 states at the released size: one launch each as `index_copy_`)."""
         by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
         for state, new in zip(self.pool, states):
             if new is not state:  # a resident state is its pool tensor, already written

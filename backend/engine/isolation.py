@@ -15,7 +15,8 @@ What a failed attempt may have written, and why running rows again is exact:
   (written back after the codec forward, `StreamingDecoder.scatter_states`: a failure before it leaves the
   stream as it was) and, last of all, each slot's talker state (`last_c0`, `past_hidden`, `rep_mask`, which
   the step reads): a step that fails anywhere before leaves it as it was, so nothing needs undoing and the
-  steps that succeed pay nothing for isolation (the RowFault tests fail if the talker state is written before the codec).
+  steps that succeed pay nothing for isolation (the RowFault tests fail if the talker state is written before
+  the codec).
 With the codec one step behind (`EngineConfig.codec_pipeline`, engine/audio_pipeline.py) the engine launches the
 step without waiting; a row's error there can only come from its metadata, packed before anything runs, and
 then the step runs again synchronously through `isolated`. The replays themselves fail only with device faults.

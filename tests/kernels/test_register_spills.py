@@ -49,7 +49,8 @@ def test_no_draw_warp_candidate_spills():
 def test_the_small_step_kernels_compile_without_spilling():
     usage = compiled("small")
     assert {spec: [k["kernel"] for k in kernels] for spec, kernels in usage.items()} == \
-        {"embed_sum": ["_embed_sum_kernel"], "uniforms": ["_uniforms_kernel"], "scatter_rows": ["_scatter_kernel"]}, usage
+        {"embed_sum": ["_embed_sum_kernel"], "uniforms": ["_uniforms_kernel"],
+         "scatter_rows": ["_scatter_kernel"]}, usage
     assert not spilled(usage), spilled(usage)
 
 
