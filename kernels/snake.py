@@ -43,14 +43,14 @@ def _snake_kernel(x_ptr, alpha_ptr, beta_ptr, out_ptr, channels, length, stride_
 
 # positions a channels-last program takes (with 1024 // that channels): 8 channels, 16 bytes stored a position
 # (bf16), or 32 channels, 64 bytes; timed per shape on CUDA inside `autotune.tuning()`, the first where untuned
-_CL_POSITIONS = (128, 32)
+CL_POSITIONS = (128, 32)
 
 
 def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, channels_last: bool = False,
                positions: int | None = None) -> torch.Tensor:
     """SnakeBeta of x [B, C, T] with per-channel log-parameters alpha, beta [C] -> [B, C, T], contiguous, or
     (`channels_last`) a view of a contiguous [B, T, C]. positions: a channels-last program's positions (one of
-    `_CL_POSITIONS`; None: the tuned or first one). Elementwise: every tiling gives the same bits."""
+    `CL_POSITIONS`; None: the tuned or first one). Elementwise: every tiling gives the same bits."""
     bsz, channels, length = x.shape
     assert alpha.shape == (channels,) and beta.shape == (channels,), "alpha/beta must be [C]"
     assert x.stride(-1) == 1, "x's time dim must be contiguous"
@@ -72,8 +72,8 @@ def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, channel
             if not channels_last:
                 launch(1024)
             elif positions is not None or not x.is_cuda:
-                launch(positions or _CL_POSITIONS[0])
+                launch(positions or CL_POSITIONS[0])
             else:
                 key = ("snake", tuple(x.shape), x.dtype, "channels_last")
-                launch(choose(key, _CL_POSITIONS, launch, x.device, default=_CL_POSITIONS[0]))
+                launch(choose(key, CL_POSITIONS, launch, x.device, default=CL_POSITIONS[0]))
     return out

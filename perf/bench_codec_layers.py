@@ -12,7 +12,9 @@ bucket).
 The convs run as the streaming decoder runs them: new samples T plus the layer's history in place
 (`history=`; cuDNN gets the cat, as the tuner times it), the residual unit's k1 conv with its residual fused,
 the weights in the kernel layout. µs per call: a CUDA graph of 20 calls, replayed; "max |diff|" = the largest
-over the kernel choices of kernel vs fp32 torch on the same bf16 inputs.
+over the kernel choices of kernel vs fp32 torch on the same bf16 inputs; "HBM floor" = the conv's input, weights,
+output and residual moved once at the H200's 4.8 TB/s (`floor_us`). SnakeBeta's channels-last output at each tile
+the tuner times (`kernels.snake.CL_POSITIONS`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from report import emit
 import torch
 
 from bench_codec import _graphed, _time_ms
+from floor import H200_BYTES_PER_S
 from q3tts.codec import CodecDecoder, StreamingDecoder, read_speech_tokenizer, write_speech_tokenizer
 from q3tts.codec.layers import CausalConv1d, SnakeBeta, channels_last
 from q3tts.kernels import reference as R
 from q3tts.kernels.conv1d import candidates, causal_conv1d
-from q3tts.kernels.snake import snake_beta
+from q3tts.kernels.snake import CL_POSITIONS, snake_beta
 
 
 def frame_layers(decoder: CodecDecoder, device: str = "cuda") -> tuple[dict, dict]:
@@ -79,8 +82,16 @@ def conv_row(m: CausalConv1d, bsz: int, t: int, residual: bool, cl: bool) -> str
     others = "; ".join(f"{impl}: {v:.1f}" for impl, v in us.items() if impl not in ("cudnn", "triton"))
     best = min(us, key=us.get)
     return (f"| {c_in}→{c_out} k{k} d{d} T{t}{' +res' if residual else ''} | {bsz} | "
-            f"{'channels-last' if cl else 'time'} | {us['cudnn']:.1f} | {us['triton']:.1f} | {others} | {best} | "
-            f"{diff:.3g} |")
+            f"{'channels-last' if cl else 'time'} | {floor_us(m, bsz, t, residual):.1f} | {us['cudnn']:.1f} | "
+            f"{us['triton']:.1f} | {others} | {best} | {diff:.3g} |")
+
+
+def floor_us(m: CausalConv1d, bsz: int, t: int, residual: bool) -> float:
+    """The conv's HBM floor in µs at the H200's line: its input (history included), weights, output and residual
+    read or written once, in bf16 (what a kernel that re-reads nothing moves; the taps' re-reads come from L2/L1)."""
+    (c_out, c_in, k), hist = m.conv.weight.shape, m.history
+    elements = bsz * c_in * (t + hist) + c_out * c_in * k + bsz * c_out * t * (2 if residual else 1)
+    return 2 * elements / H200_BYTES_PER_S * 1e6
 
 
 def main() -> None:
@@ -94,18 +105,18 @@ def main() -> None:
     decoder = CodecDecoder.from_weights(cfg, weights, torch.bfloat16, "cuda")
     convs, snakes = frame_layers(decoder)
     decoder.use_kernels(True)  # the convs' weights in the kernel layout, as the engine runs them
-    lines = ["| conv c_in→c_out k d T | batch | x stored | cuDNN µs | default kernel µs | other kernel configs µs | "
-             "best | max abs diff |", "|---|---:|---|---:|---:|---|---|---:|"]
+    lines = ["| conv c_in→c_out k d T | batch | x stored | HBM floor µs | cuDNN µs | default kernel µs | "
+             "other kernel configs µs | best | max abs diff |", "|---|---:|---|---:|---:|---:|---|---|---:|"]
     for (*_, t, residual), m in sorted(convs.items()):
         lines += [conv_row(m, bsz, t, residual, cl) for bsz in args.batches for cl in (False, True)]
-    lines += ["", "| SnakeBeta C×T | batch | torch µs | kernel µs | kernel, channels-last output µs |",
-              "|---|---:|---:|---:|---:|"]
+    lines += ["", "| SnakeBeta C×T | batch | torch µs | kernel µs | kernel, channels-last output µs (positions a "
+              f"program: {' / '.join(map(str, CL_POSITIONS))}) |", "|---|---:|---:|---:|---:|"]
     for (ch, t), m in sorted(snakes.items()):
         for bsz in args.batches:
             x = torch.randn(bsz, ch, t, device="cuda", dtype=torch.bfloat16)
+            cl = " / ".join(f"{us_per_call(lambda n=n: snake_beta(x, m.alpha, m.beta, True, n)):.1f}" for n in CL_POSITIONS)
             lines.append(f"| {ch}×{t} | {bsz} | {us_per_call(lambda: R.snake_beta_ref(x, m.alpha, m.beta)):.1f} | "
-                         f"{us_per_call(lambda: snake_beta(x, m.alpha, m.beta)):.1f} | "
-                         f"{us_per_call(lambda: snake_beta(x, m.alpha, m.beta, channels_last=True)):.1f} |")
+                         f"{us_per_call(lambda: snake_beta(x, m.alpha, m.beta)):.1f} | {cl} |")
     report = f"# Codec layers, one streamed frame ({args.scale} codec, {torch.cuda.get_device_name()})\n\n" + "\n".join(lines) + "\n"
     emit(report, "codec_layers.md")
 

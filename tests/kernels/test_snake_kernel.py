@@ -34,7 +34,7 @@ def test_snake_on_a_time_slice():
     torch.testing.assert_close(snake.snake_beta(x, alpha, beta), snake_beta_ref(x, alpha, beta), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("positions", [None, *snake._CL_POSITIONS[1:]], ids=lambda p: f"positions{p}")
+@pytest.mark.parametrize("positions", [None, *snake.CL_POSITIONS[1:]], ids=lambda p: f"positions{p}")
 @pytest.mark.parametrize("shape", [(2, 40, 7), (3, 5, 130), (1, 33, 4)], ids=lambda s: "x".join(map(str, s)))
 def test_snake_writes_channels_last(shape, positions):
     """channels_last: the kernel's values (bit for bit) stored [B, T, C], returned as the [B, C, T] view, with each
