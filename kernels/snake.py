@@ -71,9 +71,7 @@ def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, channel
         with device_guard(x):
             if not channels_last:
                 launch(1024)
-            elif positions is not None or not x.is_cuda:
-                launch(positions or CL_POSITIONS[0])
-            else:
+            else:  # `choose` gives the first where it does not tune (off CUDA, outside `tuning()`)
                 key = ("snake", tuple(x.shape), x.dtype, "channels_last")
-                launch(choose(key, CL_POSITIONS, launch, x.device, default=CL_POSITIONS[0]))
+                launch(positions or choose(key, CL_POSITIONS, launch, x.device, default=CL_POSITIONS[0]))
     return out

@@ -114,7 +114,8 @@ def main() -> None:
     for (ch, t), m in sorted(snakes.items()):
         for bsz in args.batches:
             x = torch.randn(bsz, ch, t, device="cuda", dtype=torch.bfloat16)
-            cl = " / ".join(f"{us_per_call(lambda n=n: snake_beta(x, m.alpha, m.beta, True, n)):.1f}" for n in CL_POSITIONS)
+            cl = " / ".join(f"{us_per_call(lambda n=n: snake_beta(x, m.alpha, m.beta, True, n)):.1f}"
+                            for n in CL_POSITIONS)
             lines.append(f"| {ch}×{t} | {bsz} | {us_per_call(lambda: R.snake_beta_ref(x, m.alpha, m.beta)):.1f} | "
                          f"{us_per_call(lambda: snake_beta(x, m.alpha, m.beta)):.1f} | {cl} |")
     report = f"# Codec layers, one streamed frame ({args.scale} codec, {torch.cuda.get_device_name()})\n\n" + "\n".join(lines) + "\n"
